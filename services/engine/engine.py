@@ -1,0 +1,108 @@
+"""The engine: a pure ``step()`` — schedule, run the model, sample, postprocess.
+
+Requests and cancels arrive from any thread through a thread-safe inbox and take effect at the
+start of the next step, so the NATS loop never waits on the model.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import dataclass
+
+from services.engine.block_manager import BlockManager
+from services.engine.model_runner import ModelRunner
+from services.engine.sampler import sample
+from services.engine.scheduler import Finish, Limits, Scheduler
+from services.engine.sequence import Sequence
+from shared.errors import ErrorInfo, ErrorKind
+from shared.messages import EngineRequest, TokenEvent
+
+
+@dataclass(frozen=True)
+class _Abort:
+    id: str
+    reason: str
+
+
+class Engine:
+    def __init__(self, runner: ModelRunner, limits: Limits, eos_token_ids: set[int]):
+        self.runner = runner
+        self.blocks = BlockManager(runner.num_blocks, runner.block_size)
+        self.scheduler = Scheduler(limits, self.blocks, eos_token_ids)
+        self.inbox: queue.SimpleQueue[EngineRequest | _Abort] = queue.SimpleQueue()
+        self.seqs: dict[str, Sequence] = {}
+
+    # ---- called from any thread -------------------------------------------------------------
+
+    def add_request(self, req: EngineRequest) -> None:
+        self.inbox.put(req)
+
+    def abort(self, request_id: str, reason: str = "cancelled") -> None:
+        self.inbox.put(_Abort(request_id, reason))
+
+    @property
+    def has_work(self) -> bool:
+        return not self.inbox.empty() or not self.scheduler.is_idle
+
+    # ---- the step ---------------------------------------------------------------------------
+
+    def step(self) -> list[TokenEvent]:
+        events = self._drain_inbox()
+        events += self._expire(time.time())
+        seqs, is_prefill = self.scheduler.schedule()
+        if not seqs:
+            return events
+        logits = self.runner.run(seqs, is_prefill)
+        token_ids = sample(logits, seqs)
+        finished = {f.seq.id: f for f in self.scheduler.postprocess(seqs, token_ids)}
+        for seq, token_id in zip(seqs, token_ids):
+            done = finished.get(seq.id)
+            events.append(TokenEvent(seq.id, [token_id], done.reason if done else None))
+            if done:
+                self.seqs.pop(seq.id, None)
+        return events
+
+    def _drain_inbox(self) -> list[TokenEvent]:
+        events: list[TokenEvent] = []
+        while not self.inbox.empty():
+            item = self.inbox.get_nowait()
+            if isinstance(item, _Abort):
+                events += self._abort_now(item)
+            else:
+                self._admit(item)
+        return events
+
+    def _admit(self, req: EngineRequest) -> None:
+        seq = Sequence(req.id, req.prompt_ids, req.sampling, priority=req.priority, deadline=req.deadline)
+        self.seqs[req.id] = seq
+        self.scheduler.add(seq)
+
+    def _abort_now(self, item: _Abort) -> list[TokenEvent]:
+        seq = self.seqs.pop(item.id, None)
+        if seq is None:
+            return []
+        self.scheduler.finish(seq, "cancelled")
+        return [TokenEvent(seq.id, [], "cancelled")]
+
+    def _expire(self, now: float) -> list[TokenEvent]:
+        events = []
+        for seq in [s for s in self.seqs.values() if s.deadline is not None and s.deadline <= now]:
+            self.scheduler.finish(seq, "timeout")
+            self.seqs.pop(seq.id)
+            error = ErrorInfo(ErrorKind.TIMEOUT, "Engine callback timeout: the request's time limit was reached")
+            events.append(TokenEvent(seq.id, [], "error", error))
+        return events
+
+    # ---- state for health and heartbeats ----------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting) + self.inbox.qsize()
+
+
+__all__ = ["Engine", "Finish", "Limits"]

@@ -1,0 +1,60 @@
+"""One request inside the engine: its tokens, its blocks, its sampling state."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from shared.messages import Sampling
+
+_counter = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+@dataclass(eq=False)
+class Sequence:
+    id: str
+    prompt_ids: list[int]
+    sampling: Sampling
+    priority: int = 3
+    deadline: float | None = None
+    token_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    num_preemptions: int = 0
+    order: int = field(default_factory=lambda: next(_counter))
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_ids)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - len(self.prompt_ids)
+
+    @property
+    def last_token(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        """Waiting-queue order: priority 1 first, FIFO within a level."""
+        return (self.priority, self.order)
+
+    def append(self, token_id: int) -> None:
+        self.token_ids.append(token_id)

@@ -1,0 +1,132 @@
+"""The engine service: NATS I/O around the engine's pure ``step()``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import defaultdict
+
+from nats.aio.msg import Msg as NatsMsg
+
+from services.engine.devices import kv_budget_bytes, resolve_device
+from services.engine.engine import Engine
+from services.engine.model_runner import ModelRunner
+from services.engine.scheduler import Limits
+from shared import bus, subjects
+from shared.config import Config
+from shared.messages import Cancel, EngineInfo, EngineRequest, TokenBatch, TokenEvent, decoder
+
+log = logging.getLogger("switchboard.engine")
+
+
+def build_engine(cfg: Config) -> tuple[Engine, str]:
+    """Load the model named by the config and size the KV cache; returns (engine, device label)."""
+    device = resolve_device(cfg.switchboard.device, cfg.switchboard.dtype)
+    sc, deploy = cfg.schedule, cfg.deploy
+    blocks_per_seq = -(-deploy.max_seq_len // sc.cache_block_size)
+    runner = ModelRunner(
+        str(cfg.model_path),
+        device,
+        block_size=sc.cache_block_size,
+        kv_budget_bytes=kv_budget_bytes(device, cfg.switchboard.kv_cache_memory_mb, cfg.model.npu_mem_size),
+        max_blocks=sc.max_batch_size * blocks_per_seq,
+    )
+    limits = Limits(sc.max_batch_size, sc.prefill_batch_size, sc.max_prefill_tokens, deploy.max_seq_len)
+    return Engine(runner, limits, eos_token_ids(runner)), device.kind
+
+
+def eos_token_ids(runner: ModelRunner) -> set[int]:
+    ids: set[int] = set()
+    for source in (runner.config, getattr(runner.model, "generation_config", None)):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(value)
+    return ids
+
+
+class EngineService:
+    def __init__(self, cfg: Config, nc, engine: Engine, device_label: str):
+        self.cfg = cfg
+        self.nc = nc
+        self.engine = engine
+        self.device_label = device_label
+        self.model = cfg.model.model_name
+        self.routes: dict[str, str] = {}  # request id -> tokenizer inbox
+        self.wake = asyncio.Event()
+        self.requests = decoder(EngineRequest)
+        self.cancels = decoder(Cancel)
+
+    async def start(self) -> None:
+        await bus.subscribe(self.nc, subjects.engine_generate(self.model), self.on_request,
+                            queue=subjects.engine_queue(self.model))
+        await bus.subscribe(self.nc, subjects.CANCEL, self.on_cancel)
+        await bus.subscribe(self.nc, subjects.engine_health(self.model), self.on_health)
+
+    async def on_request(self, msg: NatsMsg) -> None:
+        req = self.requests.decode(msg.data)
+        self.routes[req.id] = req.reply_to
+        self.engine.add_request(req)
+        self.wake.set()
+
+    async def on_cancel(self, msg: NatsMsg) -> None:
+        cancel = self.cancels.decode(msg.data)
+        if cancel.id in self.routes:
+            self.engine.abort(cancel.id, cancel.reason)
+            self.wake.set()
+
+    async def on_health(self, msg: NatsMsg) -> None:
+        await bus.respond(msg, self.info())
+
+    def info(self) -> EngineInfo:
+        runner = self.engine.runner
+        return EngineInfo(
+            model=self.model, loaded=True, device=self.device_label, dtype=str(runner.dtype).removeprefix("torch."),
+            max_batch_size=self.cfg.schedule.max_batch_size, total_blocks=runner.num_blocks,
+            free_blocks=self.engine.blocks.num_free, running=self.engine.num_running, waiting=self.engine.num_waiting,
+        )
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Step while there is work; sleep on ``wake`` otherwise."""
+        while not stop.is_set():
+            if not self.engine.has_work:
+                self.wake.clear()
+                await self._wait(stop)
+                continue
+            events = await asyncio.to_thread(self.engine.step)
+            await self.publish(events)
+
+    async def _wait(self, stop: asyncio.Event) -> None:
+        waiters = [asyncio.ensure_future(self.wake.wait()), asyncio.ensure_future(stop.wait())]
+        _, pending = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            task.cancel()
+
+    async def publish(self, events: list[TokenEvent]) -> None:
+        by_inbox: dict[str, list[TokenEvent]] = defaultdict(list)
+        for event in events:
+            inbox = self.routes.get(event.id)
+            if inbox is None:
+                continue
+            by_inbox[inbox].append(event)
+            if event.finish_reason:
+                del self.routes[event.id]
+        for inbox, batch in by_inbox.items():
+            await bus.publish(self.nc, inbox, TokenBatch(batch))
+
+
+async def serve(cfg: Config, nats_url: str, stop: asyncio.Event, ready=lambda: None) -> None:
+    engine, device_label = await asyncio.to_thread(build_engine, cfg)
+    nc = await bus.connect(nats_url, "switchboard-engine")
+    service = EngineService(cfg, nc, engine, device_label)
+    await service.start()
+    ready()
+    log.info("engine ready", extra={"model": service.model, "blocks": engine.runner.num_blocks})
+    try:
+        await service.run(stop)
+    finally:
+        await nc.drain()
+
+
+__all__ = ["EngineService", "build_engine", "serve"]

@@ -1,0 +1,51 @@
+"""The gateway's shared state: the bus connection, mailboxes, readiness probes, metrics emission."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import msgspec
+from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
+
+from services.gateway.mailbox import Mailboxes
+from shared import bus, subjects
+from shared.config import Config
+from shared.messages import EngineInfo, MetricsEvent, Ping, TokenizerInfo
+
+log = logging.getLogger("switchboard.gateway")
+PROBE_TIMEOUT_S = 1.0
+
+
+class Gateway:
+    def __init__(self, cfg: Config, nc):
+        self.cfg = cfg
+        self.nc = nc
+        self.model = cfg.model.model_name
+        self.mailboxes = Mailboxes(nc)
+        self._tasks: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        await self.mailboxes.start()
+
+    def emit(self, event: MetricsEvent) -> None:
+        """Fire-and-forget a lifecycle event to the metrics service."""
+        task = asyncio.ensure_future(bus.publish(self.nc, subjects.METRICS_EVENTS, event))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def engine_info(self) -> EngineInfo | None:
+        return await self._probe(subjects.engine_health(self.model), EngineInfo)
+
+    async def tokenizer_info(self) -> TokenizerInfo | None:
+        return await self._probe(subjects.TOKENIZER_HEALTH, TokenizerInfo)
+
+    async def is_ready(self) -> bool:
+        engine, tokenizer = await asyncio.gather(self.engine_info(), self.tokenizer_info())
+        return engine is not None and engine.loaded and tokenizer is not None
+
+    async def _probe(self, subject: str, reply_type):
+        try:
+            return await bus.request(self.nc, subject, Ping(), reply_type, timeout=PROBE_TIMEOUT_S)
+        except (NatsTimeout, NoRespondersError, msgspec.DecodeError, asyncio.TimeoutError):
+            return None

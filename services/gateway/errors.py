@@ -1,0 +1,47 @@
+"""The error taxonomy shaped into each family's body (MindIE/TGI shape here; more families later)."""
+
+from __future__ import annotations
+
+import logging
+
+from litestar import Request, Response
+from litestar.exceptions import HTTPException
+
+from shared.errors import MINDIE_TYPE, STATUS, ErrorKind, SwitchboardError
+
+log = logging.getLogger("switchboard.gateway")
+
+
+def mindie_body(kind: ErrorKind, message: str) -> dict[str, str]:
+    return {"error": message, "error_type": MINDIE_TYPE[kind]}
+
+
+def mindie_error(kind: ErrorKind, message: str) -> Response:
+    return Response(mindie_body(kind, message), status_code=STATUS[kind], media_type="application/json")
+
+
+def on_switchboard_error(_: Request, exc: SwitchboardError) -> Response:
+    return mindie_error(exc.kind, exc.message)
+
+
+def on_http_error(request: Request, exc: HTTPException) -> Response:
+    if exc.status_code == 413:
+        limit = request.app.state.gateway.cfg.server.max_request_length
+        return Response({"message": f"Request body too large. Maximum allowed size is {limit}MB."}, status_code=413)
+    return Response({"error": exc.detail, "error_type": _type_for(exc.status_code)}, status_code=exc.status_code,
+                    headers=exc.headers)
+
+
+def on_unexpected(_: Request, exc: Exception) -> Response:
+    log.exception("unhandled error", exc_info=exc)
+    return mindie_error(ErrorKind.INTERNAL, "Server internal error")
+
+
+def _type_for(status: int) -> str:
+    for kind, code in STATUS.items():
+        if code == status:
+            return MINDIE_TYPE[kind]
+    return "Bad Request"
+
+
+EXCEPTION_HANDLERS = {SwitchboardError: on_switchboard_error, HTTPException: on_http_error, Exception: on_unexpected}

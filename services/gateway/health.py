@@ -1,0 +1,58 @@
+"""Health and model information: ``/health``, ``/v2/health/live``, ``/v2/health/ready``, ``/info``."""
+
+from __future__ import annotations
+
+from litestar import Request, Response, get
+
+from services.gateway.errors import mindie_error
+from shared.errors import ErrorKind
+
+
+@get("/health")
+async def health(request: Request) -> Response:
+    ready = await request.app.state.gateway.is_ready()
+    return Response(b"", status_code=200 if ready else 503)
+
+
+@get("/v2/health/live")
+async def live() -> Response:
+    return Response(b"", status_code=200)
+
+
+@get("/v2/health/ready")
+async def ready(request: Request) -> Response:
+    ready = await request.app.state.gateway.is_ready()
+    return Response(b"", status_code=200 if ready else 503)
+
+
+@get("/info")
+async def info(request: Request) -> Response:
+    gateway = request.app.state.gateway
+    engine = await gateway.engine_info()
+    if engine is None:
+        return mindie_error(ErrorKind.UNAVAILABLE, "the engine service is not answering")
+    cfg = gateway.cfg
+    return Response({
+        "docker_label": None,
+        "max_batch_total_tokens": cfg.schedule.max_prefill_tokens,
+        "max_best_of": 1,
+        "max_concurrent_requests": cfg.schedule.max_batch_size,
+        "max_stop_sequences": None,
+        "max_waiting_tokens": None,
+        "sha": None,
+        "validation_workers": None,
+        "version": "1.0.0",
+        "waiting_served_ratio": None,
+        "models": [{
+            "model_device_type": engine.device,
+            "model_dtype": engine.dtype,
+            "model_id": gateway.model,
+            "model_pipeline_tag": "text-generation",
+            "model_sha": None,
+            "max_total_tokens": cfg.deploy.max_seq_len,
+        }],
+        "max_input_length": cfg.deploy.max_input_token_len,
+    })
+
+
+ROUTES = [health, live, ready, info]

@@ -1,0 +1,53 @@
+"""The gateway service: connect to NATS, serve every listener with uvicorn until stopped."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import uvicorn
+
+from services.gateway.app import listeners
+from services.gateway.core import Gateway
+from shared import bus
+from shared.config import Config
+
+log = logging.getLogger("switchboard.gateway")
+
+
+async def serve(cfg: Config, nats_url: str, stop: asyncio.Event, ready=lambda: None) -> None:
+    nc = await bus.connect(nats_url, "switchboard-gateway")
+    gateway = Gateway(cfg, nc)
+    await gateway.start()
+    servers = [_server(listener) for listener in listeners(gateway)]
+    tasks = [asyncio.create_task(s.serve()) for s in servers]
+    stopper = asyncio.create_task(stop.wait())
+    asyncio.create_task(_announce_when_started(servers, ready))
+    try:
+        done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
+        for task in done & set(tasks):
+            task.result()  # a listener that could not start raises here
+            raise RuntimeError("a listener stopped unexpectedly")
+    finally:
+        for server in servers:
+            server.should_exit = True
+        await asyncio.gather(*tasks, return_exceptions=True)
+        stopper.cancel()
+        await nc.drain()
+
+
+async def _announce_when_started(servers: list[uvicorn.Server], ready) -> None:
+    while not all(s.started for s in servers):
+        await asyncio.sleep(0.02)
+    ready()
+
+
+def _server(listener) -> uvicorn.Server:
+    config = uvicorn.Config(
+        listener.app, host=listener.host, port=listener.port, log_level="warning", access_log=False,
+        lifespan="off", timeout_keep_alive=60, timeout_graceful_shutdown=5,
+    )
+    server = uvicorn.Server(config)
+    server.capture_signals = contextlib.nullcontext  # the service runner owns signals
+    return server

@@ -1,0 +1,104 @@
+"""TGI request bodies (seed 003, reference §3.22-§3.24) → the one internal request."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from services.gateway.validation import FLT_MAX, INT32_MAX, UINT64_MAX, Fields, parse_json_object
+from shared.errors import validation
+from shared.messages import Sampling
+
+PARSE_ERROR = "Failed to parse context to json body"
+MAX_INPUT_CHARS = 4 * 1024 * 1024
+ADAPTER_ID = re.compile(r"^[a-zA-Z0-9_./-]{1,256}$")
+
+
+@dataclass(frozen=True)
+class TgiRequest:
+    inputs: str
+    sampling: Sampling
+    truncate: int
+    stream: bool
+    details: bool
+    decoder_input_details: bool
+    return_full_text: bool
+
+    @property
+    def wants_details(self) -> bool:
+        return self.details or self.decoder_input_details
+
+
+def parse_tgi(body: bytes | dict[str, Any], stream: bool | None = None) -> TgiRequest:
+    """Validate a TGI body; ``stream`` forces streaming on or off (``/generate``, ``/generate_stream``)."""
+    data = body if isinstance(body, dict) else parse_json_object(body, PARSE_ERROR)
+    top = Fields(data)
+    inputs = _inputs(data.get("inputs"))
+    body_stream = _stream_flag(data)
+    params = top.obj("parameters")
+    streaming = body_stream if stream is None else stream
+    decoder_details = params.boolean("decoder_input_details", False)
+    if streaming and decoder_details:
+        raise validation("The decoder_input_details must not be true when stream is true.")
+    return TgiRequest(
+        inputs=inputs,
+        sampling=sampling_from(params),
+        truncate=params.integer("truncate", 0, 0, INT32_MAX, lo_open=True),
+        stream=streaming,
+        details=params.boolean("details", False),
+        decoder_input_details=decoder_details,
+        return_full_text=params.boolean("return_full_text", False),
+    )
+
+
+def _inputs(value: Any) -> str:
+    if value is None:
+        raise validation("inputs must be necessary and its data type must be string.")
+    if isinstance(value, list):
+        raise validation("inputs as a multimodal list is not supported: the served model is text-only.")
+    if not isinstance(value, str):
+        raise validation("inputs must be string type.")
+    if not 0 < len(value) <= MAX_INPUT_CHARS:
+        raise validation(f"inputs must be 1 to {MAX_INPUT_CHARS} characters long, got {len(value)}.")
+    return value
+
+
+def _stream_flag(data: dict[str, Any]) -> bool:
+    value = data.get("stream")
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise validation("Stream must be boolean type.")
+    return value
+
+
+def sampling_from(p: Fields) -> Sampling:
+    p.boolean("watermark", False)
+    _check_best_of(p)
+    _check_adapter(p.string("adapter_id"))
+    return Sampling(
+        do_sample=p.boolean("do_sample"),
+        temperature=p.number("temperature", 1.0, 0.0, FLT_MAX, lo_open=True, hi_open=False),
+        top_k=p.integer("top_k", 0, 0, INT32_MAX, lo_open=True),
+        top_p=p.number("top_p", 1.0, 0.0, 1.0, lo_open=True, hi_open=True),
+        typical_p=p.number("typical_p", 1.0, 0.0, 1.0, lo_open=True, hi_open=False),
+        repetition_penalty=p.number("repetition_penalty", 1.0, 0.0, FLT_MAX, lo_open=True, hi_open=False),
+        seed=p.integer("seed", None, 0, UINT64_MAX),
+        max_new_tokens=p.integer("max_new_tokens", 20, 0, INT32_MAX, lo_open=True),
+        stop=p.stop_list("stop"),
+    )
+
+
+def _check_best_of(p: Fields) -> None:
+    best_of = p.integer("best_of", 1, 0, 128, lo_open=True)
+    if best_of != 1:
+        raise validation(f"best_of must be 1 on this endpoint, got {best_of}.")
+
+
+def _check_adapter(adapter_id: str | None) -> None:
+    if adapter_id is None or adapter_id == "None":
+        return
+    if not ADAPTER_ID.match(adapter_id):
+        raise validation("The format of adapter_id is invalid.")
+    raise validation(f"adapter_id {adapter_id!r} is not a loaded LoRA adapter.")

@@ -1,0 +1,61 @@
+"""Incremental detokenization and stop strings.
+
+Text is released token by token, never half a multi-byte character (a trailing U+FFFD means the
+bytes are incomplete, so we wait), and with stop strings the last ``len(longest)-1`` characters are
+held back so a stop string is cut out before any of it reaches the client.
+"""
+
+from __future__ import annotations
+
+REPLACEMENT = "\ufffd"
+PROMPT_CONTEXT = 5  # prompt tokens decoded along, so the first token's leading space is right
+
+
+class IncrementalDecoder:
+    def __init__(self, tokenizer, prompt_ids: list[int]):
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids[-PROMPT_CONTEXT:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+
+    def add(self, token_id: int) -> str:
+        """The new complete text this token makes, possibly empty."""
+        self.ids.append(token_id)
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
+        if len(full) <= len(prefix) or full.endswith(REPLACEMENT):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return full[len(prefix) :]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+class StopMatcher:
+    """Accumulates generated text and releases what is safe to send."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.text = ""
+        self.released = 0
+
+    def feed(self, delta: str, final: bool) -> tuple[str, bool]:
+        """(text to release now, whether a stop string was hit)."""
+        self.text += delta
+        cut = self._first_stop()
+        if cut is not None:
+            self.text = self.text[:cut]
+            return self._release(cut), True
+        end = len(self.text) if final else max(self.released, len(self.text) - self.hold)
+        return self._release(end), False
+
+    def _first_stop(self) -> int | None:
+        hits = [i for s in self.stops if (i := self.text.find(s, self.released)) >= 0]
+        return min(hits) if hits else None
+
+    def _release(self, end: int) -> str:
+        piece = self.text[self.released : end]
+        self.released = end
+        return piece

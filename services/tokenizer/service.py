@@ -1,0 +1,163 @@
+"""The tokenizer service: encode requests for the engine, turn token events into text events.
+
+Scales out as a queue group on the generate subject; each instance owns the requests it encoded
+and receives their token events on its own inbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+import uuid
+from dataclasses import dataclass
+
+import msgspec
+from nats.aio.msg import Msg as NatsMsg
+
+from services.tokenizer.detokenizer import IncrementalDecoder, StopMatcher
+from services.tokenizer.encoder import check_token_ids, encode_prompt
+from shared import bus, subjects
+from shared.config import Config
+from shared.errors import SwitchboardError
+from shared.messages import (
+    Cancel, EngineRequest, Failed, GenerateRequest, Output, Started, TokenBatch, TokenEvent,
+    TokenizerInfo, TokenOut, decoder,
+)
+
+log = logging.getLogger("switchboard.tokenizer")
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+@dataclass
+class Pending:
+    """What this instance tracks for one request between engine and gateway."""
+
+    request: GenerateRequest
+    decoder: IncrementalDecoder
+    stops: StopMatcher
+    generated: int = 0
+
+
+class TokenizerService:
+    def __init__(self, cfg: Config, nc, tokenizer):
+        self.cfg = cfg
+        self.nc = nc
+        self.tok = tokenizer
+        self.model = cfg.model.model_name
+        self.inbox = subjects.tokens_inbox(uuid.uuid4().hex[:12])
+        self.pending: dict[str, Pending] = {}
+        self.special_ids = set(tokenizer.all_special_ids)
+        self.vocab_size = len(tokenizer)
+        self.requests = decoder(GenerateRequest)
+        self.batches = decoder(TokenBatch)
+        self.cancels = decoder(Cancel)
+
+    async def start(self) -> None:
+        await bus.subscribe(self.nc, subjects.TOKENIZER_GENERATE, self.on_request, queue=subjects.TOKENIZER_QUEUE)
+        await bus.subscribe(self.nc, subjects.TOKENIZER_HEALTH, self.on_health, queue=subjects.TOKENIZER_QUEUE)
+        await bus.subscribe(self.nc, self.inbox, self.on_tokens)
+        await bus.subscribe(self.nc, subjects.CANCEL, self.on_cancel)
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    async def on_request(self, msg: NatsMsg) -> None:
+        req = self.requests.decode(msg.data)
+        try:
+            ids = await self.encode(req)
+        except SwitchboardError as exc:
+            await bus.publish(self.nc, req.reply_to, Failed(id=req.id, error=exc.info))
+            return
+        seed = req.sampling.seed if req.sampling.seed is not None else random.randint(1, 2**31 - 1)
+        self.pending[req.id] = Pending(req, IncrementalDecoder(self.tok, ids), StopMatcher(req.sampling.stop))
+        await bus.publish(self.nc, req.reply_to, self.started(req, ids, seed))
+        await bus.publish(self.nc, subjects.engine_generate(req.model), self.engine_request(req, ids, seed))
+
+    async def encode(self, req: GenerateRequest) -> list[int]:
+        if req.prompt_ids is not None:
+            check_token_ids(req.prompt_ids, self.vocab_size)
+        if len(req.prompt) > 2048:  # long texts: keep the event loop free
+            return await asyncio.to_thread(encode_prompt, self.tok, req, self.cfg.deploy)
+        return encode_prompt(self.tok, req, self.cfg.deploy)
+
+    def started(self, req: GenerateRequest, ids: list[int], seed: int) -> Started:
+        if not req.return_prompt_ids:
+            return Started(id=req.id, prompt_tokens=len(ids), seed=seed)
+        texts = [self.tok.decode([i], skip_special_tokens=False) for i in ids]
+        return Started(id=req.id, prompt_tokens=len(ids), seed=seed, prompt_ids=ids, prompt_texts=texts)
+
+    def engine_request(self, req: GenerateRequest, ids: list[int], seed: int) -> EngineRequest:
+        sampling = req.sampling
+        max_new = min(sampling.max_new_tokens, self.cfg.schedule.max_iter_times)
+        limit = min(req.timeout_s or math.inf, float(self.cfg.server.e2e_timeout))
+        return EngineRequest(
+            id=req.id, trace=req.trace, prompt_ids=ids, reply_to=self.inbox, priority=req.priority,
+            arrival=req.arrival, deadline=req.arrival + limit if req.arrival else None,
+            sampling=msgspec.structs.replace(sampling, seed=seed, max_new_tokens=max_new),
+        )
+
+    # ---- token events -----------------------------------------------------------------------
+
+    async def on_tokens(self, msg: NatsMsg) -> None:
+        for event in self.batches.decode(msg.data).events:
+            state = self.pending.get(event.id)
+            if state is not None:
+                await self.forward(state, event)
+
+    async def forward(self, state: Pending, event: TokenEvent) -> None:
+        req = state.request
+        if event.error is not None:
+            del self.pending[req.id]
+            await bus.publish(self.nc, req.reply_to, Failed(id=req.id, error=event.error))
+            return
+        tokens, stopped = self.detokenize(state, event)
+        finish = "stop_sequence" if stopped else event.finish_reason
+        if finish:
+            del self.pending[req.id]
+        if stopped and not event.finish_reason:
+            await bus.publish(self.nc, subjects.CANCEL, Cancel(id=req.id, reason="stop_sequence"))
+        out = Output(id=req.id, tokens=tokens, finish_reason=finish, generated_tokens=state.generated)
+        await bus.publish(self.nc, req.reply_to, out)
+
+    def detokenize(self, state: Pending, event: TokenEvent) -> tuple[list[TokenOut], bool]:
+        tokens: list[TokenOut] = []
+        for i, token_id in enumerate(event.token_ids):
+            state.generated += 1
+            final = event.finish_reason is not None and i == len(event.token_ids) - 1
+            text, stopped = state.stops.feed(state.decoder.add(token_id), final)
+            tokens.append(TokenOut(token_id, text, token_id in self.special_ids))
+            if stopped:
+                return tokens, True
+        return tokens, False
+
+    async def on_cancel(self, msg: NatsMsg) -> None:
+        cancel = self.cancels.decode(msg.data)
+        if cancel.reason == "client_disconnected":
+            self.pending.pop(cancel.id, None)
+
+    async def on_health(self, msg: NatsMsg) -> None:
+        eos = self.tok.eos_token_id
+        info = TokenizerInfo(model=self.model, vocab_size=self.vocab_size, eos_token_ids=[eos] if eos is not None else [])
+        await bus.respond(msg, info)
+
+
+async def serve(cfg: Config, nats_url: str, stop: asyncio.Event, ready=lambda: None) -> None:
+    tokenizer = await asyncio.to_thread(load_tokenizer, str(cfg.model_path))
+    nc = await bus.connect(nats_url, "switchboard-tokenizer")
+    service = TokenizerService(cfg, nc, tokenizer)
+    await service.start()
+    ready()
+    log.info("tokenizer ready", extra={"model": service.model})
+    try:
+        await stop.wait()
+    finally:
+        await nc.drain()
+
+
+__all__ = ["TokenizerService", "serve"]

@@ -1,0 +1,74 @@
+"""NATS helpers: connect with callbacks set, publish and request msgspec messages."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Awaitable, Callable
+
+import msgspec
+import nats
+from nats.aio.client import Client
+from nats.aio.msg import Msg as NatsMsg
+
+from shared.messages import encode
+
+log = logging.getLogger("switchboard.bus")
+
+# Token streams are bursty: never let a slow consumer drop events (STYLE.md).
+PENDING_MSGS = 1_000_000
+PENDING_BYTES = 1024 * 1024 * 1024
+
+
+async def connect(url: str, name: str) -> Client:
+    """Connect with error/disconnect/reconnect callbacks that log and never raise."""
+
+    async def on_error(exc: Exception) -> None:
+        log.warning("nats error", extra={"service": name, "error": repr(exc)})
+
+    async def on_disconnect() -> None:
+        log.warning("nats disconnected", extra={"service": name})
+
+    async def on_reconnect() -> None:
+        log.info("nats reconnected", extra={"service": name})
+
+    return await nats.connect(
+        servers=[url],
+        name=name,
+        error_cb=on_error,
+        disconnected_cb=on_disconnect,
+        reconnected_cb=on_reconnect,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.5,
+        connect_timeout=5,
+        pending_size=64 * 1024 * 1024,
+    )
+
+
+async def subscribe(
+    nc: Client, subject: str, handler: Callable[[NatsMsg], Awaitable[None]], queue: str = ""
+) -> Any:
+    """Subscribe with streaming-sized pending limits; a raising handler is logged, not fatal."""
+
+    async def safe(msg: NatsMsg) -> None:
+        try:
+            await handler(msg)
+        except Exception:
+            log.exception("handler failed", extra={"subject": msg.subject})
+
+    return await nc.subscribe(
+        subject, queue=queue, cb=safe, pending_msgs_limit=PENDING_MSGS, pending_bytes_limit=PENDING_BYTES
+    )
+
+
+async def publish(nc: Client, subject: str, msg: msgspec.Struct, headers: dict[str, str] | None = None) -> None:
+    await nc.publish(subject, encode(msg), headers=headers or None)
+
+
+async def request(nc: Client, subject: str, msg: msgspec.Struct, reply_type: Any, timeout: float = 2.0) -> Any:
+    """Request/reply; raises nats.errors.TimeoutError or NoRespondersError when nobody answers."""
+    reply = await nc.request(subject, encode(msg), timeout=timeout)
+    return msgspec.msgpack.decode(reply.data, type=reply_type)
+
+
+async def respond(msg: NatsMsg, reply: msgspec.Struct) -> None:
+    await msg.respond(encode(reply))

@@ -1,0 +1,188 @@
+"""Wire messages (msgpack-encoded msgspec Structs), grouped by who receives them.
+
+Every message carries the request id and the trace headers (W3C ``traceparent`` …); fields are
+only ever appended, with defaults, so old and new services interoperate.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+from shared.errors import ErrorInfo
+
+
+class Msg(msgspec.Struct, kw_only=True, omit_defaults=True):
+    id: str
+    trace: dict[str, str] = {}
+
+
+class Sampling(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Sampling parameters, already validated by the gateway's family adapter."""
+
+    do_sample: bool | None = None  # None: sample when any warper is set
+    temperature: float = 1.0
+    top_k: int = 0  # 0: disabled
+    top_p: float = 1.0
+    typical_p: float = 1.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None  # None: the tokenizer draws one and reports it
+    max_new_tokens: int = 20
+    stop: list[str] = []
+    ignore_eos: bool = False
+
+    @property
+    def has_warpers(self) -> bool:
+        return self.temperature != 1.0 or self.top_k > 0 or self.top_p < 1.0 or self.typical_p < 1.0
+
+    @property
+    def sampling(self) -> bool:
+        return self.has_warpers if self.do_sample is None else self.do_sample
+
+
+# ---- to the tokenizer -------------------------------------------------------------------------
+
+
+class GenerateRequest(Msg):
+    """The one internal request: every API family's adapter produces this."""
+
+    model: str
+    reply_to: str  # the gateway inbox subject for this request's events
+    prompt: str = ""
+    prompt_ids: list[int] | None = None  # token-id input (skips encoding)
+    sampling: Sampling = msgspec.field(default_factory=Sampling)
+    truncate: int = 0  # keep only the last n prompt tokens; 0 = off
+    return_prompt_ids: bool = False
+    priority: int = 3
+    timeout_s: float | None = None
+    arrival: float = 0.0  # unix time the gateway received it
+
+
+# ---- to the engine ----------------------------------------------------------------------------
+
+
+class EngineRequest(Msg):
+    prompt_ids: list[int]
+    sampling: Sampling  # seed resolved, max_new_tokens capped
+    reply_to: str  # the tokenizer inbox for token events
+    priority: int = 3
+    arrival: float = 0.0
+    deadline: float | None = None  # unix time after which the request ends with a timeout
+
+
+class Cancel(Msg):
+    """Fan-out: stop this request wherever it runs (disconnect, stopInfer, stop string)."""
+
+    reason: str = "cancelled"
+
+
+# ---- to the tokenizer, from the engine --------------------------------------------------------
+
+
+class TokenEvent(msgspec.Struct, omit_defaults=True):
+    id: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # length | eos_token | cancelled | error
+    error: ErrorInfo | None = None
+
+
+class TokenBatch(msgspec.Struct, omit_defaults=True):
+    """All token events of one engine step for one tokenizer instance."""
+
+    events: list[TokenEvent]
+    trace: dict[str, str] = {}
+
+
+# ---- to the gateway ---------------------------------------------------------------------------
+
+
+class TokenOut(msgspec.Struct, array_like=True):
+    id: int
+    text: str
+    special: bool
+
+
+class Started(Msg, tag="started"):
+    prompt_tokens: int
+    seed: int
+    prompt_ids: list[int] = []
+    prompt_texts: list[str] = []
+
+
+class Output(Msg, tag="output"):
+    tokens: list[TokenOut] = []
+    finish_reason: str | None = None  # set on the last event: length | eos_token | stop_sequence
+    generated_tokens: int = 0
+
+
+class Failed(Msg, tag="failed"):
+    error: ErrorInfo
+
+
+GatewayEvent = Union[Started, Output, Failed]
+
+
+# ---- to the metrics service -------------------------------------------------------------------
+
+
+class FirstToken(Msg, tag="first_token"):
+    model: str
+    ttft_s: float
+
+
+class Finished(Msg, tag="finished"):
+    model: str
+    arrival: float
+    e2e_s: float
+    ttft_s: float | None
+    prompt_tokens: int
+    generated_tokens: int
+    finish_reason: str
+
+
+MetricsEvent = Union[FirstToken, Finished]
+
+
+# ---- request/reply ----------------------------------------------------------------------------
+
+
+class Ping(msgspec.Struct, omit_defaults=True):
+    trace: dict[str, str] = {}
+
+
+class EngineInfo(msgspec.Struct, omit_defaults=True):
+    model: str
+    loaded: bool
+    device: str
+    dtype: str
+    max_batch_size: int
+    total_blocks: int
+    free_blocks: int
+    running: int
+    waiting: int
+
+
+class TokenizerInfo(msgspec.Struct, omit_defaults=True):
+    model: str
+    vocab_size: int
+    eos_token_ids: list[int]
+
+
+class MetricsSnapshot(msgspec.Struct, omit_defaults=True):
+    requests: int
+    ttft_avg_ms: float
+    tbt_avg_ms: float
+    per_request: dict[str, tuple[float | None, float | None]] = {}  # id -> (ttft_ms, tbt_ms)
+
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decoder(kind):
+    """A msgpack decoder for one message type (or tagged union)."""
+    return msgspec.msgpack.Decoder(kind)

@@ -1,0 +1,41 @@
+"""Every NATS subject and queue group name, in one place."""
+
+from __future__ import annotations
+
+PREFIX = "sb"
+
+TOKENIZER_GENERATE = f"{PREFIX}.tokenizer.generate"  # gateway -> tokenizer (queue group)
+TOKENIZER_HEALTH = f"{PREFIX}.tokenizer.health"  # request/reply (queue group)
+TOKENIZER_QUEUE = "tokenizer"
+
+CANCEL = f"{PREFIX}.cancel"  # fan-out: every engine and tokenizer hears it
+METRICS_EVENTS = f"{PREFIX}.metrics.events"  # lifecycle events -> metrics
+METRICS_SNAPSHOT = f"{PREFIX}.metrics.snapshot"  # request/reply
+METRICS_QUEUE = "metrics"
+
+
+def engine_generate(model: str) -> str:
+    """tokenizer -> engine, queue group per model."""
+    return f"{PREFIX}.engine.{model}.generate"
+
+
+def engine_health(model: str) -> str:
+    return f"{PREFIX}.engine.{model}.health"
+
+
+def engine_heartbeat(model: str) -> str:
+    return f"{PREFIX}.engine.{model}.heartbeat"
+
+
+def engine_queue(model: str) -> str:
+    return f"engine.{model}"
+
+
+def tokens_inbox(instance: str) -> str:
+    """engine -> one tokenizer instance: token events of the requests it owns."""
+    return f"{PREFIX}.tokens.{instance}"
+
+
+def gateway_inbox(instance: str) -> str:
+    """tokenizer -> one gateway instance; the gateway subscribes to ``<inbox>.>``."""
+    return f"{PREFIX}.gw.{instance}"

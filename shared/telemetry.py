@@ -1,0 +1,45 @@
+"""OpenTelemetry setup and trace-context propagation through message headers."""
+
+from __future__ import annotations
+
+import logging
+
+from opentelemetry import context, propagate, trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+
+log = logging.getLogger("switchboard.telemetry")
+
+
+def setup_tracing(service: str, otlp_endpoint: str = "") -> TracerProvider:
+    """Install an SDK tracer provider; spans are exported only when an OTLP endpoint is set."""
+    provider = TracerProvider(resource=Resource.create({"service.name": f"switchboard-{service}"}))
+    if otlp_endpoint:
+        _add_otlp_exporter(provider, otlp_endpoint)
+    trace.set_tracer_provider(provider)
+    return provider
+
+
+def _add_otlp_exporter(provider: TracerProvider, endpoint: str) -> None:
+    try:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    except ImportError:
+        log.warning("otlpEndpoint is set but opentelemetry-exporter-otlp-proto-http is not installed; no spans exported")
+        return
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+
+
+def tracer(name: str) -> trace.Tracer:
+    return trace.get_tracer(name)
+
+
+def inject() -> dict[str, str]:
+    """The current span's context as W3C headers (``traceparent``…)."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return carrier
+
+
+def extract(headers: dict[str, str] | None) -> context.Context:
+    return propagate.extract(headers or {})

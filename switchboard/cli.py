@@ -1,0 +1,73 @@
+"""``switchboard serve|gateway|tokenizer|engine|metrics|prepare-model``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+from shared.config import Config, ConfigError, load_config
+from switchboard.runner import SERVICES
+
+DEFAULT_CONFIG = "config/config.json"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="switchboard", description="Every LLM serving API on one endpoint.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="start NATS and all four services")
+    serve.add_argument("--config", default=DEFAULT_CONFIG)
+    prepare = sub.add_parser("prepare-model", help="prepare the model the config names (the default model)")
+    prepare.add_argument("--config", default=DEFAULT_CONFIG)
+    for name in SERVICES:
+        one = sub.add_parser(name, help=f"run the {name} service alone")
+        one.add_argument("--config", default=DEFAULT_CONFIG)
+        one.add_argument("--nats", default="", help="NATS URL (default: Switchboard.natsUrl from the config)")
+    return parser.parse_args(argv)
+
+
+def load(path: str) -> Config:
+    try:
+        return load_config(path)
+    except ConfigError as exc:
+        print(f"switchboard: {path}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def ensure_model(cfg: Config) -> None:
+    """The default model is prepared on first use; any other model folder must already exist."""
+    from switchboard.model_prep import DEFAULT_MODEL_DIR_NAME, prepare_default_model
+
+    path = cfg.model_path
+    if (path / "config.json").exists() and path.name != DEFAULT_MODEL_DIR_NAME:
+        return
+    if path.name == DEFAULT_MODEL_DIR_NAME:
+        prepare_default_model(path, progress=lambda line: print(f"[model] {line}", flush=True))
+        return
+    print(f"switchboard: ModelConfig.modelWeightPath: {path} holds no config.json", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    cfg = load(args.config)
+    if args.command == "prepare-model":
+        ensure_model(cfg)
+        return 0
+    if args.command == "serve":
+        from switchboard.launcher import launch
+
+        ensure_model(cfg)
+        return asyncio.run(launch(Path(args.config).resolve(), cfg))
+    url = args.nats or cfg.switchboard.nats_url
+    if not url:
+        print("switchboard: no NATS URL: pass --nats or set Switchboard.natsUrl", file=sys.stderr)
+        return 2
+    from switchboard.runner import run_service
+
+    return run_service(args.command, cfg, url)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

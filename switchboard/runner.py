@@ -1,0 +1,48 @@
+"""Runs one service in this process: logging, tracing, signals, and the ready line."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import signal
+
+from shared.config import Config
+from shared.logs import setup_logging
+from shared.telemetry import setup_tracing
+
+SERVICES = ("gateway", "tokenizer", "engine", "metrics")
+READY_LINE = "SWITCHBOARD-READY"
+
+
+def run_service(name: str, cfg: Config, nats_url: str) -> int:
+    setup_logging(name, cfg.switchboard.log_level)
+    setup_tracing(name, cfg.switchboard.otlp_endpoint)
+    _quiet_transformers()
+    module = importlib.import_module(f"services.{name}.service")
+    asyncio.run(_main(module.serve, cfg, nats_url))
+    return 0
+
+
+async def _main(serve, cfg: Config, nats_url: str) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await serve(cfg, nats_url, stop, announce_ready)
+
+
+def announce_ready() -> None:
+    """Tell a supervising launcher (which reads our stdout) that this service is serving."""
+    print(READY_LINE, flush=True)
+
+
+def _quiet_transformers() -> None:
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # the gateway's environment need not have transformers
+        return
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+__all__ = ["run_service", "SERVICES", "READY_LINE"]
