@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any, Awaitable, Callable
 
@@ -26,7 +27,7 @@ async def connect(url: str, name: str) -> Client:
         log.warning("nats error", extra={"service": name, "error": repr(exc)})
 
     async def on_disconnect() -> None:
-        log.warning("nats disconnected", extra={"service": name})
+        log.info("nats disconnected", extra={"service": name})
 
     async def on_reconnect() -> None:
         log.info("nats reconnected", extra={"service": name})
@@ -42,6 +43,14 @@ async def connect(url: str, name: str) -> Client:
         connect_timeout=5,
         pending_size=64 * 1024 * 1024,
     )
+
+
+async def close(nc: Client, timeout: float = 3.0) -> None:
+    """Drain (finish in-flight handlers, flush publishes), but never hang when the server is gone."""
+    try:
+        await asyncio.wait_for(nc.drain(), timeout)
+    except Exception:
+        await nc.close()
 
 
 async def subscribe(

@@ -46,6 +46,19 @@ MINDIE_TYPE = {
 }
 
 
+# TGI's error_type names (router/src/server.rs); its Python client maps errors by them.
+TGI_TYPE = {
+    ErrorKind.VALIDATION: "validation",
+    ErrorKind.NOT_FOUND: "not_found",
+    ErrorKind.TOO_LARGE: "validation",
+    ErrorKind.OVERLOADED: "overloaded",
+    ErrorKind.GENERATION: "generation",
+    ErrorKind.TIMEOUT: "incomplete_generation",
+    ErrorKind.INTERNAL: "incomplete_generation",
+    ErrorKind.UNAVAILABLE: "unavailable",
+}
+
+
 class ErrorInfo(msgspec.Struct, frozen=True):
     """An error as it travels on the bus."""
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import signal
 import sys
 import time
@@ -12,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.config import Config
-from switchboard.natsd import EmbeddedNats
+from switchboard.natsd import EmbeddedNats, die_with_parent
 from switchboard.runner import READY_LINE
 
 START_ORDER = ("metrics", "tokenizer", "engine", "gateway")
@@ -31,19 +30,11 @@ class Child:
         return "\n".join(self.last_lines) or "(no output)"
 
 
-def _die_with_parent() -> None:
-    """Children get SIGTERM if the launcher dies, so none is left behind (Linux)."""
-    try:
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 async def spawn(name: str, config_path: Path, nats_url: str) -> Child:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "switchboard.cli", name, "--config", str(config_path), "--nats", nats_url,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        start_new_session=True, preexec_fn=_die_with_parent,
+        start_new_session=True, preexec_fn=die_with_parent,
     )
     child = Child(name, proc)
     asyncio.create_task(_pump(child, proc.stdout, sys.stdout))

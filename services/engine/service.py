@@ -126,7 +126,7 @@ async def serve(cfg: Config, nats_url: str, stop: asyncio.Event, ready=lambda: N
     try:
         await service.run(stop)
     finally:
-        await nc.drain()
+        await bus.close(nc)
 
 
 __all__ = ["EngineService", "build_engine", "serve"]

@@ -7,7 +7,7 @@ import logging
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
 
-from shared.errors import MINDIE_TYPE, STATUS, ErrorKind, SwitchboardError
+from shared.errors import MINDIE_TYPE, STATUS, TGI_TYPE, ErrorKind, SwitchboardError
 
 log = logging.getLogger("switchboard.gateway")
 
@@ -20,8 +20,16 @@ def mindie_error(kind: ErrorKind, message: str) -> Response:
     return Response(mindie_body(kind, message), status_code=STATUS[kind], media_type="application/json")
 
 
+def tgi_body(kind: ErrorKind, message: str) -> dict[str, str]:
+    return {"error": message, "error_type": TGI_TYPE[kind]}
+
+
 def on_switchboard_error(_: Request, exc: SwitchboardError) -> Response:
     return mindie_error(exc.kind, exc.message)
+
+
+def on_tgi_error(_: Request, exc: SwitchboardError) -> Response:
+    return Response(tgi_body(exc.kind, exc.message), status_code=STATUS[exc.kind], media_type="application/json")
 
 
 def on_http_error(request: Request, exc: HTTPException) -> Response:
@@ -44,4 +52,5 @@ def _type_for(status: int) -> str:
     return "Bad Request"
 
 
+TGI_EXCEPTION_HANDLERS = {SwitchboardError: on_tgi_error}
 EXCEPTION_HANDLERS = {SwitchboardError: on_switchboard_error, HTTPException: on_http_error, Exception: on_unexpected}

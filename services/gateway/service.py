@@ -34,7 +34,7 @@ async def serve(cfg: Config, nats_url: str, stop: asyncio.Event, ready=lambda: N
             server.should_exit = True
         await asyncio.gather(*tasks, return_exceptions=True)
         stopper.cancel()
-        await nc.drain()
+        await bus.close(nc)
 
 
 async def _announce_when_started(servers: list[uvicorn.Server], ready) -> None:

@@ -40,4 +40,4 @@ async def serve(cfg: Config, nats_url: str, stop: asyncio.Event, ready=lambda: N
     try:
         await stop.wait()
     finally:
-        await nc.drain()
+        await bus.close(nc)

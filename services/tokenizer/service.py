@@ -157,7 +157,7 @@ async def serve(cfg: Config, nats_url: str, stop: asyncio.Event, ready=lambda: N
     try:
         await stop.wait()
     finally:
-        await nc.drain()
+        await bus.close(nc)
 
 
 __all__ = ["TokenizerService", "serve"]

@@ -6,7 +6,7 @@ from typing import Any, AsyncIterator
 
 import msgspec
 
-from services.gateway.errors import mindie_body
+from services.gateway.errors import tgi_body
 from services.gateway.session import Session
 from services.gateway.tgi.schemas import TgiRequest
 from shared.errors import SwitchboardError
@@ -71,7 +71,7 @@ async def stream_events(session: Session, req: TgiRequest, started: Started, ful
             if out.finish_reason is not None and not out.tokens:
                 yield sse(_event(last or TokenOut(0, "", True), session, req, started, text))
     except SwitchboardError as exc:
-        yield sse(mindie_body(exc.kind, exc.message))
+        yield sse(tgi_body(exc.kind, exc.message))
     finally:
         await session.close()
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from litestar import Request, Response, post
+from litestar import Request, Response, Router, post
 from litestar.response import Stream
 
+from services.gateway.errors import TGI_EXCEPTION_HANDLERS
 from services.gateway.disconnect import ClientDisconnected, unless_disconnected
 from services.gateway.session import Session
 from services.gateway.tgi.responses import collect, stream_events
@@ -61,4 +62,4 @@ async def respond(request: Request, req: TgiRequest, as_array: bool) -> Response
     return Response([body] if as_array else body, media_type="application/json")
 
 
-ROUTES = [tgi_root, generate, generate_stream]
+ROUTES = [Router("/", route_handlers=[tgi_root, generate, generate_stream], exception_handlers=TGI_EXCEPTION_HANDLERS)]

@@ -1,0 +1,65 @@
+"""Shared fixtures: the default model, a tiny random-weight Llama, configs on free ports."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from switchboard.natsd import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = ROOT / "config" / "config.json"
+SMOL_DIR = ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct"
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def smol_dir() -> Path:
+    """The default model, prepared by `make test` (switchboard prepare-model)."""
+    if not (SMOL_DIR / ".switchboard-complete").exists():
+        pytest.fail(f"{SMOL_DIR} is missing: run `make model` (or `make test`, which prepares it)")
+    return SMOL_DIR
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, smol_dir) -> Path:
+    """A 2-layer, hidden-64 random-weight Llama with SmolLM2's tokenizer: fast plumbing, noise text."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tokenizer = AutoTokenizer.from_pretrained(smol_dir)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+        bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def write_config(directory: Path, model_dir: Path, **sections) -> Path:
+    """The default config.json on free ports, pointing at ``model_dir``; ``sections`` patch keys.
+
+    e.g. ``write_config(tmp, model, ServerConfig={"tokenTimeout": 5})``.
+    """
+    data = json.loads(DEFAULT_CONFIG.read_text())
+    data = copy.deepcopy(data)
+    data["ServerConfig"].update({"port": free_port(), "managementPort": free_port(), "metricsPort": free_port()})
+    data["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["modelWeightPath"] = str(model_dir)
+    for section, values in sections.items():
+        target = data
+        for key in section.split("."):
+            target = target[key]
+        target.update(values)
+    path = directory / "config.json"
+    path.write_text(json.dumps(data, indent=2))
+    return path

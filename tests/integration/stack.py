@@ -1,0 +1,108 @@
+"""A real Switchboard for tests: nats-server plus `switchboard serve` as a child process."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import nats
+
+from shared import subjects
+from shared.messages import EngineInfo, MetricsSnapshot, Ping, encode
+
+READY_PREFIX = "Switchboard ready on "
+
+
+class Stack:
+    def __init__(self, config_path: Path, nats_url: str):
+        self.config_path = config_path
+        self.nats_url = nats_url
+        cfg = json.loads(config_path.read_text())["ServerConfig"]
+        self.url = f"http://127.0.0.1:{cfg['port']}"
+        self.mgmt_url = f"http://127.0.0.1:{cfg.get('managementPort', cfg['port'])}"
+        self.model = json.loads(config_path.read_text())["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["modelName"]
+        self.proc: subprocess.Popen | None = None
+        self.output: list[str] = []
+
+    def start(self, timeout: float = 180.0) -> "Stack":
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "switchboard.cli", "serve", "--config", str(self.config_path)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        self.wait_for_line(READY_PREFIX, timeout)
+        return self
+
+    def wait_for_line(self, prefix: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self.proc.stdout], [], [], 0.5)
+            if not ready:
+                if self.proc.poll() is not None:
+                    break
+                continue
+            line = self.proc.stdout.readline()
+            if not line and self.proc.poll() is not None:
+                break
+            self.output.append(line.rstrip())
+            if line.startswith(prefix):
+                return line
+        raise RuntimeError(f"no line {prefix!r} (exit {self.proc.poll()}):\n" + "\n".join(self.output[-40:]))
+
+    def stop(self, timeout: float = 20.0) -> int:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+
+    async def engine_info(self) -> EngineInfo:
+        return await self._request(subjects.engine_health(self.model), EngineInfo)
+
+    async def metrics(self) -> MetricsSnapshot:
+        return await self._request(subjects.METRICS_SNAPSHOT, MetricsSnapshot)
+
+    async def _request(self, subject: str, kind):
+        nc = await nats.connect(self.nats_url)
+        try:
+            reply = await nc.request(subject, encode(Ping()), timeout=5)
+            return msgspec.msgpack.decode(reply.data, type=kind)
+        finally:
+            await nc.close()
+
+    async def wait_engine_idle(self, timeout: float = 10.0) -> EngineInfo:
+        """Poll until no request runs or waits and every KV block is back in the pool."""
+        deadline = time.monotonic() + timeout
+        while True:
+            info = await self.engine_info()
+            if (info.running == 0 and info.waiting == 0 and info.free_blocks == info.total_blocks) \
+                    or time.monotonic() > deadline:
+                return info
+            await _sleep(0.1)
+
+
+async def _sleep(seconds: float) -> None:
+    import asyncio
+
+    await asyncio.sleep(seconds)
+
+
+def sse_events(body: str) -> list[dict]:
+    """The JSON payloads of ``data: `` events, checking MindIE/TGI framing (a space after the colon)."""
+    events = []
+    for block in body.split("\n\n"):
+        if not block.strip():
+            continue
+        assert block.startswith("data: "), f"bad SSE framing: {block!r}"
+        events.append(json.loads(block[len("data: "):]))
+    return events

@@ -1,0 +1,215 @@
+"""The TGI family and health endpoints through all four services (tiny random model)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tests.integration.stack import sse_events
+
+PROMPT = "My name is Olivier and I"
+GREEDY = {"do_sample": False, "max_new_tokens": 8}
+
+
+def post(stack, path: str, body, **kw) -> httpx.Response:
+    content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return httpx.post(stack.url + path, content=content, headers={"Content-Type": "application/json"},
+                      timeout=60, **kw)
+
+
+def assert_serving(stack) -> None:
+    ok = post(stack, "/generate", {"inputs": PROMPT, "parameters": {"max_new_tokens": 2}})
+    assert ok.status_code == 200, ok.text
+    assert isinstance(ok.json()["generated_text"], str)
+
+
+def test_root_returns_an_array_with_details(tiny_stack):
+    r = post(tiny_stack, "/", {"inputs": PROMPT, "parameters": {**GREEDY, "details": True}})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert isinstance(body, list) and len(body) == 1
+    details = body[0]["details"]
+    assert details["finish_reason"] in ("length", "eos_token")
+    assert details["generated_tokens"] == len(details["tokens"]) <= 8
+    assert details["prefill"] == []
+    assert isinstance(details["seed"], int) and details["prompt_tokens"] == 8
+    for token in details["tokens"]:
+        assert isinstance(token["id"], int) and isinstance(token["text"], str) and isinstance(token["special"], bool)
+    assert body[0]["generated_text"] == "".join(t["text"] for t in details["tokens"])
+    assert r.headers["requestuuid"]
+
+
+def test_generate_returns_one_object_without_details(tiny_stack):
+    r = post(tiny_stack, "/generate", {"inputs": PROMPT, "parameters": GREEDY, "stream": True})
+    assert r.status_code == 200
+    assert list(r.json()) == ["generated_text"]
+
+
+def test_decoder_input_details_returns_prompt_tokens(tiny_stack):
+    r = post(tiny_stack, "/generate", {"inputs": PROMPT, "parameters": {**GREEDY, "decoder_input_details": True}})
+    details = r.json()["details"]
+    assert [t["id"] for t in details["prefill"]] == [5965, 1462, 314, 11256, 380, 1153, 284, 339]
+    assert "".join(t["text"] for t in details["prefill"]) == PROMPT
+
+
+def test_greedy_is_deterministic_and_return_full_text(tiny_stack):
+    a = post(tiny_stack, "/generate", {"inputs": PROMPT, "parameters": GREEDY}).json()["generated_text"]
+    b = post(tiny_stack, "/generate", {"inputs": PROMPT, "parameters": {**GREEDY, "return_full_text": True}})
+    assert b.json()["generated_text"] == f"{PROMPT} {a}"
+
+
+def test_same_seed_same_text(tiny_stack):
+    params = {"do_sample": True, "temperature": 0.9, "top_k": 40, "top_p": 0.9, "seed": 77, "max_new_tokens": 12,
+              "details": True}
+    first, second = (post(tiny_stack, "/generate", {"inputs": PROMPT, "parameters": params}).json() for _ in range(2))
+    assert first["generated_text"] == second["generated_text"]
+    assert first["details"]["seed"] == 77
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/", {"inputs": PROMPT, "parameters": {**GREEDY, "details": True}, "stream": True}),
+    ("/generate_stream", {"inputs": PROMPT, "parameters": {**GREEDY, "details": True}}),
+])
+def test_streams_are_sse_token_events(tiny_stack, path, body):
+    r = post(tiny_stack, path, body)
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(r.text)
+    assert events, r.text
+    for event in events[:-1]:
+        assert event["generated_text"] is None and event["details"] is None
+        assert isinstance(event["token"]["id"], int)
+    last = events[-1]
+    assert last["generated_text"] == "".join(e["token"]["text"] for e in events)
+    assert last["details"]["generated_tokens"] == len(events)
+    assert last["details"]["finish_reason"] in ("length", "eos_token")
+    full = post(tiny_stack, "/generate", {"inputs": PROMPT, "parameters": GREEDY}).json()["generated_text"]
+    assert last["generated_text"] == full
+
+
+def test_stop_sequence_cuts_the_text(tiny_stack):
+    text = post(tiny_stack, "/generate", {"inputs": PROMPT, "parameters": {**GREEDY, "max_new_tokens": 16}}).json()
+    text = text["generated_text"]
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    assert stop.strip(), f"noise text too short to pick a stop string from: {text!r}"
+    r = post(tiny_stack, "/generate", {"inputs": PROMPT, "parameters": {**GREEDY, "max_new_tokens": 16,
+                                                                     "stop": [stop], "details": True}})
+    body = r.json()
+    assert body["generated_text"] == text[: text.index(stop)]
+    assert body["details"]["finish_reason"] == "stop_sequence"
+    stream = sse_events(post(tiny_stack, "/generate_stream", {"inputs": PROMPT, "parameters": {
+        **GREEDY, "max_new_tokens": 16, "stop": stop, "details": True}}).text)
+    assert stream[-1]["generated_text"] == text[: text.index(stop)]
+    assert "".join(e["token"]["text"] for e in stream) == text[: text.index(stop)]
+
+
+BAD_PARAMETERS = [
+    {"max_new_tokens": 0}, {"max_new_tokens": -1}, {"max_new_tokens": 2147483648}, {"max_new_tokens": 1.5},
+    {"max_new_tokens": "10"}, {"repetition_penalty": 0}, {"repetition_penalty": -1.0}, {"repetition_penalty": "1"},
+    {"seed": -1}, {"seed": 1.5}, {"seed": 18446744073709551616}, {"temperature": 0}, {"temperature": -0.5},
+    {"top_k": 0}, {"top_k": -1}, {"top_p": 0}, {"top_p": 1.0}, {"top_p": 1.5}, {"truncate": 0},
+    {"typical_p": 0}, {"typical_p": 1.5}, {"watermark": "no"}, {"details": 1}, {"do_sample": "true"},
+    {"decoder_input_details": "x"}, {"return_full_text": 0}, {"stop": 5}, {"stop": [""]}, {"stop": ["a" * 1025]},
+    {"stop": ["a"] * 1025}, {"adapter_id": "bad id!"}, {"best_of": 2},
+]
+
+
+@pytest.mark.parametrize("parameters", BAD_PARAMETERS, ids=lambda p: json.dumps(p)[:40])
+def test_bad_parameters_get_422_and_server_keeps_serving(tiny_stack, parameters):
+    for path in ("/", "/generate", "/generate_stream"):
+        r = post(tiny_stack, path, {"inputs": PROMPT, "parameters": parameters})
+        assert r.status_code == 422, (path, r.text)
+        body = r.json()
+        assert body["error_type"] == "validation" and body["error"]
+        assert r.headers["content-type"].startswith("application/json")
+    assert_serving(tiny_stack)
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/", b"{not json"),
+    ("/", b"[1, 2]"),
+    ("/", {"parameters": {}}),
+    ("/", {"inputs": 123}),
+    ("/", {"inputs": ""}),
+    ("/", {"inputs": [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": "/x.png"}]}),
+    ("/", {"inputs": PROMPT, "stream": "yes"}),
+    ("/", {"inputs": PROMPT, "parameters": [1]}),
+    ("/", {"inputs": PROMPT, "stream": True, "parameters": {"decoder_input_details": True}}),
+    ("/generate_stream", {"inputs": PROMPT, "parameters": {"decoder_input_details": True}}),
+    ("/generate", {"parameters": {}}),
+    ("/generate", b"nope"),
+    ("/", {"inputs": "word " * 200}),  # 200+ tokens > maxInputTokenLen 64
+])
+def test_bad_bodies_get_422(tiny_stack, path, body):
+    r = post(tiny_stack, path, body)
+    assert r.status_code == 422, r.text
+    assert r.json()["error_type"] == "validation"
+    assert_serving(tiny_stack)
+
+
+def test_generate_without_inputs_or_prompt_uses_mindie_message(tiny_stack):
+    r = post(tiny_stack, "/generate", {"parameters": {}})
+    assert "`inputs` or `prompt` must be necessary" in r.json()["error"]
+
+
+def test_truncate_keeps_the_last_tokens(tiny_stack):
+    r = post(tiny_stack, "/generate", {"inputs": "word " * 200, "parameters": {**GREEDY, "truncate": 10,
+                                                                           "details": True}})
+    assert r.status_code == 200, r.text
+    assert r.json()["details"]["prompt_tokens"] == 10
+
+
+def test_body_over_max_request_length_is_413(tiny_stack):
+    r = post(tiny_stack, "/generate", {"inputs": "x" * (1024 * 1024 + 10)})
+    assert r.status_code == 413
+    assert r.json() == {"message": "Request body too large. Maximum allowed size is 1MB."}
+    assert_serving(tiny_stack)
+
+
+def test_health_and_info_on_the_management_plane(tiny_stack):
+    mgmt = tiny_stack.mgmt_url
+    assert httpx.get(mgmt + "/health").status_code == 200
+    assert httpx.get(mgmt + "/v2/health/live").status_code == 200
+    assert httpx.get(mgmt + "/v2/health/ready").status_code == 200
+    info = httpx.get(mgmt + "/info").json()
+    assert info["max_input_length"] == 64 and info["max_best_of"] == 1
+    model = info["models"][0]
+    assert model["model_id"] == tiny_stack.model and model["model_dtype"] == "float32"
+    assert model["model_device_type"] == "cpu" and model["max_total_tokens"] == 2560
+    # planes are split: management routes are not on the business listener and vice versa
+    assert httpx.get(tiny_stack.url + "/info").status_code == 404
+    assert httpx.post(mgmt + "/generate", json={"inputs": PROMPT}).status_code in (404, 405)
+
+
+async def test_disconnect_mid_stream_frees_the_engine(tiny_stack):
+    body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 2000, "do_sample": False}}
+    async with httpx.AsyncClient(timeout=30) as client:
+        async with client.stream("POST", tiny_stack.url + "/generate_stream", json=body) as r:
+            seen = 0
+            async for line in r.aiter_lines():
+                seen += line.startswith("data: ")
+                if seen == 3:
+                    break
+    info = await tiny_stack.wait_engine_idle()
+    assert (info.running, info.waiting, info.free_blocks) == (0, 0, info.total_blocks)
+    assert_serving(tiny_stack)
+
+
+async def test_disconnect_of_a_plain_request_frees_the_engine(tiny_stack):
+    body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 2000, "do_sample": False}}
+    async with httpx.AsyncClient(timeout=httpx.Timeout(30, read=0.5)) as client:
+        with pytest.raises(httpx.ReadTimeout):
+            await client.post(tiny_stack.url + "/generate", json=body)
+    info = await tiny_stack.wait_engine_idle()
+    assert (info.running, info.waiting, info.free_blocks) == (0, 0, info.total_blocks)
+
+
+async def test_metrics_service_keeps_ttft_and_tbt(tiny_stack):
+    r = post(tiny_stack, "/generate", {"inputs": PROMPT, "parameters": GREEDY})
+    assert r.status_code == 200
+    snapshot = await tiny_stack.metrics()
+    assert snapshot.requests > 0
+    assert snapshot.ttft_avg_ms > 0 and snapshot.tbt_avg_ms > 0
+    assert any(ttft is not None and ttft > 0 for ttft, _tbt in snapshot.per_request.values())
