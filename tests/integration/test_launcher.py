@@ -1,0 +1,80 @@
+"""`switchboard serve`: readiness line, merged planes, clean stop, config errors, dead services."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+
+from tests.conftest import write_config
+from tests.integration.stack import READY_PREFIX, Stack
+
+
+def processes_mentioning(text: str) -> list[str]:
+    out = subprocess.run(["ps", "-ewwo", "pid,args"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if text in line and "ps -ewwo" not in line]
+
+
+def child_pids(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def serve(config_path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "switchboard.cli", "serve", "--config", str(config_path)],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_serve_merged_planes_then_sigterm_leaves_nothing_behind(tmp_path, tiny_model_dir):
+    path = write_config(tmp_path, tiny_model_dir)
+    data = json.loads(path.read_text())
+    data["ServerConfig"]["managementPort"] = data["ServerConfig"]["port"]  # one listener for both planes
+    path.write_text(json.dumps(data))
+    stack = Stack(path, nats_url="")
+    stack.start()
+    assert any(line.startswith(READY_PREFIX + stack.url) for line in stack.output)
+    assert httpx.get(stack.url + "/v2/health/ready").status_code == 200
+    r = httpx.post(stack.url + "/generate", json={"inputs": "hello", "parameters": {"max_new_tokens": 3}}, timeout=60)
+    assert r.status_code == 200
+    assert len(processes_mentioning(str(path))) == 5  # launcher + 4 services
+    children = child_pids(stack.proc.pid)
+    assert len(children) == 5  # embedded nats-server + 4 services
+    started = time.monotonic()
+    assert stack.stop() == 0
+    assert time.monotonic() - started < 10
+    time.sleep(0.5)
+    assert processes_mentioning(str(path)) == []
+    assert [pid for pid in children if os.path.exists(f"/proc/{pid}")] == []
+
+
+def test_bad_config_names_the_key_and_range(tmp_path, tiny_model_dir):
+    path = write_config(tmp_path, tiny_model_dir, ServerConfig={"port": 80})
+    result = serve(path)
+    assert result.returncode == 2
+    assert "ServerConfig.port" in result.stderr and "[1024, 65535]" in result.stderr
+
+
+def test_missing_model_folder_is_reported(tmp_path):
+    path = write_config(tmp_path, tmp_path / "no-such-model")
+    result = serve(path)
+    assert result.returncode == 2
+    assert "modelWeightPath" in result.stderr
+
+
+def test_a_dying_service_is_reported_with_its_last_error(tmp_path, tiny_model_dir):
+    model = tmp_path / "gpt2-like"
+    model.mkdir()
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    config.update({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
+    (model / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (model / name).write_text((tiny_model_dir / name).read_text())
+    result = serve(write_config(tmp_path, model))
+    assert result.returncode == 1
+    assert "engine service exited" in result.stderr
+    assert "unsupported model architecture" in result.stderr
+    assert "LlamaForCausalLM" in result.stderr
