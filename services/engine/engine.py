@@ -10,7 +10,7 @@ import queue
 import time
 from dataclasses import dataclass
 
-from services.engine.block_manager import BlockManager
+from services.engine.block_manager import BlockManager, blocks_for
 from services.engine.model_runner import ModelRunner
 from services.engine.sampler import sample
 from services.engine.scheduler import Finish, Limits, Scheduler
@@ -70,13 +70,28 @@ class Engine:
             if isinstance(item, _Abort):
                 events += self._abort_now(item)
             else:
-                self._admit(item)
+                events += self._admit(item)
         return events
 
-    def _admit(self, req: EngineRequest) -> None:
+    def _admit(self, req: EngineRequest) -> list[TokenEvent]:
+        needed = blocks_for(len(req.prompt_ids) + 1, self.blocks.block_size)
+        if needed > self.blocks.num_blocks:
+            error = ErrorInfo(ErrorKind.GENERATION, f"the prompt needs {needed} KV-cache blocks but the pool holds "
+                                                    f"{self.blocks.num_blocks}; raise Switchboard.kvCacheMemoryMb")
+            return [TokenEvent(req.id, [], "error", error)]
         seq = Sequence(req.id, req.prompt_ids, req.sampling, priority=req.priority, deadline=req.deadline)
         self.seqs[req.id] = seq
         self.scheduler.add(seq)
+        return []
+
+    def fail_all(self, message: str) -> list[TokenEvent]:
+        """End every request with an internal error (the model step raised); the engine keeps serving."""
+        error = ErrorInfo(ErrorKind.INTERNAL, message)
+        events = [TokenEvent(seq.id, [], "error", error) for seq in self.seqs.values()]
+        for seq in list(self.seqs.values()):
+            self.scheduler.finish(seq, "error")
+        self.seqs.clear()
+        return events
 
     def _abort_now(self, item: _Abort) -> list[TokenEvent]:
         seq = self.seqs.pop(item.id, None)

@@ -94,8 +94,14 @@ class EngineService:
                 self.wake.clear()
                 await self._wait(stop)
                 continue
-            events = await asyncio.to_thread(self.engine.step)
-            await self.publish(events)
+            await self.publish(await self._step())
+
+    async def _step(self) -> list[TokenEvent]:
+        try:
+            return await asyncio.to_thread(self.engine.step)
+        except Exception as exc:  # a model failure ends the batch's requests, not the service
+            log.exception("engine step failed")
+            return self.engine.fail_all(f"engine failure: {exc}")
 
     async def _wait(self, stop: asyncio.Event) -> None:
         waiters = [asyncio.ensure_future(self.wake.wait()), asyncio.ensure_future(stop.wait())]

