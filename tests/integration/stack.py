@@ -16,6 +16,7 @@ import nats
 
 from shared import subjects
 from shared.messages import EngineInfo, MetricsSnapshot, Ping, encode
+from switchboard.natsd import die_with_parent
 
 READY_PREFIX = "Switchboard ready on "
 
@@ -35,6 +36,7 @@ class Stack:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "switchboard.cli", "serve", "--config", str(self.config_path)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            preexec_fn=die_with_parent,  # a killed test run leaves no server behind
         )
         self.wait_for_line(READY_PREFIX, timeout)
         return self

@@ -35,6 +35,13 @@ def test_serve_merged_planes_then_sigterm_leaves_nothing_behind(tmp_path, tiny_m
     data["ServerConfig"]["managementPort"] = data["ServerConfig"]["port"]  # one listener for both planes
     path.write_text(json.dumps(data))
     stack = Stack(path, nats_url="")
+    try:
+        check_merged_stack_then_stop(stack, path)
+    finally:
+        stack.stop()
+
+
+def check_merged_stack_then_stop(stack: Stack, path) -> None:
     stack.start()
     assert any(line.startswith(READY_PREFIX + stack.url) for line in stack.output)
     assert httpx.get(stack.url + "/v2/health/ready").status_code == 200
