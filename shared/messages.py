@@ -69,6 +69,7 @@ class EngineRequest(Msg):
     priority: int = 3
     arrival: float = 0.0
     deadline: float | None = None  # unix time after which the request ends with a timeout
+    deadline_reason: str = "server e2eTimeout"  # or "client timeout": said in the timeout error
 
 
 class Cancel(Msg):
@@ -161,6 +162,10 @@ class EngineInfo(msgspec.Struct, omit_defaults=True):
     free_blocks: int
     running: int
     waiting: int
+
+    @property
+    def free_slots(self) -> int:
+        return max(0, self.max_batch_size - self.running)
 
 
 class TokenizerInfo(msgspec.Struct, omit_defaults=True):

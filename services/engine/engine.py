@@ -56,6 +56,9 @@ class Engine:
         logits = self.runner.run(seqs, is_prefill)
         token_ids = sample(logits, seqs)
         finished = {f.seq.id: f for f in self.scheduler.postprocess(seqs, token_ids)}
+        now = time.time()
+        for seq in seqs:
+            seq.last_event_at = now
         for seq, token_id in zip(seqs, token_ids):
             done = finished.get(seq.id)
             events.append(TokenEvent(seq.id, [token_id], done.reason if done else None))
@@ -79,7 +82,8 @@ class Engine:
             error = ErrorInfo(ErrorKind.GENERATION, f"the prompt needs {needed} KV-cache blocks but the pool holds "
                                                     f"{self.blocks.num_blocks}; raise Switchboard.kvCacheMemoryMb")
             return [TokenEvent(req.id, [], "error", error)]
-        seq = Sequence(req.id, req.prompt_ids, req.sampling, priority=req.priority, deadline=req.deadline)
+        seq = Sequence(req.id, req.prompt_ids, req.sampling, priority=req.priority, deadline=req.deadline,
+                       deadline_reason=req.deadline_reason, last_event_at=time.time())
         self.seqs[req.id] = seq
         self.scheduler.add(seq)
         return []
@@ -101,13 +105,23 @@ class Engine:
         return [TokenEvent(seq.id, [], "cancelled")]
 
     def _expire(self, now: float) -> list[TokenEvent]:
+        """End requests past their deadline or silent for tokenTimeout."""
         events = []
-        for seq in [s for s in self.seqs.values() if s.deadline is not None and s.deadline <= now]:
-            self.scheduler.finish(seq, "timeout")
-            self.seqs.pop(seq.id)
-            error = ErrorInfo(ErrorKind.TIMEOUT, "Engine callback timeout: the request's time limit was reached")
-            events.append(TokenEvent(seq.id, [], "error", error))
+        for seq in list(self.seqs.values()):
+            reason = self._timeout_reason(seq, now)
+            if reason:
+                self.scheduler.finish(seq, "timeout")
+                self.seqs.pop(seq.id)
+                error = ErrorInfo(ErrorKind.TIMEOUT, f"Engine callback timeout: {reason}")
+                events.append(TokenEvent(seq.id, [], "error", error))
         return events
+
+    def _timeout_reason(self, seq: Sequence, now: float) -> str | None:
+        if seq.deadline is not None and seq.deadline <= now:
+            return seq.deadline_reason
+        if now - seq.last_event_at > self.scheduler.limits.token_timeout_s:
+            return "server tokenTimeout"
+        return None
 
     # ---- state for health and heartbeats ----------------------------------------------------
 

@@ -15,6 +15,7 @@ class Limits:
     max_prefill_batch_size: int
     max_prefill_tokens: int
     max_seq_len: int
+    token_timeout_s: float = float("inf")
 
 
 @dataclass

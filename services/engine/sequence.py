@@ -26,6 +26,8 @@ class Sequence:
     sampling: Sampling
     priority: int = 3
     deadline: float | None = None
+    deadline_reason: str = "server e2eTimeout"
+    last_event_at: float = 0.0  # receipt, then each new token: tokenTimeout counts from here
     token_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     status: Status = Status.WAITING

@@ -31,7 +31,8 @@ def build_engine(cfg: Config) -> tuple[Engine, str]:
         kv_budget_bytes=kv_budget_bytes(device, cfg.switchboard.kv_cache_memory_mb, cfg.model.npu_mem_size),
         max_blocks=sc.max_batch_size * blocks_per_seq,
     )
-    limits = Limits(sc.max_batch_size, sc.prefill_batch_size, sc.max_prefill_tokens, deploy.max_seq_len)
+    limits = Limits(sc.max_batch_size, sc.prefill_batch_size, sc.max_prefill_tokens, deploy.max_seq_len,
+                    token_timeout_s=float(cfg.server.token_timeout))
     return Engine(runner, limits, eos_token_ids(runner)), device.kind
 
 
@@ -44,6 +45,9 @@ def eos_token_ids(runner: ModelRunner) -> set[int]:
         elif value:
             ids.update(value)
     return ids
+
+
+HEARTBEAT_S = 0.5
 
 
 class EngineService:
@@ -63,6 +67,15 @@ class EngineService:
                             queue=subjects.engine_queue(self.model))
         await bus.subscribe(self.nc, subjects.CANCEL, self.on_cancel)
         await bus.subscribe(self.nc, subjects.engine_health(self.model), self.on_health)
+
+    async def heartbeat(self, stop: asyncio.Event) -> None:
+        """Publish running/waiting requests and free/total blocks twice a second."""
+        while not stop.is_set():
+            await bus.publish(self.nc, subjects.engine_heartbeat(self.model), self.info())
+            try:
+                await asyncio.wait_for(stop.wait(), HEARTBEAT_S)
+            except asyncio.TimeoutError:
+                pass
 
     async def on_request(self, msg: NatsMsg) -> None:
         req = self.requests.decode(msg.data)
@@ -129,9 +142,11 @@ async def serve(cfg: Config, nats_url: str, stop: asyncio.Event, ready=lambda: N
     await service.start()
     ready()
     log.info("engine ready", extra={"model": service.model, "blocks": engine.runner.num_blocks})
+    heartbeat = asyncio.create_task(service.heartbeat(stop))
     try:
         await service.run(stop)
     finally:
+        heartbeat.cancel()
         await bus.close(nc)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import msgspec
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
@@ -11,10 +12,12 @@ from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 from services.gateway.mailbox import Mailboxes
 from shared import bus, subjects
 from shared.config import Config
-from shared.messages import EngineInfo, MetricsEvent, Ping, TokenizerInfo
+from shared.errors import ErrorKind, SwitchboardError
+from shared.messages import EngineInfo, MetricsEvent, Ping, TokenizerInfo, decoder
 
 log = logging.getLogger("switchboard.gateway")
 PROBE_TIMEOUT_S = 1.0
+HEARTBEAT_STALE_S = 2.0  # an engine silent this long is taken as gone
 
 
 class Gateway:
@@ -24,9 +27,22 @@ class Gateway:
         self.model = cfg.model.model_name
         self.mailboxes = Mailboxes(nc)
         self._tasks: set[asyncio.Task] = set()
+        self.engine: EngineInfo | None = None
+        self.engine_seen = 0.0
+        self._heartbeats = decoder(EngineInfo)
 
     async def start(self) -> None:
         await self.mailboxes.start()
+        await bus.subscribe(self.nc, subjects.engine_heartbeat(self.model), self.on_heartbeat)
+
+    async def on_heartbeat(self, msg) -> None:
+        self.engine = self._heartbeats.decode(msg.data)
+        self.engine_seen = time.monotonic()
+
+    def require_engine(self) -> None:
+        """Refuse new inference at once (503) when no engine has sent a heartbeat lately."""
+        if time.monotonic() - self.engine_seen > HEARTBEAT_STALE_S:
+            raise SwitchboardError(ErrorKind.UNAVAILABLE, f"no engine is serving model {self.model}")
 
     def emit(self, event: MetricsEvent) -> None:
         """Fire-and-forget a lifecycle event to the metrics service."""

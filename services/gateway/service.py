@@ -23,7 +23,7 @@ async def serve(cfg: Config, nats_url: str, stop: asyncio.Event, ready=lambda: N
     servers = [_server(listener) for listener in listeners(gateway)]
     tasks = [asyncio.create_task(s.serve()) for s in servers]
     stopper = asyncio.create_task(stop.wait())
-    asyncio.create_task(_announce_when_started(servers, ready))
+    announcer = asyncio.create_task(_announce_when_started(gateway, servers, ready))
     try:
         done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
         for task in done & set(tasks):
@@ -34,11 +34,13 @@ async def serve(cfg: Config, nats_url: str, stop: asyncio.Event, ready=lambda: N
             server.should_exit = True
         await asyncio.gather(*tasks, return_exceptions=True)
         stopper.cancel()
+        announcer.cancel()
         await bus.close(nc)
 
 
-async def _announce_when_started(servers: list[uvicorn.Server], ready) -> None:
-    while not all(s.started for s in servers):
+async def _announce_when_started(gateway: Gateway, servers: list[uvicorn.Server], ready) -> None:
+    """Ready once every listener is up and an engine heartbeat has been heard."""
+    while not all(s.started for s in servers) or not gateway.engine_seen:
         await asyncio.sleep(0.02)
     ready()
 

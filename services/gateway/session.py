@@ -31,6 +31,7 @@ class Session:
 
     async def start(self) -> Started:
         """Publish the request and wait for the tokenizer's answer (raises on a validation error)."""
+        self.gw.require_engine()
         await bus.publish(self.gw.nc, subjects.TOKENIZER_GENERATE, self.request)
         event = await self._next(START_TIMEOUT_S, "the tokenizer service did not answer")
         if isinstance(event, Started):

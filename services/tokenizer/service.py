@@ -95,10 +95,12 @@ class TokenizerService:
     def engine_request(self, req: GenerateRequest, ids: list[int], seed: int) -> EngineRequest:
         sampling = req.sampling
         max_new = min(sampling.max_new_tokens, self.cfg.schedule.max_iter_times)
-        limit = min(req.timeout_s or math.inf, float(self.cfg.server.e2e_timeout))
+        e2e = float(self.cfg.server.e2e_timeout)
+        limit = min(req.timeout_s or math.inf, e2e)
         return EngineRequest(
             id=req.id, trace=req.trace, prompt_ids=ids, reply_to=self.inbox, priority=req.priority,
             arrival=req.arrival, deadline=req.arrival + limit if req.arrival else None,
+            deadline_reason="client timeout" if limit < e2e else "server e2eTimeout",
             sampling=msgspec.structs.replace(sampling, seed=seed, max_new_tokens=max_new),
         )
 

@@ -1,0 +1,344 @@
+"""services/tokenizer/{detokenizer,encoder}.py with SmolLM2's real tokenizer."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from services.tokenizer.detokenizer import REPLACEMENT, IncrementalDecoder, StopMatcher
+from services.tokenizer.encoder import apply_length_limit, check_token_ids, encode_prompt
+from shared.config import ModelConfig, ModelDeployConfig
+from shared.errors import ErrorKind, SwitchboardError
+from shared.messages import GenerateRequest
+
+TEXTS = [
+    "Hello, world! This is a test.",
+    "Héllo 世界 🎉 ok",
+    "Ünïcödé: naïve café — “quotes” … 漢字かな交じり文 👍🏽 👨‍👩‍👧 done",
+    "  two leading spaces\n\n\tand a tab, then   three spaces",
+    "def f(x):\n    return x ** 2  # comment\n",
+    "12345 + 67890 = 80235; π ≈ 3.14159",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smol_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smol_dir)
+
+
+def decode_stream(tokenizer, ids: list[int], prompt_ids: list[int] | None = None) -> list[str]:
+    decoder = IncrementalDecoder(tokenizer, prompt_ids or [])
+    return [decoder.add(token_id) for token_id in ids]
+
+
+def full_decode(tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+# ---- IncrementalDecoder -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_joined_deltas_equal_whole_decode(tokenizer, text):
+    ids = tokenizer(text).input_ids
+    deltas = decode_stream(tokenizer, ids)
+    assert "".join(deltas) == full_decode(tokenizer, ids) == text
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_joined_deltas_equal_whole_decode_after_a_prompt(tokenizer, text):
+    prompt_ids = tokenizer("The answer is:").input_ids
+    ids = tokenizer(" " + text).input_ids
+    deltas = decode_stream(tokenizer, ids, prompt_ids)
+    assert "".join(deltas) == full_decode(tokenizer, ids)
+    # the prompt itself is never re-emitted
+    assert "The answer is" not in "".join(deltas)
+
+
+def test_multibyte_text_never_yields_a_replacement_character(tokenizer):
+    text = "Héllo 世界 🎉 ok"
+    ids = tokenizer(text).input_ids
+    # the test is only meaningful when some character spans several tokens
+    assert any(REPLACEMENT in tokenizer.decode([i]) for i in ids)
+    deltas = decode_stream(tokenizer, ids)
+    assert all(REPLACEMENT not in delta for delta in deltas)
+    assert "".join(deltas) == text
+    # incomplete bytes are held back as empty deltas, then released whole
+    assert "" in deltas
+    assert "世" in deltas and "界" in deltas
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_no_delta_holds_a_replacement_character(tokenizer, text):
+    deltas = decode_stream(tokenizer, tokenizer(text).input_ids)
+    assert all(REPLACEMENT not in delta for delta in deltas)
+
+
+def test_random_unicode_strings_roundtrip(tokenizer):
+    pool = list("abcxyz ,.!?\n") + list("éüßçñ") + list("世界漢字かな") + ["🎉", "👍🏽", "🚀", "∑", "€"]
+    rng = random.Random(7)
+    for _ in range(30):
+        text = "".join(rng.choice(pool) for _ in range(rng.randint(1, 25)))
+        ids = tokenizer(text).input_ids
+        deltas = decode_stream(tokenizer, ids, tokenizer("Q:").input_ids)
+        assert all(REPLACEMENT not in delta for delta in deltas), text
+        assert "".join(deltas) == text
+
+
+def test_special_tokens_are_skipped_like_decode(tokenizer):
+    messages = [{"role": "user", "content": "Héllo 世界"}, {"role": "assistant", "content": "Bonjour 🎉!"}]
+    ids = tokenizer.apply_chat_template(messages, tokenize=True)
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    assert tokenizer.convert_tokens_to_ids("<|im_start|>") in ids
+    deltas = decode_stream(tokenizer, ids)
+    joined = "".join(deltas)
+    assert joined == full_decode(tokenizer, ids)
+    assert "<|im_start|>" not in joined and "<|im_end|>" not in joined
+    assert "Bonjour 🎉!" in joined
+
+
+def test_one_delta_per_token(tokenizer):
+    ids = tokenizer("simple words only").input_ids
+    deltas = decode_stream(tokenizer, ids)
+    assert len(deltas) == len(ids)
+    assert deltas == [tokenizer.decode([i]) for i in ids]
+
+
+# ---- StopMatcher ------------------------------------------------------------------------------
+
+
+def feed_all(matcher: StopMatcher, deltas: list[str]) -> tuple[list[str], bool]:
+    out = []
+    for i, delta in enumerate(deltas):
+        piece, hit = matcher.feed(delta, final=i == len(deltas) - 1)
+        out.append(piece)
+        if hit:
+            return out, True
+    return out, False
+
+
+def test_stop_string_and_everything_after_it_are_cut():
+    matcher = StopMatcher(["STOP"])
+    pieces, hit = feed_all(matcher, ["Hello ", "world STOP and", " more text"])
+    assert hit
+    assert "".join(pieces) == "Hello world "
+
+
+def test_stop_string_inside_one_delta():
+    matcher = StopMatcher(["\n\n"])
+    piece, hit = matcher.feed("first line\n\nsecond", final=False)
+    assert hit
+    assert piece == "first line"
+
+
+def test_stop_string_split_over_many_deltas():
+    matcher = StopMatcher(["<end>"])
+    pieces, hit = feed_all(matcher, ["abc", "<", "e", "n", "d", ">", "tail"])
+    assert hit
+    assert "".join(pieces) == "abc"
+    assert "<" not in "".join(pieces)
+
+
+def test_partial_stop_prefix_is_held_back_until_disambiguated():
+    matcher = StopMatcher(["STOP"])
+    first, hit = matcher.feed("Go ST", final=False)
+    assert not hit
+    assert "ST" not in first  # might still become STOP
+    assert "Go".startswith(first) or first.startswith("Go")
+    second, hit = matcher.feed("ART the engine now", final=False)
+    assert not hit  # "START" is not "STOP": the held "ST" is released with what follows
+    released = first + second
+    assert released.startswith("Go START")
+    rest, hit = matcher.feed("", final=True)
+    assert not hit
+    assert first + second + rest == "Go START the engine now"
+
+
+def test_partial_prefix_that_completes_is_never_released():
+    matcher = StopMatcher(["STOP"])
+    released = ""
+    for delta in ["Go S", "T", "O", "P!"]:
+        piece, hit = matcher.feed(delta, final=False)
+        released += piece
+        assert "S" not in released
+        if hit:
+            break
+    assert hit
+    assert released == "Go "
+
+
+def test_everything_is_released_when_final():
+    matcher = StopMatcher(["STOP"])
+    first, _ = matcher.feed("ends with ST", final=False)
+    assert not first.endswith("ST")
+    rest, hit = matcher.feed("", final=True)
+    assert not hit
+    assert first + rest == "ends with ST"
+
+
+def test_final_delta_with_a_stop_is_still_cut():
+    matcher = StopMatcher(["STOP"])
+    piece, hit = matcher.feed("abc STOP def", final=True)
+    assert hit
+    assert piece == "abc "
+
+
+def test_earliest_of_several_stops_wins():
+    matcher = StopMatcher(["world", "lo"])
+    pieces, hit = feed_all(matcher, ["Hel", "lo world"])
+    assert hit
+    assert "".join(pieces) == "Hel"
+
+
+def test_longest_stop_sets_the_hold_back():
+    matcher = StopMatcher(["x", "abcdef"])
+    piece, hit = matcher.feed("0123456789", final=False)
+    assert not hit
+    assert piece == "01234"  # len("abcdef") - 1 = 5 characters held
+
+
+def test_no_stops_release_everything_at_once():
+    for stops in ([], [""]):
+        matcher = StopMatcher(stops)
+        piece, hit = matcher.feed("anything at all", final=False)
+        assert (piece, hit) == ("anything at all", False)
+
+
+def test_released_text_is_always_a_prefix_of_the_stream():
+    text = "alpha beta END gamma"
+    matcher = StopMatcher(["END", "gamma delta"])
+    released = ""
+    for i, ch in enumerate(text):
+        piece, hit = matcher.feed(ch, final=i == len(text) - 1)
+        released += piece
+        assert text.startswith(released)
+        if hit:
+            break
+    assert hit
+    assert released == "alpha beta "
+
+
+def test_stop_matcher_with_real_token_stream(tokenizer):
+    text = "Sure! Here is 世界 🎉.\nUser: ignore this"
+    decoder = IncrementalDecoder(tokenizer, [])
+    matcher = StopMatcher(["\nUser:"])
+    released = ""
+    hit = False
+    ids = tokenizer(text).input_ids
+    for i, token_id in enumerate(ids):
+        piece, hit = matcher.feed(decoder.add(token_id), final=i == len(ids) - 1)
+        assert REPLACEMENT not in piece
+        released += piece
+        if hit:
+            break
+    assert hit
+    assert released == "Sure! Here is 世界 🎉."
+
+
+# ---- encoder ----------------------------------------------------------------------------------
+
+
+def deploy(truncation: int | bool = 0, max_input: int = 8, max_seq_len: int = 100) -> ModelDeployConfig:
+    return ModelDeployConfig(
+        max_seq_len=max_seq_len, max_input_token_len=max_input, truncation=truncation,
+        model_config=[ModelConfig(model_name="m", model_weight_path="/m")],
+    )
+
+
+def request(prompt: str = "", prompt_ids: list[int] | None = None, truncate: int = 0) -> GenerateRequest:
+    return GenerateRequest(id="r", model="m", reply_to="inbox", prompt=prompt, prompt_ids=prompt_ids,
+                           truncate=truncate)
+
+
+def test_encode_prompt_uses_the_tokenizer(tokenizer):
+    ids = encode_prompt(tokenizer, request("Hello there"), deploy(max_input=100))
+    assert ids == tokenizer("Hello there").input_ids
+
+
+def test_encode_prompt_takes_prompt_ids_as_given(tokenizer):
+    assert encode_prompt(tokenizer, request(prompt_ids=[5, 6, 7]), deploy()) == [5, 6, 7]
+
+
+def test_empty_prompt_is_a_validation_error(tokenizer):
+    with pytest.raises(SwitchboardError) as info:
+        encode_prompt(tokenizer, request(""), deploy())
+    assert info.value.kind is ErrorKind.VALIDATION
+
+
+def test_over_long_prompt_is_refused_when_truncation_is_0(tokenizer):
+    prompt = "one two three four five six seven eight nine ten"
+    assert len(tokenizer(prompt).input_ids) > 8
+    with pytest.raises(SwitchboardError) as info:
+        encode_prompt(tokenizer, request(prompt), deploy(truncation=0, max_input=8))
+    assert info.value.kind is ErrorKind.VALIDATION
+    assert info.value.info.status == 422
+    assert "limit of 8" in info.value.message
+
+
+@pytest.mark.parametrize("truncation", [0, False])
+def test_apply_length_limit_refuses(truncation):
+    with pytest.raises(SwitchboardError) as info:
+        apply_length_limit(list(range(9)), deploy(truncation=truncation, max_input=8))
+    assert info.value.kind is ErrorKind.VALIDATION
+
+
+def test_prompt_at_the_limit_passes_untouched():
+    ids = list(range(8))
+    assert apply_length_limit(ids, deploy(truncation=0, max_input=8)) == ids
+
+
+def test_limit_is_min_of_max_input_and_max_seq_len_minus_one():
+    with pytest.raises(SwitchboardError):
+        apply_length_limit(list(range(6)), deploy(truncation=0, max_input=8, max_seq_len=6))
+    assert apply_length_limit(list(range(5)), deploy(truncation=0, max_input=8, max_seq_len=6)) == list(range(5))
+    assert apply_length_limit(list(range(20)), deploy(truncation=-1, max_input=8, max_seq_len=6)) == list(range(5))
+
+
+def test_truncation_minus_one_keeps_the_first_tokens():
+    assert apply_length_limit(list(range(20)), deploy(truncation=-1, max_input=8)) == list(range(8))
+
+
+@pytest.mark.xfail(strict=True, reason="bug: `deploy.truncation == 1` is also true for True (True == 1), "
+                                        "so truncation=true keeps the last tokens instead of the first")
+def test_truncation_true_keeps_the_first_tokens_like_minus_one():
+    assert apply_length_limit(list(range(20)), deploy(truncation=True, max_input=8)) == list(range(8))
+
+
+def test_truncation_true_truncates_to_the_limit():
+    assert len(apply_length_limit(list(range(20)), deploy(truncation=True, max_input=8))) == 8
+
+
+def test_truncation_one_keeps_the_last_tokens():
+    assert apply_length_limit(list(range(20)), deploy(truncation=1, max_input=8)) == list(range(12, 20))
+
+
+def test_encode_prompt_truncates_with_truncation_one(tokenizer):
+    prompt = "one two three four five six seven eight nine ten"
+    full = tokenizer(prompt).input_ids
+    assert encode_prompt(tokenizer, request(prompt), deploy(truncation=1, max_input=4)) == full[-4:]
+    assert encode_prompt(tokenizer, request(prompt), deploy(truncation=-1, max_input=4)) == full[:4]
+
+
+def test_request_truncate_keeps_the_last_n_tokens(tokenizer):
+    prompt = "one two three four five six seven eight nine ten"
+    full = tokenizer(prompt).input_ids
+    assert encode_prompt(tokenizer, request(prompt, truncate=3), deploy(max_input=100)) == full[-3:]
+    # a truncate that fits the prompt already changes nothing
+    assert encode_prompt(tokenizer, request(prompt, truncate=100), deploy(max_input=100)) == full
+
+
+def test_request_truncate_applies_before_the_length_limit():
+    ids = list(range(20))
+    # truncate brings it under the limit, so truncation=0 does not refuse it
+    assert encode_prompt(None, request(prompt_ids=ids, truncate=5), deploy(truncation=0, max_input=8)) == ids[-5:]
+
+
+def test_check_token_ids():
+    check_token_ids([0, 5, 99], vocab_size=100)
+    for bad in ([100], [-1], [3, 1000]):
+        with pytest.raises(SwitchboardError) as info:
+            check_token_ids(bad, vocab_size=100)
+        assert info.value.kind is ErrorKind.VALIDATION
