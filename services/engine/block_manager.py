@@ -21,12 +21,13 @@ class BlockManager:
     def num_free(self) -> int:
         return len(self.free_blocks)
 
-    def can_allocate(self, seq: Sequence) -> bool:
-        return self.num_free >= blocks_for(len(seq), self.block_size)
+    def can_allocate(self, num_tokens: int) -> bool:
+        return self.num_free >= blocks_for(num_tokens, self.block_size)
 
-    def allocate(self, seq: Sequence) -> None:
+    def allocate(self, seq: Sequence, num_tokens: int) -> None:
+        """Blocks for ``num_tokens`` positions: the prompt, or its whole reserved length."""
         assert not seq.block_table, "sequence already holds blocks"
-        seq.block_table = [self.free_blocks.popleft() for _ in range(blocks_for(len(seq), self.block_size))]
+        seq.block_table = [self.free_blocks.popleft() for _ in range(blocks_for(num_tokens, self.block_size))]
 
     def can_append(self, seq: Sequence) -> bool:
         return self._needs_block(seq) <= self.num_free

@@ -16,6 +16,7 @@ class Limits:
     max_prefill_tokens: int
     max_seq_len: int
     token_timeout_s: float = float("inf")
+    max_preempt_count: int = 0  # preemptions allowed per step; 0 = off: admission reserves whole sequences
 
 
 @dataclass
@@ -57,22 +58,34 @@ class Scheduler:
             seq = self.waiting[0]
             if scheduled and num_tokens + len(seq) > lim.max_prefill_tokens:
                 break
-            if not self.blocks.can_allocate(seq):
+            reserve = self._tokens_to_reserve(seq)
+            if not self.blocks.can_allocate(reserve):
                 break
             self.waiting.pop(0)
-            self.blocks.allocate(seq)
+            self.blocks.allocate(seq, reserve)
             seq.status = Status.RUNNING
             self.running.append(seq)
             scheduled.append(seq)
             num_tokens += len(seq)
         return scheduled
 
+    def _tokens_to_reserve(self, seq: Sequence) -> int:
+        """With preemption on, blocks for the prompt; off, for the longest the sequence may grow."""
+        if self.limits.max_preempt_count > 0:
+            return len(seq)
+        longest = seq.num_prompt_tokens + seq.sampling.max_new_tokens
+        return max(len(seq), min(longest, self.limits.max_seq_len))
+
     def _schedule_decode(self) -> list[Sequence]:
         scheduled: list[Sequence] = []
+        budget = self.limits.max_preempt_count
         for seq in list(self.running):
             if seq.status is not Status.RUNNING:
                 continue  # preempted while making room for an earlier one
             while not self.blocks.can_append(seq):
+                if budget == 0:
+                    break  # waits for blocks freed by finishing sequences
+                budget -= 1
                 victim = self._pick_victim()
                 self.preempt(victim)
                 if victim in scheduled:

@@ -32,7 +32,7 @@ def build_engine(cfg: Config) -> tuple[Engine, str]:
         max_blocks=sc.max_batch_size * blocks_per_seq,
     )
     limits = Limits(sc.max_batch_size, sc.prefill_batch_size, sc.max_prefill_tokens, deploy.max_seq_len,
-                    token_timeout_s=float(cfg.server.token_timeout))
+                    token_timeout_s=float(cfg.server.token_timeout), max_preempt_count=sc.max_preempt_count)
     return Engine(runner, limits, eos_token_ids(runner)), device.kind
 
 
