@@ -213,3 +213,14 @@ async def test_metrics_service_keeps_ttft_and_tbt(tiny_stack):
     assert snapshot.requests > 0
     assert snapshot.ttft_avg_ms > 0 and snapshot.tbt_avg_ms > 0
     assert any(ttft is not None and ttft > 0 for ttft, _tbt in snapshot.per_request.values())
+
+
+async def test_a_stop_string_cancels_the_engine_side(tiny_stack):
+    text = post(tiny_stack, "/generate", {"inputs": PROMPT, "parameters": {**GREEDY, "max_new_tokens": 6}})
+    stop = text.json()["generated_text"][-3:]
+    r = post(tiny_stack, "/generate", {"inputs": PROMPT, "parameters": {"do_sample": False, "max_new_tokens": 2500,
+                                                                     "stop": [stop], "details": True}})
+    assert r.json()["details"]["finish_reason"] == "stop_sequence"
+    assert r.json()["details"]["generated_tokens"] <= 6
+    info = await tiny_stack.wait_engine_idle(timeout=0.5)  # far less than 2500 more tokens would take
+    assert (info.running, info.waiting, info.free_blocks) == (0, 0, info.total_blocks)
