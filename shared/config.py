@@ -96,6 +96,11 @@ class ModelDeployConfig(Struct, kw_only=True):
         return min(self.max_input_token_len, self.max_seq_len - 1)
 
     @property
+    def truncates_left(self) -> bool:
+        """truncation 1: keep the last tokens (true and -1 keep the first)."""
+        return type(self.truncation) is int and self.truncation == 1
+
+    @property
     def truncates(self) -> bool:
         """-1/true truncate; 0/false refuse over-long prompts (1 = left, kept as truncate)."""
         return self.truncation is True or (type(self.truncation) is int and self.truncation != 0)

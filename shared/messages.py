@@ -162,10 +162,7 @@ class EngineInfo(msgspec.Struct, omit_defaults=True):
     free_blocks: int
     running: int
     waiting: int
-
-    @property
-    def free_slots(self) -> int:
-        return max(0, self.max_batch_size - self.running)
+    free_slots: int = 0  # maxBatchSize - running
 
 
 class TokenizerInfo(msgspec.Struct, omit_defaults=True):

@@ -27,7 +27,7 @@ def apply_length_limit(ids: list[int], deploy: ModelDeployConfig) -> list[int]:
             f"the prompt has {len(ids)} tokens, more than the limit of {limit} "
             "(min(maxInputTokenLen, maxSeqLen - 1)); shorten it or pass truncate"
         )
-    return ids[-limit:] if deploy.truncation == 1 else ids[:limit]
+    return ids[-limit:] if deploy.truncates_left else ids[:limit]
 
 
 def check_token_ids(ids: list[int], vocab_size: int) -> None:
