@@ -77,9 +77,10 @@ class Engine:
         return events
 
     def _admit(self, req: EngineRequest) -> list[TokenEvent]:
-        needed = blocks_for(len(req.prompt_ids) + 1, self.blocks.block_size)
+        longest = min(len(req.prompt_ids) + req.sampling.max_new_tokens, self.scheduler.limits.max_seq_len)
+        needed = blocks_for(max(len(req.prompt_ids) + 1, longest), self.blocks.block_size)
         if needed > self.blocks.num_blocks:
-            error = ErrorInfo(ErrorKind.GENERATION, f"the prompt needs {needed} KV-cache blocks but the pool holds "
+            error = ErrorInfo(ErrorKind.GENERATION, f"the request needs up to {needed} KV-cache blocks but the pool holds "
                                                     f"{self.blocks.num_blocks}; raise Switchboard.kvCacheMemoryMb")
             return [TokenEvent(req.id, [], "error", error)]
         seq = Sequence(req.id, req.prompt_ids, req.sampling, priority=req.priority, deadline=req.deadline,

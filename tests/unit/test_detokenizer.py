@@ -301,9 +301,8 @@ def test_truncation_minus_one_keeps_the_first_tokens():
     assert apply_length_limit(list(range(20)), deploy(truncation=-1, max_input=8)) == list(range(8))
 
 
-@pytest.mark.xfail(strict=True, reason="bug: `deploy.truncation == 1` is also true for True (True == 1), "
-                                        "so truncation=true keeps the last tokens instead of the first")
 def test_truncation_true_keeps_the_first_tokens_like_minus_one():
+    # True == 1 in Python: true must not be taken for 1 (keep the last)
     assert apply_length_limit(list(range(20)), deploy(truncation=True, max_input=8)) == list(range(8))
 
 

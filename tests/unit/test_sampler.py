@@ -1,0 +1,244 @@
+"""services/engine/sampler.py against transformers' own logits processors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
+
+from services.engine.sampler import apply_repetition_penalty, sample, top_k, top_p, typical_p, warp
+from services.engine.sequence import Sequence
+from shared.messages import Sampling
+
+VOCAB = 200
+
+
+def seq(token_ids: list[int] | None = None, **sampling) -> Sequence:
+    return Sequence("s", token_ids if token_ids is not None else [1, 2, 3], Sampling(**sampling))
+
+
+def random_logits(rows: int, seed: int, vocab: int = VOCAB, scale: float = 3.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, vocab, generator=g) * scale
+
+
+def kept(row: torch.Tensor) -> set[int]:
+    return set(torch.isfinite(row).nonzero().flatten().tolist())
+
+
+# ---- top-k ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("k", [1, 2, 5, 50, VOCAB - 1, VOCAB])
+def test_top_k_keeps_exactly_k_candidates(k):
+    logits = random_logits(4, seed=k)
+    out = top_k(logits, [k] * 4)
+    for row_in, row_out in zip(logits, out):
+        expected = set(row_in.topk(k).indices.tolist())
+        assert kept(row_out) == expected
+        assert len(kept(row_out)) == k
+        # kept logits are unchanged
+        assert torch.equal(row_out[list(expected)], row_in[list(expected)])
+
+
+def test_top_k_per_row_values_and_disabled_rows():
+    logits = random_logits(4, seed=1)
+    out = top_k(logits, [3, 0, 10, 10_000])
+    assert [len(kept(r)) for r in out] == [3, VOCAB, 10, VOCAB]
+
+
+@pytest.mark.parametrize("k", [1, 7, 40])
+def test_top_k_matches_transformers(k):
+    logits = random_logits(3, seed=11 + k)
+    expected = TopKLogitsWarper(k)(None, logits.clone())
+    assert torch.equal(top_k(logits, [k] * 3), expected)
+
+
+# ---- top-p ------------------------------------------------------------------------------------
+
+
+def smallest_set_with_mass(row: torch.Tensor, p: float) -> set[int]:
+    probs = row.softmax(-1)
+    order = probs.argsort(descending=True)
+    chosen, mass = [], 0.0
+    for index in order.tolist():
+        chosen.append(index)
+        mass += float(probs[index])
+        if mass >= p:
+            break
+    return set(chosen)
+
+
+@pytest.mark.parametrize("p", [0.05, 0.3, 0.5, 0.9, 0.99])
+def test_top_p_keeps_the_smallest_set_with_mass_at_least_p(p):
+    logits = random_logits(5, seed=int(p * 100))
+    out = top_p(logits, [p] * 5)
+    for row_in, row_out in zip(logits, out):
+        keep = kept(row_out)
+        probs = row_in.softmax(-1)
+        mass = float(probs[list(keep)].sum())
+        assert mass >= p - 1e-6
+        # dropping the least likely kept token falls below p: the set is the smallest
+        least = min(keep, key=lambda i: float(probs[i]))
+        assert mass - float(probs[least]) < p + 1e-6
+        # and every dropped token is less likely than every kept one
+        dropped = set(range(VOCAB)) - keep
+        if dropped:
+            assert max(float(probs[i]) for i in dropped) <= min(float(probs[i]) for i in keep)
+        assert keep == smallest_set_with_mass(row_in, p)
+
+
+def test_top_p_always_keeps_the_most_likely_token():
+    logits = torch.tensor([[10.0, 0.0, -1.0, -2.0]])
+    out = top_p(logits, [1e-6])
+    assert kept(out[0]) == {0}
+
+
+def test_top_p_one_keeps_everything():
+    logits = random_logits(2, seed=3)
+    assert torch.equal(top_p(logits, [1.0, 1.0]), logits)
+
+
+@pytest.mark.parametrize("p", [0.2, 0.7, 0.95])
+def test_top_p_matches_transformers(p):
+    logits = random_logits(3, seed=5)
+    expected = TopPLogitsWarper(p)(None, logits.clone())
+    assert torch.equal(top_p(logits, [p] * 3), expected)
+
+
+def test_top_p_per_row_values():
+    logits = random_logits(2, seed=9)
+    out = top_p(logits, [0.5, 0.9])
+    assert kept(out[0]) == smallest_set_with_mass(logits[0], 0.5)
+    assert kept(out[1]) == smallest_set_with_mass(logits[1], 0.9)
+
+
+# ---- typical-p and temperature ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mass", [0.2, 0.5, 0.9])
+def test_typical_p_matches_transformers(mass):
+    logits = random_logits(1, seed=21)
+    expected = TypicalLogitsWarper(mass)(None, logits.clone())
+    assert torch.equal(typical_p(logits[0].clone(), mass), expected[0])
+
+
+def test_warp_applies_temperature_then_top_k_then_top_p_like_transformers():
+    logits = random_logits(2, seed=4)
+    s = seq(do_sample=True, temperature=0.7, top_k=20, top_p=0.8)
+    ours = warp(logits.clone(), [s, s])
+    hf = logits.clone()
+    for proc in (TemperatureLogitsWarper(0.7), TopKLogitsWarper(20), TopPLogitsWarper(0.8)):
+        hf = proc(None, hf)
+    assert torch.allclose(ours, hf)
+    assert kept(ours[0]) == kept(hf[0])
+
+
+# ---- repetition penalty -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("penalty", [1.1, 1.5, 2.0, 0.8])
+def test_repetition_penalty_matches_transformers(penalty):
+    logits = random_logits(3, seed=int(penalty * 10))
+    histories = [[5, 6, 7, 5, 5], [0, 199, 100], [42]]
+    seqs = [seq(h, repetition_penalty=penalty) for h in histories]
+    ours = logits.clone()
+    apply_repetition_penalty(ours, seqs)
+    processor = RepetitionPenaltyLogitsProcessor(penalty)
+    for i, history in enumerate(histories):
+        expected = processor(torch.tensor([history]), logits[i : i + 1].clone())
+        assert torch.allclose(ours[i], expected[0]), i
+
+
+def test_repetition_penalty_lowers_only_repeated_tokens():
+    logits = torch.tensor([[2.0, -2.0, 1.0, -1.0, 0.5]])
+    apply_repetition_penalty(logits, [seq([0, 1, 1], repetition_penalty=2.0)])
+    assert logits.tolist() == [[1.0, -4.0, 1.0, -1.0, 0.5]]
+
+
+def test_repetition_penalty_one_changes_nothing_and_rows_are_independent():
+    logits = random_logits(2, seed=8)
+    out = logits.clone()
+    apply_repetition_penalty(out, [seq([3, 4], repetition_penalty=1.0), seq([3, 4], repetition_penalty=1.3)])
+    assert torch.equal(out[0], logits[0])
+    assert not torch.equal(out[1], logits[1])
+    untouched = [i for i in range(VOCAB) if i not in (3, 4)]
+    assert torch.equal(out[1, untouched], logits[1, untouched])
+
+
+# ---- sample -----------------------------------------------------------------------------------
+
+
+def test_greedy_rows_are_argmax_and_ignore_the_generator():
+    logits = random_logits(3, seed=12)
+    seqs = [seq(do_sample=False, seed=1), seq(do_sample=False, seed=999), seq()]
+    tokens = sample(logits.clone(), seqs)
+    assert tokens == logits.argmax(-1).tolist()
+    assert all(s.generator is None for s in seqs)
+    # a pre-existing generator is neither used nor advanced
+    g = torch.Generator().manual_seed(5)
+    state = g.get_state()
+    greedy = seq(do_sample=False, seed=5)
+    greedy.generator = g
+    assert sample(logits[:1].clone(), [greedy]) == [int(logits[0].argmax())]
+    assert torch.equal(g.get_state(), state)
+
+
+def test_warpers_without_do_sample_mean_sampling():
+    assert seq(temperature=0.5).sampling.sampling
+    assert not seq().sampling.sampling
+    assert not seq(temperature=0.5, do_sample=False).sampling.sampling
+
+
+def test_greedy_with_repetition_penalty_is_argmax_of_penalised_logits():
+    logits = torch.tensor([[5.0, 4.9, 0.0, -3.0]])
+    assert sample(logits.clone(), [seq([0], repetition_penalty=1.2)]) == [1]
+
+
+def test_seeded_draw_is_reproducible_and_independent_of_the_batch():
+    logits = random_logits(1, seed=13, scale=1.0)
+    params = dict(do_sample=True, temperature=0.8, top_k=50, top_p=0.9, seed=1234)
+
+    def draws(batch_neighbours: int) -> list[int]:
+        target = seq(**params)
+        others = [seq(do_sample=True, temperature=1.3, seed=s) for s in range(batch_neighbours)]
+        others += [seq(do_sample=False) for _ in range(batch_neighbours)]
+        out = []
+        for _ in range(20):
+            batch = others[: len(others) // 2] + [target] + others[len(others) // 2 :]
+            rows = logits.expand(len(batch), -1).clone()
+            out.append(sample(rows, batch)[len(others) // 2])
+        return out
+
+    alone = draws(0)
+    assert alone == draws(3) == draws(8)
+    assert len(set(alone)) > 1  # it really samples
+
+
+def test_seeded_draw_equals_multinomial_with_that_seed():
+    logits = random_logits(1, seed=14, scale=1.0)
+    s = seq(do_sample=True, temperature=0.8, top_k=50, top_p=0.9, seed=1234)
+    ours = [sample(logits.clone(), [s])[0] for _ in range(10)]
+    g = torch.Generator().manual_seed(1234)
+    probs = warp(logits.clone(), [s]).softmax(-1)[0]
+    expected = [int(torch.multinomial(probs, 1, generator=g)) for _ in range(10)]
+    assert ours == expected
+
+
+def test_sampled_tokens_stay_inside_top_k():
+    logits = random_logits(1, seed=15, scale=1.0)
+    allowed = set(logits[0].topk(3).indices.tolist())
+    s = seq(do_sample=True, top_k=3, seed=7)
+    assert {sample(logits.clone(), [s])[0] for _ in range(50)} <= allowed
+
+
+def test_different_seeds_differ():
+    logits = random_logits(1, seed=16, scale=0.5)
+    a, b = seq(do_sample=True, seed=1), seq(do_sample=True, seed=2)
+    assert [sample(logits.clone(), [a])[0] for _ in range(10)] != [sample(logits.clone(), [b])[0] for _ in range(10)]
