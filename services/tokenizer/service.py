@@ -132,7 +132,8 @@ class TokenizerService:
         for i, token_id in enumerate(event.token_ids):
             state.generated += 1
             final = event.finish_reason is not None and i == len(event.token_ids) - 1
-            text, stopped = state.stops.feed(state.decoder.add(token_id), final)
+            delta = state.decoder.add(token_id) + (state.decoder.flush() if final else "")
+            text, stopped = state.stops.feed(delta, final)
             tokens.append(TokenOut(token_id, text, token_id in self.special_ids))
             if stopped:
                 return tokens, True

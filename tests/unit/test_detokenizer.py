@@ -341,3 +341,12 @@ def test_check_token_ids():
         with pytest.raises(SwitchboardError) as info:
             check_token_ids(bad, vocab_size=100)
         assert info.value.kind is ErrorKind.VALIDATION
+
+
+def test_flush_releases_an_incomplete_character_at_the_end(tokenizer):
+    ids = tokenizer("ok 🎉", add_special_tokens=False).input_ids
+    decoder = IncrementalDecoder(tokenizer, [])
+    text = "".join(decoder.add(i) for i in ids[:-1])  # stop one token short of the emoji's last byte
+    text += decoder.flush()
+    assert text == tokenizer.decode(ids[:-1]) and text.endswith("\ufffd")
+    assert decoder.flush() == ""
