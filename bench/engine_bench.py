@@ -50,16 +50,19 @@ WORK = ROOT / ".cache" / "bench"
 TF_VENV = WORK / "tf-serve-venv"
 TF_REQUIREMENTS = ["torch==2.13.0", "transformers[serving]==5.23.0"]
 REPORT = WORK / "last.md"
+HF_STATIC = "HF generate, static batch"
 
 SWITCHBOARD_READY = "Switchboard ready on"
 SERVER_START_TIMEOUT_S = 900.0
 STOP_GRACE_S = 20.0
 REQUEST_TIMEOUT_S = 1800.0
 
+# TGI has no ignore-EOS option, so these are prompts whose greedy continuation runs at least 64
+# tokens without EOS: at the default settings every system makes the same number of tokens.
 PROMPTS = [
     "The history of the printing press began",
     "My favourite way to spend a rainy afternoon is",
-    "The capital of Australia is",
+    "The city of Sydney is famous for",
     "def quicksort(items):",
     "Once upon a time, in a village by the sea,",
     "The three laws of thermodynamics say that",
@@ -68,12 +71,12 @@ PROMPTS = [
     "Photosynthesis is the process by which",
     "In 1969, the Apollo 11 mission",
     "A good password should",
-    "The difference between a virus and a bacterium is",
+    "Viruses and bacteria both cause disease, but",
     "Dear hiring manager, I am writing to",
     "The rules of chess are simple:",
     "Water boils at a lower temperature on a mountain because",
     "The best advice my grandmother ever gave me was",
-    "SELECT name, email FROM users WHERE",
+    "A database index speeds up queries by",
     "The Great Wall of China was built",
     "Here is a short poem about autumn:",
     "Electric cars differ from petrol cars in that",
@@ -82,7 +85,7 @@ PROMPTS = [
     "The human heart has four chambers:",
     "My name is Olivier and I work as",
     "Jupiter is the largest planet in the solar system, and",
-    "The recipe calls for two cups of flour,",
+    "The old lighthouse keeper looked out at",
     "In a distributed system, consensus means",
     "The train to Edinburgh was delayed because",
     "Bees are important for agriculture because",
@@ -381,7 +384,7 @@ def bench_hf_static(prompts: list[str], tokens: int) -> Run:
         wall = time.perf_counter() - start
     ttft = (first.at or start + wall) - start
     per_row = total // len(prompts)
-    run = Run("HF generate, static batch", len(prompts), wall, [Sample(ttft, wall, per_row) for _ in prompts])
+    run = Run(HF_STATIC, len(prompts), wall, [Sample(ttft, wall, per_row) for _ in prompts])
     print(f"[HF generate] static batch of {len(prompts)}: {total} tokens in {wall:.1f}s = {run.tok_s:.1f} tok/s",
           flush=True)
     return run
@@ -408,7 +411,7 @@ def tok_s(run: Run | None) -> float | None:
 def ratios(runs: list[Run], concurrency: int, tf_blocker: str) -> list[str]:
     sb_hi, sb_1 = find(runs, "switchboard", concurrency), find(runs, "switchboard", 1)
     tf_hi = find(runs, "transformers serve", concurrency)
-    hf = next((r for r in runs if r.system.startswith("HF")), None)
+    hf = next((r for r in runs if r.system == HF_STATIC), None)
     return [
         "| ratio | value | target |",
         "|---|---:|---|",
@@ -435,12 +438,20 @@ def render(runs: list[Run], args: argparse.Namespace, command: str, elapsed: flo
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in runs:
-        shown = "static batch" if r.system.startswith("HF") else str(r.concurrency)
+        shown = f"{r.concurrency} (one batch)" if r.system == HF_STATIC else str(r.concurrency)
         lines.append(f"| {r.system} | {shown} | {r.tokens} | {r.tok_s:.1f} | {r.ttft(50):.2f} | {r.ttft(90):.2f} "
                      f"| {r.latency(50):.2f} | {r.latency(90):.2f} |")
     if tf_blocker:
         lines.append(f"| transformers serve | — | did not run: {tf_blocker.splitlines()[0]} | | | | | |")
-    return "\n".join([*lines, "", *ratios(runs, args.concurrency, tf_blocker), ""])
+    return "\n".join([*lines, *short_runs(runs, args.requests * args.tokens), "",
+                      *ratios(runs, args.concurrency, tf_blocker), ""])
+
+
+def short_runs(runs: list[Run], expected: int) -> list[str]:
+    """A note for each run whose requests ended early (EOS), so its token count is lower."""
+    notes = [f"Note: {r.system} at concurrency {r.concurrency} made {r.tokens} of {expected} tokens "
+             f"(some requests ended at EOS)." for r in runs if r.tokens < expected]
+    return ["", *notes] if notes else []
 
 
 # ---- main ------------------------------------------------------------------------------------
@@ -494,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
 
     report = render(runs, args, command, time.monotonic() - started, tf_blocker)
     REPORT.write_text(report)
-    print(f"\n{report}\n(written to {REPORT.relative_to(ROOT)})")
+    print(f"\n{report}\n(written to {REPORT})")
     if tf_blocker:
         print(f"\ntransformers serve was not benchmarked: {tf_blocker}")
     return 0

@@ -150,6 +150,8 @@ class SwitchboardConfig(Struct, kw_only=True):
     device: Literal["cpu", "cuda", "npu", "auto"] = "cpu"
     """torch device of the engine; npu imports torch_npu only when chosen."""
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "float32"
+    torch_threads: Annotated[int, Meta(ge=0, le=1024)] = 0
+    """intra-op threads of the engine's torch; 0 = torch's default (one per core)."""
     kv_cache_memory_mb: Annotated[int, Meta(ge=16, le=1048576)] = 1024
     """KV-cache budget in MiB on cpu (accelerators follow npuMemSize: -1 = 80% of free memory)."""
     otlp_endpoint: str = ""

@@ -6,6 +6,7 @@ import asyncio
 import logging
 from collections import defaultdict
 
+import torch
 from nats.aio.msg import Msg as NatsMsg
 
 from services.engine.devices import kv_budget_bytes, resolve_device
@@ -21,6 +22,8 @@ log = logging.getLogger("switchboard.engine")
 
 def build_engine(cfg: Config) -> tuple[Engine, str]:
     """Load the model named by the config and size the KV cache; returns (engine, device label)."""
+    if cfg.switchboard.torch_threads:
+        torch.set_num_threads(cfg.switchboard.torch_threads)
     device = resolve_device(cfg.switchboard.device, cfg.switchboard.dtype)
     sc, deploy = cfg.schedule, cfg.deploy
     blocks_per_seq = -(-deploy.max_seq_len // sc.cache_block_size)
