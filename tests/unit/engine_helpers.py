@@ -1,0 +1,95 @@
+"""Helpers for driving Engine.step() directly in tests (no NATS)."""
+
+from __future__ import annotations
+
+
+
+from services.engine.devices import resolve_device
+from services.engine.engine import Engine, Limits
+from services.engine.model_runner import ModelRunner
+from shared.messages import EngineRequest, Sampling, TokenEvent
+
+BLOCK = 16
+CPU = resolve_device("cpu", "float32")
+
+
+def block_bytes(path) -> int:
+    """K and V, every layer, one block of float32."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * BLOCK * config.num_key_value_heads * head_dim * 4
+
+
+def make_runner(path, num_blocks: int) -> ModelRunner:
+    """A runner whose KV budget holds ``num_blocks`` blocks (and a bit more, less than one block)."""
+    budget = num_blocks * block_bytes(path) + block_bytes(path) // 2
+    runner = ModelRunner(str(path), CPU, block_size=BLOCK, kv_budget_bytes=budget, max_blocks=10_000)
+    assert runner.num_blocks == num_blocks
+    assert runner.block_bytes == block_bytes(path)
+    return runner
+
+
+def limits(max_batch_size=8, max_prefill_batch_size=8, max_prefill_tokens=4096, max_seq_len=2048, **kw) -> Limits:
+    return Limits(max_batch_size, max_prefill_batch_size, max_prefill_tokens, max_seq_len, **kw)
+
+
+def request(rid: str, prompt_ids: list[int], priority: int = 3, deadline: float | None = None,
+            **sampling) -> EngineRequest:
+    sampling.setdefault("do_sample", False)
+    return EngineRequest(id=rid, prompt_ids=prompt_ids, sampling=Sampling(**sampling), reply_to="x",
+                         priority=priority, deadline=deadline)
+
+
+def prompt(n: int, start: int = 100) -> list[int]:
+    return [start + (7 * i) % 500 for i in range(n)]
+
+
+class Run:
+    """Everything the engine said, per request."""
+
+    def __init__(self):
+        self.events: list[TokenEvent] = []
+        self.tokens: dict[str, list[int]] = {}
+        self.finish: dict[str, TokenEvent] = {}
+        self.steps = 0
+
+    def record(self, events: list[TokenEvent]) -> None:
+        for event in events:
+            assert event.id not in self.finish, f"event for {event.id} after it finished"
+            self.events.append(event)
+            self.tokens.setdefault(event.id, []).extend(event.token_ids)
+            if event.finish_reason is not None:
+                self.finish[event.id] = event
+
+    def reason(self, rid: str) -> str | None:
+        return self.finish[rid].finish_reason if rid in self.finish else None
+
+
+def run_until_idle(engine: Engine, run: Run | None = None, max_steps: int = 1000) -> Run:
+    run = run or Run()
+    while engine.has_work:
+        run.record(engine.step())
+        run.steps += 1
+        assert run.steps <= max_steps, "the engine made no progress"
+    return run
+
+
+def assert_pool_whole(engine: Engine) -> None:
+    assert engine.blocks.num_free == engine.runner.num_blocks
+    assert sorted(engine.blocks.free_blocks) == list(range(engine.runner.num_blocks))
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+    assert not engine.seqs
+
+
+
+def greedy_reference(runner: ModelRunner, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """Each prompt generated alone, ignoring EOS."""
+    out = []
+    for ids in prompts:
+        engine = Engine(runner, limits(), set())
+        engine.add_request(request("g", ids, max_new_tokens=new_tokens))
+        out.append(run_until_idle(engine).tokens["g"])
+    return out
+
