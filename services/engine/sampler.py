@@ -12,6 +12,7 @@ import torch
 from services.engine.sequence import Sequence
 
 
+@torch.inference_mode()
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     apply_repetition_penalty(logits, seqs)
     greedy = logits.argmax(dim=-1).tolist()

@@ -224,3 +224,28 @@ async def test_a_stop_string_cancels_the_engine_side(tiny_stack):
     assert r.json()["details"]["generated_tokens"] <= 6
     info = await tiny_stack.wait_engine_idle(timeout=0.5)  # far less than 2500 more tokens would take
     assert (info.running, info.waiting, info.free_blocks) == (0, 0, info.total_blocks)
+
+
+SEED_003_BODY = {"inputs": PROMPT, "parameters": {
+    "decoder_input_details": True, "details": True, "do_sample": True, "max_new_tokens": 20,
+    "repetition_penalty": 1.03, "return_full_text": False, "seed": None, "temperature": 0.5, "top_k": 10,
+    "top_p": 0.95, "truncate": None, "typical_p": 0.5, "watermark": False, "stop": ["stop1", "stop2"],
+    "adapter_id": "None"}, "stream": False}
+SEED_000_BODY = {"inputs": PROMPT, "parameters": {
+    "best_of": 1, "decoder_input_details": False, "details": False, "do_sample": True, "max_new_tokens": 20,
+    "repetition_penalty": 2, "return_full_text": False, "seed": 12, "temperature": 0.1, "top_k": 1, "top_p": 0.9,
+    "truncate": 1024}, "stream": True}
+
+
+def test_the_seed_documents_examples_work(tiny_stack):
+    r = post(tiny_stack, "/", SEED_003_BODY)
+    assert r.status_code == 200, r.text
+    details = r.json()[0]["details"]
+    assert details["generated_tokens"] >= 1 and len(details["prefill"]) == details["prompt_tokens"]
+    r = post(tiny_stack, "/generate", {**SEED_000_BODY, "parameters": {
+        "details": True, "do_sample": True, "repetition_penalty": 1.1, "return_full_text": False, "seed": None,
+        "temperature": 1, "top_p": 0.99}, "stream": False})
+    assert r.status_code == 200, r.text
+    assert r.json()["details"]["finish_reason"] in ("length", "eos_token")
+    events = sse_events(post(tiny_stack, "/generate_stream", SEED_000_BODY).text)
+    assert "error" not in events[-1] and events[-1]["generated_text"] is not None
