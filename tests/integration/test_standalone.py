@@ -41,3 +41,34 @@ def test_gateway_without_an_engine_answers_503_fast(tmp_path, tiny_model_dir):
                 proc.terminate()
             for proc in procs:
                 assert proc.wait(15) == 0, proc.stderr.read().decode()
+
+
+def test_two_tokenizers_in_a_queue_group_serve_concurrent_requests(tmp_path, tiny_model_dir):
+    import json
+    from concurrent.futures import ThreadPoolExecutor
+
+    config = write_config(tmp_path, tiny_model_dir)
+    server = json.loads(config.read_text())["ServerConfig"]
+    with EmbeddedNats() as url:
+        procs = [start(name, config, url) for name in ("tokenizer", "tokenizer", "engine", "metrics", "gateway")]
+        try:
+            base, mgmt = f"http://127.0.0.1:{server['port']}", f"http://127.0.0.1:{server['managementPort']}"
+            wait_for_port("127.0.0.1", server["managementPort"], 60)
+            deadline = time.monotonic() + 60
+            while httpx.get(mgmt + "/v2/health/ready", timeout=10).status_code != 200:
+                assert time.monotonic() < deadline, "stack never became ready"
+                time.sleep(0.2)
+
+            def generate(i: int) -> httpx.Response:
+                return httpx.post(base + "/generate", json={"inputs": f"request {i}", "parameters": {
+                    "max_new_tokens": 8, "details": True}}, timeout=60)
+
+            with ThreadPoolExecutor(8) as pool:
+                responses = list(pool.map(generate, range(16)))
+            assert [r.status_code for r in responses] == [200] * 16
+            assert all(r.json()["details"]["generated_tokens"] >= 1 for r in responses)
+        finally:
+            for proc in procs:
+                proc.terminate()
+            for proc in procs:
+                assert proc.wait(15) == 0, proc.stderr.read().decode()
