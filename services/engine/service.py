@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from collections import defaultdict
 
 import torch
@@ -62,6 +63,9 @@ class EngineService:
         self.model = cfg.model.model_name
         self.routes: dict[str, str] = {}  # request id -> tokenizer inbox
         self.wake = asyncio.Event()
+        # Always the same thread: torch's OpenMP team belongs to the calling thread, and teams left
+        # spinning by other threads would compete with the one doing the work.
+        self.stepper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
         self.requests = decoder(EngineRequest)
         self.cancels = decoder(Cancel)
 
@@ -115,7 +119,7 @@ class EngineService:
 
     async def _step(self) -> list[TokenEvent]:
         try:
-            return await asyncio.to_thread(self.engine.step)
+            return await asyncio.get_running_loop().run_in_executor(self.stepper, self.engine.step)
         except Exception as exc:  # a model failure ends the batch's requests, not the service
             log.exception("engine step failed")
             return self.engine.fail_all(f"engine failure: {exc}")
