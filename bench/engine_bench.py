@@ -24,22 +24,20 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Iterator
+from typing import Any, Callable
 
 import httpx
 
-OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
+from results import HF_STATIC, Run, Sample, render  # bench/results.py
+from processes import OFFLINE_ENV, Blocked, free_port, http_ok, log_tail, server  # bench/processes.py
+
 os.environ.update(OFFLINE_ENV)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,11 +48,8 @@ WORK = ROOT / ".cache" / "bench"
 TF_VENV = WORK / "tf-serve-venv"
 TF_REQUIREMENTS = ["torch==2.13.0", "transformers[serving]==5.23.0"]
 REPORT = WORK / "last.md"
-HF_STATIC = "HF generate, static batch"
 
 SWITCHBOARD_READY = "Switchboard ready on"
-SERVER_START_TIMEOUT_S = 900.0
-STOP_GRACE_S = 20.0
 REQUEST_TIMEOUT_S = 1800.0
 
 # TGI has no ignore-EOS option, so these are prompts whose greedy continuation runs at least 64
@@ -93,113 +88,6 @@ PROMPTS = [
     "On the morning of the election, the candidates",
     "The Pythagorean theorem states that",
 ]
-
-
-# ---- results ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One request: seconds to the first streamed event, seconds to the end, output tokens."""
-
-    ttft: float
-    latency: float
-    tokens: int
-
-
-@dataclass(frozen=True)
-class Run:
-    """One batch of requests sent to one system at one concurrency."""
-
-    system: str
-    concurrency: int
-    wall: float
-    samples: list[Sample]
-
-    @property
-    def tokens(self) -> int:
-        return sum(s.tokens for s in self.samples)
-
-    @property
-    def tok_s(self) -> float:
-        return self.tokens / self.wall
-
-    def ttft(self, q: float) -> float:
-        return percentile([s.ttft for s in self.samples], q)
-
-    def latency(self, q: float) -> float:
-        return percentile([s.latency for s in self.samples], q)
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear interpolation between the closest ranks (q in [0, 100])."""
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
-class Blocked(Exception):
-    """A system could not be benchmarked; the message says why."""
-
-
-# ---- child processes -------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def log_tail(path: Path, lines: int = 25) -> str:
-    text = path.read_text(errors="replace") if path.exists() else ""
-    return "\n".join(text.splitlines()[-lines:]) or "(no output)"
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM, then SIGKILL the whole process group after a grace period."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # stragglers in its group; the leader was started as one
-    except ProcessLookupError:
-        pass
-    proc.wait()
-
-
-@contextmanager
-def server(name: str, cmd: list[str], log: Path, ready: Callable[[], bool]) -> Iterator[None]:
-    """Start ``cmd`` (output to ``log``), wait until ``ready()``, and always stop it afterwards."""
-    print(f"[{name}] starting: {' '.join(cmd)}  (log: {log})", flush=True)
-    started = time.monotonic()
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env={**os.environ, **OFFLINE_ENV}, start_new_session=True)
-    try:
-        while not ready():
-            if proc.poll() is not None:
-                raise Blocked(f"{name} exited with code {proc.returncode} before it was ready:\n{log_tail(log)}")
-            if time.monotonic() - started > SERVER_START_TIMEOUT_S:
-                raise Blocked(f"{name} not ready after {SERVER_START_TIMEOUT_S:.0f}s:\n{log_tail(log)}")
-            time.sleep(0.5)
-        print(f"[{name}] ready after {time.monotonic() - started:.1f}s", flush=True)
-        yield
-    finally:
-        stop(proc)
-        print(f"[{name}] stopped", flush=True)
-
-
-def http_ok(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 # ---- streaming clients -----------------------------------------------------------------------
@@ -388,70 +276,6 @@ def bench_hf_static(prompts: list[str], tokens: int) -> Run:
     print(f"[HF generate] static batch of {len(prompts)}: {total} tokens in {wall:.1f}s = {run.tok_s:.1f} tok/s",
           flush=True)
     return run
-
-
-# ---- report ----------------------------------------------------------------------------------
-
-
-def find(runs: list[Run], system: str, concurrency: int) -> Run | None:
-    return next((r for r in runs if r.system == system and r.concurrency == concurrency), None)
-
-
-def ratio_line(label: str, num: float | None, den: float | None, target: str, why_missing: str = "") -> str:
-    if num is None or den is None or den == 0:
-        return f"| {label} | n/a{f' ({why_missing})' if why_missing else ''} | {target} |"
-    value = num / den
-    return f"| {label} | {value:.2f} | {target} |"
-
-
-def tok_s(run: Run | None) -> float | None:
-    return run.tok_s if run else None
-
-
-def ratios(runs: list[Run], concurrency: int, tf_blocker: str) -> list[str]:
-    sb_hi, sb_1 = find(runs, "switchboard", concurrency), find(runs, "switchboard", 1)
-    tf_hi = find(runs, "transformers serve", concurrency)
-    hf = next((r for r in runs if r.system == HF_STATIC), None)
-    return [
-        "| ratio | value | target |",
-        "|---|---:|---|",
-        ratio_line(f"Switchboard tok/s ÷ transformers serve tok/s (concurrency {concurrency})",
-                   tok_s(sb_hi), tok_s(tf_hi), "≥ 1.5", "transformers serve did not run" if tf_blocker else ""),
-        ratio_line(f"Switchboard tok/s (concurrency {concurrency}) ÷ HF static batch tok/s",
-                   tok_s(sb_hi), tok_s(hf), "≥ 1.0"),
-        ratio_line(f"Switchboard TTFT p50, concurrency {concurrency} ÷ concurrency 1",
-                   sb_hi.ttft(50) if sb_hi else None, sb_1.ttft(50) if sb_1 else None, "≤ 3"),
-    ]
-
-
-def render(runs: list[Run], args: argparse.Namespace, command: str, elapsed: float, tf_blocker: str) -> str:
-    import torch
-    import transformers
-
-    when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    lines = [
-        f"`{command}` — {args.requests} requests (distinct short prompts), {args.tokens} greedy new tokens each, "
-        f"{MODEL.name}, float32, CPU ({os.cpu_count()} cores, {platform.machine()}), torch {torch.__version__}, "
-        f"transformers {transformers.__version__}, {when}, run time {elapsed / 60:.1f} min:",
-        "",
-        "| system | concurrency | output tokens | output tok/s | TTFT p50 (s) | TTFT p90 (s) | latency p50 (s) | latency p90 (s) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in runs:
-        shown = f"{r.concurrency} (one batch)" if r.system == HF_STATIC else str(r.concurrency)
-        lines.append(f"| {r.system} | {shown} | {r.tokens} | {r.tok_s:.1f} | {r.ttft(50):.2f} | {r.ttft(90):.2f} "
-                     f"| {r.latency(50):.2f} | {r.latency(90):.2f} |")
-    if tf_blocker:
-        lines.append(f"| transformers serve | — | did not run: {tf_blocker.splitlines()[0]} | | | | | |")
-    return "\n".join([*lines, *short_runs(runs, args.requests * args.tokens), "",
-                      *ratios(runs, args.concurrency, tf_blocker), ""])
-
-
-def short_runs(runs: list[Run], expected: int) -> list[str]:
-    """A note for each run whose requests ended early (EOS), so its token count is lower."""
-    notes = [f"Note: {r.system} at concurrency {r.concurrency} made {r.tokens} of {expected} tokens "
-             f"(some requests ended at EOS)." for r in runs if r.tokens < expected]
-    return ["", *notes] if notes else []
 
 
 # ---- main ------------------------------------------------------------------------------------

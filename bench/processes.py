@@ -1,0 +1,77 @@
+"""Child servers for the benchmarks: start, wait until ready, and always stop them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
+
+import httpx
+
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
+SERVER_START_TIMEOUT_S = 900.0
+STOP_GRACE_S = 20.0
+
+
+class Blocked(Exception):
+    """A system could not be benchmarked; the message says why."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def log_tail(path: Path, lines: int = 25) -> str:
+    text = path.read_text(errors="replace") if path.exists() else ""
+    return "\n".join(text.splitlines()[-lines:]) or "(no output)"
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL the whole process group after a grace period."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # stragglers in its group; the leader was started as one
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+@contextmanager
+def server(name: str, cmd: list[str], log: Path, ready: Callable[[], bool]) -> Iterator[None]:
+    """Start ``cmd`` (output to ``log``), wait until ``ready()``, and always stop it afterwards."""
+    print(f"[{name}] starting: {' '.join(cmd)}  (log: {log})", flush=True)
+    started = time.monotonic()
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**os.environ, **OFFLINE_ENV}, start_new_session=True)
+    try:
+        while not ready():
+            if proc.poll() is not None:
+                raise Blocked(f"{name} exited with code {proc.returncode} before it was ready:\n{log_tail(log)}")
+            if time.monotonic() - started > SERVER_START_TIMEOUT_S:
+                raise Blocked(f"{name} not ready after {SERVER_START_TIMEOUT_S:.0f}s:\n{log_tail(log)}")
+            time.sleep(0.5)
+        print(f"[{name}] ready after {time.monotonic() - started:.1f}s", flush=True)
+        yield
+    finally:
+        stop(proc)
+        print(f"[{name}] stopped", flush=True)
+
+
+def http_ok(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
