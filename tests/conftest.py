@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 from pathlib import Path
@@ -52,7 +51,6 @@ def write_config(directory: Path, model_dir: Path, **sections) -> Path:
     e.g. ``write_config(tmp, model, ServerConfig={"tokenTimeout": 5})``.
     """
     data = json.loads(DEFAULT_CONFIG.read_text())
-    data = copy.deepcopy(data)
     data["ServerConfig"].update({"port": free_port(), "managementPort": free_port(), "metricsPort": free_port()})
     data["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["modelWeightPath"] = str(model_dir)
     for section, values in sections.items():

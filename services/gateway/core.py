@@ -39,9 +39,15 @@ class Gateway:
         self.engine = self._heartbeats.decode(msg.data)
         self.engine_seen = time.monotonic()
 
+    def engine_info(self) -> EngineInfo | None:
+        """The latest engine heartbeat, or None when no engine has been heard lately."""
+        if time.monotonic() - self.engine_seen > HEARTBEAT_STALE_S:
+            return None
+        return self.engine
+
     def require_engine(self) -> None:
         """Refuse new inference at once (503) when no engine has sent a heartbeat lately."""
-        if time.monotonic() - self.engine_seen > HEARTBEAT_STALE_S:
+        if self.engine_info() is None:
             raise SwitchboardError(ErrorKind.UNAVAILABLE, f"no engine is serving model {self.model}")
 
     def emit(self, event: MetricsEvent) -> None:
@@ -50,15 +56,12 @@ class Gateway:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def engine_info(self) -> EngineInfo | None:
-        return await self._probe(subjects.engine_health(self.model), EngineInfo)
-
     async def tokenizer_info(self) -> TokenizerInfo | None:
         return await self._probe(subjects.TOKENIZER_HEALTH, TokenizerInfo)
 
     async def is_ready(self) -> bool:
-        engine, tokenizer = await asyncio.gather(self.engine_info(), self.tokenizer_info())
-        return engine is not None and engine.loaded and tokenizer is not None
+        engine = self.engine_info()
+        return engine is not None and engine.loaded and await self.tokenizer_info() is not None
 
     async def _probe(self, subject: str, reply_type):
         try:

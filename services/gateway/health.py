@@ -28,7 +28,7 @@ async def ready(request: Request) -> Response:
 @get("/info")
 async def info(request: Request) -> Response:
     gateway = request.app.state.gateway
-    engine = await gateway.engine_info()
+    engine = gateway.engine_info()
     if engine is None:
         return mindie_error(ErrorKind.UNAVAILABLE, "the engine service is not answering")
     cfg = gateway.cfg

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import select
@@ -90,13 +91,7 @@ class Stack:
             if (info.running == 0 and info.waiting == 0 and info.free_blocks == info.total_blocks) \
                     or time.monotonic() > deadline:
                 return info
-            await _sleep(0.1)
-
-
-async def _sleep(seconds: float) -> None:
-    import asyncio
-
-    await asyncio.sleep(seconds)
+            await asyncio.sleep(0.1)
 
 
 def sse_events(body: str) -> list[dict]:
