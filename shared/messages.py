@@ -6,7 +6,7 @@ only ever appended, with defaults, so old and new services interoperate.
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Any, Union
 
 import msgspec
 
@@ -31,6 +31,11 @@ class Sampling(msgspec.Struct, kw_only=True, omit_defaults=True):
     max_new_tokens: int = 20
     stop: list[str] = []
     ignore_eos: bool = False
+    presence_penalty: float = 0.0  # OpenAI/vLLM: on generated tokens only
+    frequency_penalty: float = 0.0
+    stop_token_ids: list[int] = []  # end like eos (unless ignore_eos)
+    logprobs: int | None = None  # None: none; k: the sampled token's logprob and the k most likely
+    include_stop_str_in_output: bool = False
 
     @property
     def has_warpers(self) -> bool:
@@ -51,6 +56,8 @@ class GenerateRequest(Msg):
     reply_to: str  # the gateway inbox subject for this request's events
     prompt: str = ""
     prompt_ids: list[int] | None = None  # token-id input (skips encoding)
+    messages: list[dict[str, Any]] | None = None  # chat input: rendered by the model's chat template
+    chat_template_kwargs: dict[str, Any] = {}
     sampling: Sampling = msgspec.field(default_factory=Sampling)
     truncate: int = 0  # keep only the last n prompt tokens; 0 = off
     return_prompt_ids: bool = False
@@ -78,7 +85,21 @@ class Cancel(Msg):
     reason: str = "cancelled"
 
 
+class StopInfer(msgspec.Struct, omit_defaults=True):
+    """Gateway to gateways: end the request a client named ``user_id`` (Triton stopInfer)."""
+
+    user_id: str
+
+
 # ---- to the tokenizer, from the engine --------------------------------------------------------
+
+
+class TokenLogprob(msgspec.Struct, array_like=True):
+    """One sampled token's log-probability (of the model's raw distribution) and the most likely ids."""
+
+    logprob: float
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
 
 
 class TokenEvent(msgspec.Struct, omit_defaults=True):
@@ -86,6 +107,7 @@ class TokenEvent(msgspec.Struct, omit_defaults=True):
     token_ids: list[int]
     finish_reason: str | None = None  # length | eos_token | cancelled | error
     error: ErrorInfo | None = None
+    logprobs: list[TokenLogprob] = []  # one per token id when the request asked for them
 
 
 class TokenBatch(msgspec.Struct, omit_defaults=True):
@@ -98,10 +120,18 @@ class TokenBatch(msgspec.Struct, omit_defaults=True):
 # ---- to the gateway ---------------------------------------------------------------------------
 
 
+class TopToken(msgspec.Struct, array_like=True):
+    id: int
+    text: str
+    logprob: float
+
+
 class TokenOut(msgspec.Struct, array_like=True):
     id: int
     text: str
     special: bool
+    logprob: float | None = None
+    top: list[TopToken] = []
 
 
 class Started(Msg, tag="started"):

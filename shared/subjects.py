@@ -9,6 +9,7 @@ TOKENIZER_HEALTH = f"{PREFIX}.tokenizer.health"  # request/reply (queue group)
 TOKENIZER_QUEUE = "tokenizer"
 
 CANCEL = f"{PREFIX}.cancel"  # fan-out: every engine and tokenizer hears it
+STOP_INFER = f"{PREFIX}.stopinfer"  # request to every gateway: the one running the named request answers
 METRICS_EVENTS = f"{PREFIX}.metrics.events"  # lifecycle events -> metrics
 METRICS_SNAPSHOT = f"{PREFIX}.metrics.snapshot"  # request/reply
 METRICS_QUEUE = "metrics"

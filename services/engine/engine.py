@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from services.engine.block_manager import BlockManager, blocks_for
 from services.engine.model_runner import ModelRunner
-from services.engine.sampler import sample
+from services.engine.sampler import raw_logprobs, sample, token_logprob
 from services.engine.scheduler import Finish, Limits, Scheduler
 from services.engine.sequence import Sequence
 from shared.errors import ErrorInfo, ErrorKind
@@ -54,14 +54,18 @@ class Engine:
         if not seqs:
             return events
         logits = self.runner.run(seqs, is_prefill)
+        logprob_rows = raw_logprobs(logits, seqs)
         token_ids = sample(logits, seqs)
         finished = {f.seq.id: f for f in self.scheduler.postprocess(seqs, token_ids)}
         now = time.time()
         for seq in seqs:
             seq.last_event_at = now
-        for seq, token_id in zip(seqs, token_ids):
+        for i, (seq, token_id) in enumerate(zip(seqs, token_ids)):
             done = finished.get(seq.id)
-            events.append(TokenEvent(seq.id, [token_id], done.reason if done else None))
+            event = TokenEvent(seq.id, [token_id], done.reason if done else None)
+            if i in logprob_rows:
+                event.logprobs = [token_logprob(logprob_rows[i], token_id, seq.sampling.logprobs)]
+            events.append(event)
             if done:
                 self.seqs.pop(seq.id, None)
         return events

@@ -1,8 +1,9 @@
 """Per-request sampling in one batched pass over the step's logits.
 
-Order as transformers applies it: repetition penalty, temperature, top-k, top-p, typical-p, then
-greedy argmax or a draw from each request's own seeded generator (so a seeded request gives the
-same tokens whatever else shares its batch).
+Order as transformers applies it: repetition penalty (then vLLM's presence and frequency
+penalties on generated tokens), temperature, top-k, top-p, typical-p, then greedy argmax or a draw
+from each request's own seeded generator (so a seeded request gives the same tokens whatever else
+shares its batch). Log-probabilities, when asked for, are those of the model's raw distribution.
 """
 
 from __future__ import annotations
@@ -10,11 +11,13 @@ from __future__ import annotations
 import torch
 
 from services.engine.sequence import Sequence
+from shared.messages import TokenLogprob
 
 
 @torch.inference_mode()
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     apply_repetition_penalty(logits, seqs)
+    apply_output_penalties(logits, seqs)
     greedy = logits.argmax(dim=-1).tolist()
     rows = [i for i, s in enumerate(seqs) if s.sampling.sampling]
     if not rows:
@@ -41,6 +44,33 @@ def apply_repetition_penalty(logits: torch.Tensor, seqs: list[Sequence]) -> None
         ids = torch.tensor(sorted(set(seq.token_ids)), device=logits.device)
         scores = logits[i, ids]
         logits[i, ids] = torch.where(scores < 0, scores * penalty, scores / penalty)
+
+
+def apply_output_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """OpenAI presence/frequency penalties: subtract per generated occurrence (frequency) and once (presence)."""
+    for i, seq in enumerate(seqs):
+        presence, frequency = seq.sampling.presence_penalty, seq.sampling.frequency_penalty
+        if (presence == 0.0 and frequency == 0.0) or seq.num_generated == 0:
+            continue
+        generated = torch.tensor(seq.token_ids[seq.num_prompt_tokens:], device=logits.device)
+        counts = torch.bincount(generated, minlength=logits.shape[-1])[: logits.shape[-1]].to(logits.dtype)
+        logits[i] -= frequency * counts + presence * (counts > 0).to(logits.dtype)
+
+
+@torch.inference_mode()
+def raw_logprobs(logits: torch.Tensor, seqs: list[Sequence]) -> dict[int, torch.Tensor]:
+    """Log-softmax rows of the requests that asked for logprobs, taken before any penalty or warper."""
+    rows = [i for i, s in enumerate(seqs) if s.sampling.logprobs is not None]
+    if not rows:
+        return {}
+    return dict(zip(rows, logits[rows].float().log_softmax(dim=-1)))
+
+
+def token_logprob(row: torch.Tensor, token_id: int, k: int) -> TokenLogprob:
+    if k <= 0:
+        return TokenLogprob(float(row[token_id]))
+    top = row.topk(min(k, row.shape[-1]))
+    return TokenLogprob(float(row[token_id]), top.indices.tolist(), top.values.tolist())
 
 
 def warp(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -118,7 +118,7 @@ class Scheduler:
         return finished
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
-        if token_id in self.eos_token_ids and not seq.sampling.ignore_eos:
+        if not seq.sampling.ignore_eos and (token_id in self.eos_token_ids or token_id in seq.sampling.stop_token_ids):
             return "eos_token"
         if seq.num_generated >= seq.sampling.max_new_tokens or len(seq) >= self.limits.max_seq_len:
             return "length"

@@ -12,10 +12,13 @@ from litestar.types import ASGIApp, Message, Receive, Scope, Send
 from services.gateway import health
 from services.gateway.core import Gateway
 from services.gateway.errors import EXCEPTION_HANDLERS
+from services.gateway.native import routes as native
+from services.gateway.openai_api import routes as openai_api
 from services.gateway.tgi import routes as tgi
+from services.gateway.triton import routes as triton
 
-BUSINESS_ROUTES = [*tgi.ROUTES]
-MANAGEMENT_ROUTES = [*health.ROUTES]
+BUSINESS_ROUTES = [*tgi.ROUTES, *openai_api.ROUTES, *triton.ROUTES, *native.ROUTES]
+MANAGEMENT_ROUTES = [*health.ROUTES, *triton.MANAGEMENT_ROUTES]
 
 
 @dataclass(frozen=True)

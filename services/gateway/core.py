@@ -13,10 +13,11 @@ from services.gateway.mailbox import Mailboxes
 from shared import bus, subjects
 from shared.config import Config
 from shared.errors import ErrorKind, SwitchboardError
-from shared.messages import EngineInfo, MetricsEvent, Ping, TokenizerInfo, decoder
+from shared.messages import Cancel, EngineInfo, MetricsEvent, Ping, StopInfer, TokenizerInfo, decoder, encode
 
 log = logging.getLogger("switchboard.gateway")
 PROBE_TIMEOUT_S = 1.0
+STOP_INFER_TIMEOUT_S = 0.5  # how long other gateways get to claim a stopInfer id
 HEARTBEAT_STALE_S = 2.0  # an engine silent this long is taken as gone
 
 
@@ -30,10 +31,43 @@ class Gateway:
         self.engine: EngineInfo | None = None
         self.engine_seen = 0.0
         self._heartbeats = decoder(EngineInfo)
+        self._stops = decoder(StopInfer)
+        self.sessions: dict[str, object] = {}  # user id -> in-flight Session, for stopInfer
 
     async def start(self) -> None:
         await self.mailboxes.start()
         await bus.subscribe(self.nc, subjects.engine_heartbeat(self.model), self.on_heartbeat)
+        await bus.subscribe(self.nc, subjects.STOP_INFER, self.on_stop_infer)
+
+    # ---- in-flight requests by the id their client gave (Triton stopInfer) -------------------
+
+    def register(self, session) -> None:
+        self.sessions[session.user_id] = session
+
+    def unregister(self, session) -> None:
+        if self.sessions.get(session.user_id) is session:
+            del self.sessions[session.user_id]
+
+    async def stop_infer(self, user_id: str) -> bool:
+        """End the request ``user_id`` on whichever gateway runs it; False when none does."""
+        if await self._stop_local(user_id):
+            return True
+        try:
+            await self.nc.request(subjects.STOP_INFER, encode(StopInfer(user_id)), timeout=STOP_INFER_TIMEOUT_S)
+            return True
+        except (NatsTimeout, NoRespondersError, asyncio.TimeoutError):
+            return False
+
+    async def on_stop_infer(self, msg) -> None:
+        if await self._stop_local(self._stops.decode(msg.data).user_id):
+            await msg.respond(b"")
+
+    async def _stop_local(self, user_id: str) -> bool:
+        session = self.sessions.get(user_id)
+        if session is None:
+            return False
+        await bus.publish(self.nc, subjects.CANCEL, Cancel(id=session.id, reason="stopInfer"))
+        return True
 
     async def on_heartbeat(self, msg) -> None:
         self.engine = self._heartbeats.decode(msg.data)

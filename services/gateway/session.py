@@ -15,9 +15,12 @@ START_TIMEOUT_S = 30.0
 
 
 class Session:
-    def __init__(self, gateway, prompt: str, sampling: Sampling, **fields):
+    """``user_id`` is the id a client gave the request (Triton ``id``), by which stopInfer finds it."""
+
+    def __init__(self, gateway, prompt: str, sampling: Sampling, user_id: str | None = None, **fields):
         self.gw = gateway
         self.id = uuid.uuid4().hex
+        self.user_id = user_id or self.id
         self.arrival = time.time()
         self.reply_to, self.queue = gateway.mailboxes.open(self.id)
         self.request = GenerateRequest(
@@ -32,6 +35,7 @@ class Session:
     async def start(self) -> Started:
         """Publish the request and wait for the tokenizer's answer (raises on a validation error)."""
         self.gw.require_engine()
+        self.gw.register(self)
         await bus.publish(self.gw.nc, subjects.TOKENIZER_GENERATE, self.request)
         event = await self._next(START_TIMEOUT_S, "the tokenizer service did not answer")
         if isinstance(event, Started):
@@ -71,6 +75,7 @@ class Session:
     async def close(self) -> None:
         """Always called: cancel an unfinished request, free the mailbox, report the lifecycle."""
         self.gw.mailboxes.close(self.id)
+        self.gw.unregister(self)
         if self.finish_reason is None:
             self.finish_reason = "cancelled"
             await bus.publish(self.gw.nc, subjects.CANCEL, Cancel(id=self.id, reason="client_disconnected"))

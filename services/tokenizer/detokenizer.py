@@ -42,8 +42,9 @@ class IncrementalDecoder:
 class StopMatcher:
     """Accumulates generated text and releases what is safe to send."""
 
-    def __init__(self, stops: list[str]):
+    def __init__(self, stops: list[str], include: bool = False):
         self.stops = [s for s in stops if s]
+        self.include = include  # keep the stop string itself in the output (vLLM include_stop_str_in_output)
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.text = ""
         self.released = 0
@@ -59,8 +60,11 @@ class StopMatcher:
         return self._release(end), False
 
     def _first_stop(self) -> int | None:
-        hits = [i for s in self.stops if (i := self.text.find(s, self.released)) >= 0]
-        return min(hits) if hits else None
+        hits = [(i, len(s)) for s in self.stops if (i := self.text.find(s, self.released)) >= 0]
+        if not hits:
+            return None
+        start, length = min(hits)
+        return start + length if self.include else start
 
     def _release(self, end: int) -> str:
         piece = self.text[self.released : end]

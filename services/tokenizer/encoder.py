@@ -10,7 +10,12 @@ MAX_TOKENS_NUM = 1048576
 
 
 def encode_prompt(tokenizer, req: GenerateRequest, deploy: ModelDeployConfig) -> list[int]:
-    ids = list(req.prompt_ids) if req.prompt_ids is not None else tokenizer(req.prompt).input_ids
+    if req.prompt_ids is not None:
+        ids = list(req.prompt_ids)
+    elif req.messages is not None:
+        ids = render_chat(tokenizer, req)
+    else:
+        ids = tokenizer(req.prompt).input_ids
     if not ids:
         raise validation("the prompt is empty after tokenization")
     if req.truncate and req.truncate < len(ids):
@@ -34,3 +39,15 @@ def check_token_ids(ids: list[int], vocab_size: int) -> None:
     bad = [i for i in ids if not 0 <= i < vocab_size]
     if bad:
         raise validation(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+
+
+def render_chat(tokenizer, req: GenerateRequest) -> list[int]:
+    """The conversation through the model's chat template, ending with the assistant's turn."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise validation("the model has no chat_template in its tokenizer_config.json; use /v1/completions")
+    try:
+        text = tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False,
+                                             **req.chat_template_kwargs)
+    except Exception as exc:  # a template error is the caller's messages not fitting the template
+        raise validation(f"the messages do not fit the model's chat template: {exc}") from None
+    return tokenizer(text, add_special_tokens=False).input_ids

@@ -23,7 +23,7 @@ from shared.config import Config
 from shared.errors import SwitchboardError
 from shared.messages import (
     Cancel, EngineRequest, Failed, GenerateRequest, Output, Started, TokenBatch, TokenEvent,
-    TokenizerInfo, TokenOut, decoder,
+    TokenizerInfo, TokenLogprob, TokenOut, TopToken, decoder,
 )
 
 log = logging.getLogger("switchboard.tokenizer")
@@ -75,7 +75,8 @@ class TokenizerService:
             await bus.publish(self.nc, req.reply_to, Failed(id=req.id, error=exc.info))
             return
         seed = req.sampling.seed if req.sampling.seed is not None else random.randint(1, 2**31 - 1)
-        self.pending[req.id] = Pending(req, IncrementalDecoder(self.tok, ids), StopMatcher(req.sampling.stop))
+        stops = StopMatcher(req.sampling.stop, req.sampling.include_stop_str_in_output)
+        self.pending[req.id] = Pending(req, IncrementalDecoder(self.tok, ids), stops)
         await bus.publish(self.nc, req.reply_to, self.started(req, ids, seed))
         await bus.publish(self.nc, subjects.engine_generate(req.model), self.engine_request(req, ids, seed))
 
@@ -134,10 +135,17 @@ class TokenizerService:
             final = event.finish_reason is not None and i == len(event.token_ids) - 1
             delta = state.decoder.add(token_id) + (state.decoder.flush() if final else "")
             text, stopped = state.stops.feed(delta, final)
-            tokens.append(TokenOut(token_id, text, token_id in self.special_ids))
+            tokens.append(self.token_out(token_id, text, event.logprobs[i] if event.logprobs else None))
             if stopped:
                 return tokens, True
         return tokens, False
+
+    def token_out(self, token_id: int, text: str, logprob: TokenLogprob | None) -> TokenOut:
+        special = token_id in self.special_ids
+        if logprob is None:
+            return TokenOut(token_id, text, special)
+        top = [TopToken(i, self.tok.decode([i]), lp) for i, lp in zip(logprob.top_ids, logprob.top_logprobs)]
+        return TokenOut(token_id, text, special, logprob.logprob, top)
 
     async def on_cancel(self, msg: NatsMsg) -> None:
         cancel = self.cancels.decode(msg.data)

@@ -127,6 +127,13 @@ def test_stop_string_and_everything_after_it_are_cut():
     assert "".join(pieces) == "Hello world "
 
 
+def test_stop_string_kept_when_included():
+    matcher = StopMatcher(["STOP"], include=True)
+    pieces, hit = feed_all(matcher, ["Hello ", "world ST", "OP and", " more text"])
+    assert hit
+    assert "".join(pieces) == "Hello world STOP"
+
+
 def test_stop_string_inside_one_delta():
     matcher = StopMatcher(["\n\n"])
     piece, hit = matcher.feed("first line\n\nsecond", final=False)

@@ -200,3 +200,26 @@ def test_eos_ends_unless_ignore_eos(tiny_runner):
     assert run.tokens["ignores"] == reference
     assert run.reason("ignores") == "length"
     assert_pool_whole(engine)
+
+
+def test_stop_token_ids_end_like_eos(tiny_runner):
+    reference = greedy_reference(tiny_runner, [prompt(10)], 6)[0]
+    engine = Engine(tiny_runner, limits(), set())
+    engine.add_request(request("r", prompt(10), max_new_tokens=6, stop_token_ids=[reference[3]]))
+    run = run_until_idle(engine)
+    assert run.tokens["r"] == reference[: reference.index(reference[3]) + 1]
+    assert run.reason("r") == "eos_token"
+    assert_pool_whole(engine)
+
+
+def test_logprobs_ride_on_token_events(tiny_runner):
+    engine = Engine(tiny_runner, limits(), set())
+    engine.add_request(request("lp", prompt(10), max_new_tokens=3, logprobs=2))
+    engine.add_request(request("plain", prompt(10), max_new_tokens=3))
+    events = []
+    while engine.has_work:
+        events += engine.step()
+    with_lp = [e for e in events if e.id == "lp"]
+    assert all(len(e.logprobs) == 1 and len(e.logprobs[0].top_ids) == 2 for e in with_lp)
+    assert all(e.logprobs[0].top_ids[0] == e.token_ids[0] for e in with_lp)  # greedy picks the top one
+    assert all(not e.logprobs for e in events if e.id == "plain")

@@ -12,7 +12,9 @@ from transformers.generation.logits_process import (
     TypicalLogitsWarper,
 )
 
-from services.engine.sampler import apply_repetition_penalty, sample, top_k, top_p, typical_p, warp
+from services.engine.sampler import (
+    apply_output_penalties, apply_repetition_penalty, raw_logprobs, sample, token_logprob, top_k, top_p, typical_p, warp,
+)
 from services.engine.sequence import Sequence
 from shared.messages import Sampling
 
@@ -242,3 +244,32 @@ def test_different_seeds_differ():
     logits = random_logits(1, seed=16, scale=0.5)
     a, b = seq(do_sample=True, seed=1), seq(do_sample=True, seed=2)
     assert [sample(logits.clone(), [a])[0] for _ in range(10)] != [sample(logits.clone(), [b])[0] for _ in range(10)]
+
+
+# ---- presence / frequency penalties and logprobs ----------------------------------------------
+
+
+def test_presence_and_frequency_penalties_count_generated_tokens_only():
+    s = seq([7, 7, 9], presence_penalty=0.5, frequency_penalty=0.25)
+    s.append(9)
+    s.append(9)
+    s.append(4)
+    logits = torch.zeros(1, VOCAB)
+    apply_output_penalties(logits, [s])
+    assert logits[0, 9].item() == pytest.approx(-(0.5 + 2 * 0.25))
+    assert logits[0, 4].item() == pytest.approx(-(0.5 + 0.25))
+    assert logits[0, 7].item() == 0.0  # prompt-only tokens are not penalized
+    assert logits[0, 0].item() == 0.0
+
+
+def test_logprobs_are_the_raw_distribution_with_the_top_k():
+    logits = random_logits(3, seed=11)
+    seqs = [seq(logprobs=2), seq(), seq(logprobs=0)]
+    rows = raw_logprobs(logits, seqs)
+    assert set(rows) == {0, 2}
+    expected = logits[0].log_softmax(-1)
+    got = token_logprob(rows[0], 5, 2)
+    assert got.logprob == pytest.approx(expected[5].item(), abs=1e-5)
+    assert got.top_ids == expected.topk(2).indices.tolist()
+    assert got.top_logprobs == pytest.approx(expected.topk(2).values.tolist(), abs=1e-5)
+    assert token_logprob(rows[2], 5, 0).top_ids == []
