@@ -195,6 +195,18 @@ class EngineInfo(msgspec.Struct, omit_defaults=True):
     free_slots: int = 0  # maxBatchSize - running
 
 
+class Tokenize(msgspec.Struct, omit_defaults=True):
+    """Gateway to tokenizer: count (and show) the tokens of a text, encoded as a generate would."""
+
+    text: str
+    trace: dict[str, str] = {}
+
+
+class Tokenized(msgspec.Struct, omit_defaults=True):
+    ids: list[int]
+    pieces: list[str]  # text per token; a character spread over several tokens appears once, merged
+
+
 class TokenizerInfo(msgspec.Struct, omit_defaults=True):
     model: str
     vocab_size: int

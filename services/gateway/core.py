@@ -13,7 +13,10 @@ from services.gateway.mailbox import Mailboxes
 from shared import bus, subjects
 from shared.config import Config
 from shared.errors import ErrorKind, SwitchboardError
-from shared.messages import Cancel, EngineInfo, MetricsEvent, Ping, StopInfer, TokenizerInfo, decoder, encode
+from shared.messages import (
+    Cancel, EngineInfo, MetricsEvent, Ping, StopInfer, Tokenize, Tokenized, TokenizerInfo, decoder,
+    encode,
+)
 
 log = logging.getLogger("switchboard.gateway")
 PROBE_TIMEOUT_S = 1.0
@@ -93,12 +96,19 @@ class Gateway:
     async def tokenizer_info(self) -> TokenizerInfo | None:
         return await self._probe(subjects.TOKENIZER_HEALTH, TokenizerInfo)
 
+    async def tokenize(self, text: str) -> Tokenized:
+        """The prompt's tokens as a generate request would count them (POST /v1/tokenizer)."""
+        reply = await self._probe(subjects.TOKENIZER_TOKENIZE, Tokenized, Tokenize(text=text), timeout=30.0)
+        if reply is None:
+            raise SwitchboardError(ErrorKind.UNAVAILABLE, "the tokenizer service did not answer")
+        return reply
+
     async def is_ready(self) -> bool:
         engine = self.engine_info()
         return engine is not None and engine.loaded and await self.tokenizer_info() is not None
 
-    async def _probe(self, subject: str, reply_type):
+    async def _probe(self, subject: str, reply_type, message=None, timeout: float = PROBE_TIMEOUT_S):
         try:
-            return await bus.request(self.nc, subject, Ping(), reply_type, timeout=PROBE_TIMEOUT_S)
+            return await bus.request(self.nc, subject, message or Ping(), reply_type, timeout=timeout)
         except (NatsTimeout, NoRespondersError, msgspec.DecodeError, asyncio.TimeoutError):
             return None

@@ -66,9 +66,9 @@ class Fields:
         value = self._get(key)
         if value is None:
             return default
-        if isinstance(value, bool) or not isinstance(value, int):
-            kind = "unsigned" if lo >= 0 else "integer"
-            raise validation(f"{self._name(key)} must be {kind} type.")
+        unsigned = lo >= 0
+        if isinstance(value, bool) or not isinstance(value, int) or (unsigned and value < 0):
+            raise validation(f"{self._name(key)} must be {'unsigned' if unsigned else 'integer'} type.")
         self._check_range(key, value, lo, hi, lo_open, False)
         return value
 

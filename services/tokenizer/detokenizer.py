@@ -12,8 +12,9 @@ PROMPT_CONTEXT = 5  # prompt tokens decoded along, so the first token's leading 
 
 
 class IncrementalDecoder:
-    def __init__(self, tokenizer, prompt_ids: list[int]):
+    def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.ids = list(prompt_ids[-PROMPT_CONTEXT:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -36,7 +37,7 @@ class IncrementalDecoder:
         return full[len(prefix) :]
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False)
 
 
 class StopMatcher:
@@ -70,3 +71,11 @@ class StopMatcher:
         piece = self.text[self.released : end]
         self.released = end
         return piece
+
+
+def token_pieces(tokenizer, ids: list[int]) -> list[str]:
+    """The text each token adds, special tokens shown; a character split over tokens appears once."""
+    decoder = IncrementalDecoder(tokenizer, [], skip_special_tokens=False)
+    pieces = [decoder.add(i) for i in ids]
+    pieces.append(decoder.flush())
+    return [p for p in pieces if p]

@@ -16,14 +16,14 @@ from dataclasses import dataclass
 import msgspec
 from nats.aio.msg import Msg as NatsMsg
 
-from services.tokenizer.detokenizer import IncrementalDecoder, StopMatcher
+from services.tokenizer.detokenizer import IncrementalDecoder, StopMatcher, token_pieces
 from services.tokenizer.encoder import check_token_ids, encode_prompt
 from shared import bus, subjects
 from shared.config import Config
 from shared.errors import SwitchboardError
 from shared.messages import (
     Cancel, EngineRequest, Failed, GenerateRequest, Output, Started, TokenBatch, TokenEvent,
-    TokenizerInfo, TokenLogprob, TokenOut, TopToken, decoder,
+    Tokenize, Tokenized, TokenizerInfo, TokenLogprob, TokenOut, TopToken, decoder,
 )
 
 log = logging.getLogger("switchboard.tokenizer")
@@ -58,10 +58,12 @@ class TokenizerService:
         self.requests = decoder(GenerateRequest)
         self.batches = decoder(TokenBatch)
         self.cancels = decoder(Cancel)
+        self.tokenizes = decoder(Tokenize)
 
     async def start(self) -> None:
         await bus.subscribe(self.nc, subjects.TOKENIZER_GENERATE, self.on_request, queue=subjects.TOKENIZER_QUEUE)
         await bus.subscribe(self.nc, subjects.TOKENIZER_HEALTH, self.on_health, queue=subjects.TOKENIZER_QUEUE)
+        await bus.subscribe(self.nc, subjects.TOKENIZER_TOKENIZE, self.on_tokenize, queue=subjects.TOKENIZER_QUEUE)
         await bus.subscribe(self.nc, self.inbox, self.on_tokens)
         await bus.subscribe(self.nc, subjects.CANCEL, self.on_cancel)
 
@@ -151,6 +153,11 @@ class TokenizerService:
         cancel = self.cancels.decode(msg.data)
         if cancel.reason == "client_disconnected":
             self.pending.pop(cancel.id, None)
+
+    async def on_tokenize(self, msg: NatsMsg) -> None:
+        text = self.tokenizes.decode(msg.data).text
+        ids = await asyncio.to_thread(lambda: self.tok(text).input_ids) if len(text) > 2048 else self.tok(text).input_ids
+        await bus.respond(msg, Tokenized(ids=ids, pieces=token_pieces(self.tok, ids)))
 
     async def on_health(self, msg: NatsMsg) -> None:
         eos = self.tok.eos_token_id

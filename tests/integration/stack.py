@@ -103,3 +103,12 @@ def sse_events(body: str) -> list[dict]:
         assert block.startswith("data: "), f"bad SSE framing: {block!r}"
         events.append(json.loads(block[len("data: "):]))
     return events
+
+
+def post(stack: Stack, path: str, body, **kw):
+    """POST a JSON body (or raw bytes/str) to the business listener."""
+    import httpx
+
+    content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return httpx.post(stack.url + path, content=content, headers={"Content-Type": "application/json"},
+                      timeout=60, **kw)

@@ -7,16 +7,10 @@ import json
 import httpx
 import pytest
 
-from tests.integration.stack import sse_events
+from tests.integration.stack import post, sse_events
 
 PROMPT = "My name is Olivier and I"
 GREEDY = {"do_sample": False, "max_new_tokens": 8}
-
-
-def post(stack, path: str, body, **kw) -> httpx.Response:
-    content = body if isinstance(body, (bytes, str)) else json.dumps(body)
-    return httpx.post(stack.url + path, content=content, headers={"Content-Type": "application/json"},
-                      timeout=60, **kw)
 
 
 def assert_serving(stack) -> None:

@@ -1,5 +1,37 @@
-"""MindIE-native routes: /infer, /infer_token, /v1/tokenizer (reference §3.27, §3.28, §3.32)."""
+"""MindIE-native routes: /infer, /infer_token, /v1/tokenizer (reference §3.27, §3.28, §3.32).
+
+Errors use MindIE's ``{"error", "error_type"}`` body (the app's default handlers).
+"""
 
 from __future__ import annotations
 
-ROUTES: list = []
+from litestar import Request, Response, post
+
+from services.gateway import respond
+from services.gateway.native.responses import collect, stream_events
+from services.gateway.native.schemas import parse_infer, parse_tokenize
+from services.gateway.session import Session
+
+
+@post(["/infer", "/infer_token"], status_code=200)
+async def infer(request: Request) -> Response:
+    req = parse_infer(await request.body())
+    gateway = request.app.state.gateway
+    session = Session(gateway, req.text or "", req.sampling, prompt_ids=req.ids, priority=req.priority,
+                      timeout_s=req.timeout_s)
+    started = await respond.start(request, session)
+    if req.stream:
+        return respond.event_stream(stream_events(session, req, started, gateway.cfg.server.full_text_enabled))
+    return await respond.collect(request, session, collect(session, req, started))
+
+
+@post("/v1/tokenizer", status_code=200)
+async def tokenizer(request: Request) -> Response:
+    gateway = request.app.state.gateway
+    req = parse_tokenize(await request.body(), gateway.cfg.server.max_request_length)
+    result = await gateway.tokenize(req.text)
+    return Response({"token_number": len(result.ids), "tokens": result.pieces if req.do_decode else []},
+                    media_type="application/json")
+
+
+ROUTES = [infer, tokenizer]

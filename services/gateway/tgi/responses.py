@@ -30,8 +30,8 @@ def full_text(req: TgiRequest, generated: str) -> str:
     return f"{req.inputs} {generated}" if req.return_full_text else generated
 
 
-async def collect(session: Session, req: TgiRequest, started: Started) -> dict[str, Any]:
-    """Run a non-streaming request to its end and build TGI's object."""
+async def collect(session: Session, req: TgiRequest, started: Started, as_array: bool = False) -> Any:
+    """Run a non-streaming request to its end and build TGI's object (in an array for ``POST /``)."""
     tokens: list[TokenOut] = []
     async for out in session.outputs():
         tokens.extend(out.tokens)
@@ -49,7 +49,7 @@ async def collect(session: Session, req: TgiRequest, started: Started) -> dict[s
             },
             **body,
         }
-    return body
+    return [body] if as_array else body
 
 
 def sse(payload: dict[str, Any]) -> bytes:
