@@ -157,6 +157,17 @@ GatewayEvent = Union[Started, Output, Failed]
 # ---- to the metrics service -------------------------------------------------------------------
 
 
+class Received(Msg, tag="received"):
+    model: str
+
+
+class Queued(msgspec.Struct, tag="queued", omit_defaults=True):
+    """Engine: seconds each request of this step waited from receipt to its first schedule."""
+
+    model: str
+    seconds: list[float]
+
+
 class FirstToken(Msg, tag="first_token"):
     model: str
     ttft_s: float
@@ -172,7 +183,7 @@ class Finished(Msg, tag="finished"):
     finish_reason: str
 
 
-MetricsEvent = Union[FirstToken, Finished]
+MetricsEvent = Union[Received, Queued, FirstToken, Finished]
 
 
 # ---- request/reply ----------------------------------------------------------------------------
@@ -193,6 +204,9 @@ class EngineInfo(msgspec.Struct, omit_defaults=True):
     running: int
     waiting: int
     free_slots: int = 0  # maxBatchSize - running
+    prompt_tokens_total: int = 0  # counters since start: tokens prefilled (recomputes included) ...
+    generation_tokens_total: int = 0  # ... tokens sampled
+    preemptions_total: int = 0
 
 
 class Tokenize(msgspec.Struct, omit_defaults=True):
@@ -218,6 +232,10 @@ class MetricsSnapshot(msgspec.Struct, omit_defaults=True):
     ttft_avg_ms: float
     tbt_avg_ms: float
     per_request: dict[str, tuple[float | None, float | None]] = {}  # id -> (ttft_ms, tbt_ms)
+
+
+class PrometheusText(msgspec.Struct):
+    body: bytes  # Prometheus text exposition format 0.0.4
 
 
 _encoder = msgspec.msgpack.Encoder()

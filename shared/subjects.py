@@ -13,6 +13,7 @@ CANCEL = f"{PREFIX}.cancel"  # fan-out: every engine and tokenizer hears it
 STOP_INFER = f"{PREFIX}.stopinfer"  # request to every gateway: the one running the named request answers
 METRICS_EVENTS = f"{PREFIX}.metrics.events"  # lifecycle events -> metrics
 METRICS_SNAPSHOT = f"{PREFIX}.metrics.snapshot"  # request/reply
+METRICS_PROMETHEUS = f"{PREFIX}.metrics.prometheus"  # request/reply: Prometheus text
 METRICS_QUEUE = "metrics"
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import queue
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.engine.block_manager import BlockManager, blocks_for
 from services.engine.model_runner import ModelRunner
@@ -17,6 +17,19 @@ from services.engine.scheduler import Finish, Limits, Scheduler
 from services.engine.sequence import Sequence
 from shared.errors import ErrorInfo, ErrorKind
 from shared.messages import EngineRequest, TokenEvent
+
+
+@dataclass
+class Stats:
+    """Counters since start, and queue times not yet reported."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    queue_times: list[float] = field(default_factory=list)
+
+    def take_queue_times(self) -> list[float]:
+        taken, self.queue_times = self.queue_times, []
+        return taken
 
 
 @dataclass(frozen=True)
@@ -32,6 +45,7 @@ class Engine:
         self.scheduler = Scheduler(limits, self.blocks, eos_token_ids)
         self.inbox: queue.SimpleQueue[EngineRequest | _Abort] = queue.SimpleQueue()
         self.seqs: dict[str, Sequence] = {}
+        self.stats = Stats()
 
     # ---- called from any thread -------------------------------------------------------------
 
@@ -53,6 +67,7 @@ class Engine:
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
             return events
+        self._count(seqs, is_prefill)
         logits = self.runner.run(seqs, is_prefill)
         logprob_rows = raw_logprobs(logits, seqs)
         token_ids = sample(logits, seqs)
@@ -69,6 +84,18 @@ class Engine:
             if done:
                 self.seqs.pop(seq.id, None)
         return events
+
+    def _count(self, seqs: list[Sequence], is_prefill: bool) -> None:
+        self.stats.generation_tokens += len(seqs)
+        if not is_prefill:
+            return
+        now = time.time()
+        for seq in seqs:
+            self.stats.prompt_tokens += len(seq)
+            if seq.scheduled_at is None:
+                seq.scheduled_at = now
+                if seq.arrival:
+                    self.stats.queue_times.append(max(0.0, now - seq.arrival))
 
     def _drain_inbox(self) -> list[TokenEvent]:
         events: list[TokenEvent] = []
@@ -88,7 +115,7 @@ class Engine:
                                                     f"{self.blocks.num_blocks}; raise Switchboard.kvCacheMemoryMb")
             return [TokenEvent(req.id, [], "error", error)]
         seq = Sequence(req.id, req.prompt_ids, req.sampling, priority=req.priority, deadline=req.deadline,
-                       deadline_reason=req.deadline_reason, last_event_at=time.time())
+                       deadline_reason=req.deadline_reason, last_event_at=time.time(), arrival=req.arrival)
         self.seqs[req.id] = seq
         self.scheduler.add(seq)
         return []

@@ -32,6 +32,7 @@ class Scheduler:
         self.eos_token_ids = eos_token_ids
         self.waiting: list[Sequence] = []  # sorted by (priority, arrival)
         self.running: list[Sequence] = []
+        self.num_preemptions = 0
 
     @property
     def is_idle(self) -> bool:
@@ -106,6 +107,7 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.free(seq)
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         self.add(seq)
 
     def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Finish]:

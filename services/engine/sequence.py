@@ -28,6 +28,8 @@ class Sequence:
     deadline: float | None = None
     deadline_reason: str = "server e2eTimeout"
     last_event_at: float = 0.0  # receipt, then each new token: tokenTimeout counts from here
+    arrival: float = 0.0  # unix time the gateway received it (0: unknown)
+    scheduled_at: float | None = None  # first time it ran (queue time = scheduled_at - arrival)
     token_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     status: Status = Status.WAITING

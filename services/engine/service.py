@@ -16,7 +16,7 @@ from services.engine.model_runner import ModelRunner
 from services.engine.scheduler import Limits
 from shared import bus, subjects
 from shared.config import Config
-from shared.messages import Cancel, EngineInfo, EngineRequest, TokenBatch, TokenEvent, decoder
+from shared.messages import Cancel, EngineInfo, EngineRequest, Queued, TokenBatch, TokenEvent, decoder
 
 log = logging.getLogger("switchboard.engine")
 
@@ -106,6 +106,9 @@ class EngineService:
             max_batch_size=self.cfg.schedule.max_batch_size, total_blocks=runner.num_blocks,
             free_blocks=self.engine.blocks.num_free, running=self.engine.num_running, waiting=self.engine.num_waiting,
             free_slots=max(0, self.cfg.schedule.max_batch_size - self.engine.num_running),
+            prompt_tokens_total=self.engine.stats.prompt_tokens,
+            generation_tokens_total=self.engine.stats.generation_tokens,
+            preemptions_total=self.engine.scheduler.num_preemptions,
         )
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -141,6 +144,9 @@ class EngineService:
                 del self.routes[event.id]
         for inbox, batch in by_inbox.items():
             await bus.publish(self.nc, inbox, TokenBatch(batch))
+        queued = self.engine.stats.take_queue_times()
+        if queued:
+            await bus.publish(self.nc, subjects.METRICS_EVENTS, Queued(model=self.model, seconds=queued))
 
 
 async def serve(cfg: Config, nats_url: str, stop: asyncio.Event, ready=lambda: None) -> None:

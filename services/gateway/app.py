@@ -9,7 +9,7 @@ from litestar import Litestar
 from litestar.datastructures import State
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
-from services.gateway import health
+from services.gateway import health, metrics
 from services.gateway.core import Gateway
 from services.gateway.errors import EXCEPTION_HANDLERS
 from services.gateway.native import routes as native
@@ -18,7 +18,8 @@ from services.gateway.tgi import routes as tgi
 from services.gateway.triton import routes as triton
 
 BUSINESS_ROUTES = [*tgi.ROUTES, *openai_api.ROUTES, *triton.ROUTES, *native.ROUTES]
-MANAGEMENT_ROUTES = [*health.ROUTES, *triton.MANAGEMENT_ROUTES]
+MANAGEMENT_ROUTES = [*health.ROUTES, *triton.MANAGEMENT_ROUTES, *metrics.MANAGEMENT_ROUTES]
+METRICS_ROUTES = [*metrics.METRICS_ROUTES]
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class Listener:
     host: str
     port: int
     app: Litestar
+    planes: tuple[str, ...] = ("business",)  # which planes' routes it serves: business, management, metrics
 
 
 def create_app(gateway: Gateway, route_handlers: list) -> Litestar:
@@ -41,14 +43,18 @@ def create_app(gateway: Gateway, route_handlers: list) -> Litestar:
 
 
 def listeners(gateway: Gateway) -> list[Listener]:
-    """Business and management listeners; merged into one when their address and port coincide."""
+    """One listener per distinct address: planes that share an address and port share a listener (§2.1)."""
     server = gateway.cfg.server
-    business = (server.ip_address, server.port)
-    management = (server.management_ip, server.management_listen_port)
-    if business == management:
-        return [Listener(*business, create_app(gateway, BUSINESS_ROUTES + MANAGEMENT_ROUTES))]
-    return [Listener(*business, create_app(gateway, BUSINESS_ROUTES)),
-            Listener(*management, create_app(gateway, MANAGEMENT_ROUTES))]
+    planes = {
+        "business": ((server.ip_address, server.port), BUSINESS_ROUTES),
+        "management": ((server.management_ip, server.management_listen_port), MANAGEMENT_ROUTES),
+        "metrics": ((server.management_ip, server.metrics_port), METRICS_ROUTES),
+    }
+    by_address: dict[tuple[str, int], list[str]] = {}
+    for name, (address, _) in planes.items():
+        by_address.setdefault(address, []).append(name)
+    return [Listener(host, port, create_app(gateway, [r for name in names for r in planes[name][1]]), tuple(names))
+            for (host, port), names in by_address.items()]
 
 
 def request_uuid_middleware(app: ASGIApp) -> ASGIApp:

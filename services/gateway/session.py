@@ -9,7 +9,7 @@ from typing import AsyncIterator
 
 from shared import bus, subjects, telemetry
 from shared.errors import ErrorKind, SwitchboardError
-from shared.messages import Cancel, Failed, Finished, FirstToken, GenerateRequest, Output, Sampling, Started
+from shared.messages import Cancel, Failed, Finished, FirstToken, GenerateRequest, Output, Received, Sampling, Started
 
 START_TIMEOUT_S = 30.0
 
@@ -36,6 +36,7 @@ class Session:
         """Publish the request and wait for the tokenizer's answer (raises on a validation error)."""
         self.gw.require_engine()
         self.gw.register(self)
+        self.gw.emit(Received(id=self.id, model=self.gw.model))
         await bus.publish(self.gw.nc, subjects.TOKENIZER_GENERATE, self.request)
         event = await self._next(START_TIMEOUT_S, "the tokenizer service did not answer")
         if isinstance(event, Started):

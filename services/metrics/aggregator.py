@@ -23,7 +23,7 @@ class Aggregator:
             self.first_token[event.id] = event.ttft_s
             while len(self.first_token) > 100 * self.window:  # requests that never finished
                 self.first_token.popitem(last=False)
-        else:
+        elif isinstance(event, Finished):
             self._finish(event)
 
     def _finish(self, event: Finished) -> None:

@@ -1,4 +1,4 @@
-"""The metrics service: lifecycle events in, snapshots out."""
+"""The metrics service: lifecycle events and engine heartbeats in; snapshots and Prometheus text out."""
 
 from __future__ import annotations
 
@@ -8,33 +8,47 @@ import logging
 from nats.aio.msg import Msg as NatsMsg
 
 from services.metrics.aggregator import Aggregator
+from services.metrics.prometheus import PrometheusMetrics
 from shared import bus, subjects
 from shared.config import Config
-from shared.messages import MetricsEvent, decoder
+from shared.messages import EngineInfo, MetricsEvent, PrometheusText, decoder
 
 log = logging.getLogger("switchboard.metrics")
 
 
 class MetricsService:
-    def __init__(self, nc):
+    def __init__(self, nc, model: str):
         self.nc = nc
+        self.model = model
         self.aggregator = Aggregator()
+        self.prometheus = PrometheusMetrics(model)
         self.events = decoder(MetricsEvent)
+        self.heartbeats = decoder(EngineInfo)
 
     async def start(self) -> None:
         await bus.subscribe(self.nc, subjects.METRICS_EVENTS, self.on_event)
+        await bus.subscribe(self.nc, subjects.engine_heartbeat(self.model), self.on_heartbeat)
         await bus.subscribe(self.nc, subjects.METRICS_SNAPSHOT, self.on_snapshot)
+        await bus.subscribe(self.nc, subjects.METRICS_PROMETHEUS, self.on_prometheus)
 
     async def on_event(self, msg: NatsMsg) -> None:
-        self.aggregator.add(self.events.decode(msg.data))
+        event = self.events.decode(msg.data)
+        self.aggregator.add(event)
+        self.prometheus.observe(event)
+
+    async def on_heartbeat(self, msg: NatsMsg) -> None:
+        self.prometheus.heartbeat(self.heartbeats.decode(msg.data))
 
     async def on_snapshot(self, msg: NatsMsg) -> None:
         await bus.respond(msg, self.aggregator.snapshot())
 
+    async def on_prometheus(self, msg: NatsMsg) -> None:
+        await bus.respond(msg, PrometheusText(self.prometheus.render()))
+
 
 async def serve(cfg: Config, nats_url: str, stop: asyncio.Event, ready=lambda: None) -> None:
     nc = await bus.connect(nats_url, "switchboard-metrics")
-    await MetricsService(nc).start()
+    await MetricsService(nc, cfg.model.model_name).start()
     ready()
     log.info("metrics ready")
     try:
