@@ -34,11 +34,25 @@ def tracer(name: str) -> trace.Tracer:
     return trace.get_tracer(name)
 
 
-def inject() -> dict[str, str]:
-    """The current span's context as W3C headers (``traceparent``…)."""
+def inject(span: trace.Span | None = None) -> dict[str, str]:
+    """``span``'s (default: the current span's) context as W3C headers (``traceparent``…)."""
     carrier: dict[str, str] = {}
-    propagate.inject(carrier)
+    propagate.inject(carrier, context=trace.set_span_in_context(span) if span is not None else None)
     return carrier
+
+
+def start_span(name: str, headers: dict[str, str] | None, **attributes) -> trace.Span:
+    """A span continuing the trace carried in a message's headers (a new trace when there is none)."""
+    return trace.get_tracer("switchboard").start_span(name, context=extract(headers), attributes=attributes)
+
+
+def end_span(span: trace.Span | None, error: str | None = None, **attributes) -> None:
+    if span is None:
+        return
+    span.set_attributes(attributes)
+    if error:
+        span.set_status(trace.Status(trace.StatusCode.ERROR, error))
+    span.end()
 
 
 def extract(headers: dict[str, str] | None) -> context.Context:

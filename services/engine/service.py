@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 from concurrent.futures import ThreadPoolExecutor
 from collections import defaultdict
 
@@ -14,7 +15,7 @@ from services.engine.devices import kv_budget_bytes, resolve_device
 from services.engine.engine import Engine
 from services.engine.model_runner import ModelRunner
 from services.engine.scheduler import Limits
-from shared import bus, subjects
+from shared import bus, subjects, telemetry
 from shared.config import Config
 from shared.messages import Cancel, EngineInfo, EngineRequest, Queued, TokenBatch, TokenEvent, decoder
 
@@ -62,6 +63,7 @@ class EngineService:
         self.device_label = device_label
         self.model = cfg.model.model_name
         self.routes: dict[str, str] = {}  # request id -> tokenizer inbox
+        self.spans: dict[str, Any] = {}  # request id -> its engine span
         self.wake = asyncio.Event()
         # Always the same thread: torch's OpenMP team belongs to the calling thread, and teams left
         # spinning by other threads would compete with the one doing the work.
@@ -87,6 +89,9 @@ class EngineService:
     async def on_request(self, msg: NatsMsg) -> None:
         req = self.requests.decode(msg.data)
         self.routes[req.id] = req.reply_to
+        self.spans[req.id] = telemetry.start_span("engine.generate", req.trace, **{
+            "switchboard.request_id": req.id, "switchboard.prompt_tokens": len(req.prompt_ids),
+            "switchboard.priority": req.priority})
         self.engine.add_request(req)
         self.wake.set()
 
@@ -142,6 +147,8 @@ class EngineService:
             by_inbox[inbox].append(event)
             if event.finish_reason:
                 del self.routes[event.id]
+                telemetry.end_span(self.spans.pop(event.id, None), event.error and event.error.message,
+                                   **{"switchboard.finish_reason": event.finish_reason})
         for inbox, batch in by_inbox.items():
             await bus.publish(self.nc, inbox, TokenBatch(batch))
         queued = self.engine.stats.take_queue_times()

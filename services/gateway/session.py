@@ -23,8 +23,9 @@ class Session:
         self.user_id = user_id or self.id
         self.arrival = time.time()
         self.reply_to, self.queue = gateway.mailboxes.open(self.id)
+        self.span = telemetry.start_span("gateway.request", None, **{"switchboard.request_id": self.id})
         self.request = GenerateRequest(
-            id=self.id, trace=telemetry.inject(), model=gateway.model, reply_to=self.reply_to,
+            id=self.id, trace=telemetry.inject(self.span), model=gateway.model, reply_to=self.reply_to,
             prompt=prompt, sampling=sampling, arrival=self.arrival, **fields,
         )
         self.started: Started | None = None
@@ -83,6 +84,8 @@ class Session:
         now = time.time()
         ttft = None if self.first_token_at is None else self.first_token_at - self.arrival
         prompt_tokens = self.started.prompt_tokens if self.started else 0
+        telemetry.end_span(self.span, "failed" if self.finish_reason == "error" else None, **{
+            "switchboard.finish_reason": self.finish_reason, "switchboard.generated_tokens": self.generated})
         self.gw.emit(Finished(id=self.id, model=self.gw.model, arrival=self.arrival, e2e_s=now - self.arrival,
                               ttft_s=ttft, prompt_tokens=prompt_tokens, generated_tokens=self.generated,
                               finish_reason=self.finish_reason))

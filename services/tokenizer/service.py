@@ -12,13 +12,14 @@ import math
 import random
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 from nats.aio.msg import Msg as NatsMsg
 
 from services.tokenizer.detokenizer import IncrementalDecoder, StopMatcher, token_pieces
 from services.tokenizer.encoder import check_token_ids, encode_prompt
-from shared import bus, subjects
+from shared import bus, subjects, telemetry
 from shared.config import Config
 from shared.errors import SwitchboardError
 from shared.messages import (
@@ -42,6 +43,7 @@ class Pending:
     request: GenerateRequest
     decoder: IncrementalDecoder
     stops: StopMatcher
+    span: Any = None  # this service's span of the request's trace
     generated: int = 0
 
 
@@ -71,16 +73,21 @@ class TokenizerService:
 
     async def on_request(self, msg: NatsMsg) -> None:
         req = self.requests.decode(msg.data)
+        span = telemetry.start_span("tokenizer.request", req.trace, **{"switchboard.request_id": req.id})
         try:
             ids = await self.encode(req)
         except SwitchboardError as exc:
+            telemetry.end_span(span, exc.message)
             await bus.publish(self.nc, req.reply_to, Failed(id=req.id, error=exc.info))
             return
+        span.set_attribute("switchboard.prompt_tokens", len(ids))
         seed = req.sampling.seed if req.sampling.seed is not None else random.randint(1, 2**31 - 1)
         stops = StopMatcher(req.sampling.stop, req.sampling.include_stop_str_in_output)
-        self.pending[req.id] = Pending(req, IncrementalDecoder(self.tok, ids), stops)
+        self.pending[req.id] = Pending(req, IncrementalDecoder(self.tok, ids), stops, span)
         await bus.publish(self.nc, req.reply_to, self.started(req, ids, seed))
-        await bus.publish(self.nc, subjects.engine_generate(req.model), self.engine_request(req, ids, seed))
+        engine_request = self.engine_request(req, ids, seed)
+        engine_request.trace = telemetry.inject(span)
+        await bus.publish(self.nc, subjects.engine_generate(req.model), engine_request)
 
     async def encode(self, req: GenerateRequest) -> list[int]:
         if req.prompt_ids is not None:
@@ -119,12 +126,15 @@ class TokenizerService:
         req = state.request
         if event.error is not None:
             del self.pending[req.id]
+            telemetry.end_span(state.span, event.error.message)
             await bus.publish(self.nc, req.reply_to, Failed(id=req.id, error=event.error))
             return
         tokens, stopped = self.detokenize(state, event)
         finish = "stop_sequence" if stopped else event.finish_reason
         if finish:
             del self.pending[req.id]
+            telemetry.end_span(state.span, **{"switchboard.finish_reason": finish,
+                                              "switchboard.generated_tokens": state.generated})
         if stopped and not event.finish_reason:
             await bus.publish(self.nc, subjects.CANCEL, Cancel(id=req.id, reason="stop_sequence"))
         out = Output(id=req.id, tokens=tokens, finish_reason=finish, generated_tokens=state.generated)
@@ -152,7 +162,8 @@ class TokenizerService:
     async def on_cancel(self, msg: NatsMsg) -> None:
         cancel = self.cancels.decode(msg.data)
         if cancel.reason == "client_disconnected":
-            self.pending.pop(cancel.id, None)
+            state = self.pending.pop(cancel.id, None)
+            telemetry.end_span(state and state.span, **{"switchboard.finish_reason": "cancelled"})
 
     async def on_tokenize(self, msg: NatsMsg) -> None:
         text = self.tokenizes.decode(msg.data).text

@@ -1,0 +1,74 @@
+"""One OpenTelemetry trace per request across gateway -> tokenizer -> engine, carried in NATS messages.
+
+The services run in this process (one event loop, as the runner would run each alone) so the SDK's
+in-memory exporter sees every span.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+
+import httpx
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from shared.config import load_config
+from switchboard.natsd import EmbeddedNats
+from tests.conftest import write_config
+
+SERVICES = ("metrics", "tokenizer", "engine", "gateway")
+
+
+@pytest.fixture(scope="module")
+def exporter():
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):
+        provider = TracerProvider()
+        trace.set_tracer_provider(provider)
+    memory = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    return memory
+
+
+async def start_in_process(cfg, url: str, stop: asyncio.Event) -> list[asyncio.Task]:
+    tasks = []
+    for name in SERVICES:
+        ready = asyncio.Event()
+        serve = importlib.import_module(f"services.{name}.service").serve
+        tasks.append(asyncio.create_task(serve(cfg, url, stop, ready.set)))
+        await asyncio.wait_for(ready.wait(), 120)
+    return tasks
+
+
+async def test_one_trace_spans_all_three_services(tmp_path, tiny_model_dir, exporter):
+    with EmbeddedNats() as url:
+        config = write_config(tmp_path, tiny_model_dir, Switchboard={"natsUrl": url})
+        port = json.loads(config.read_text())["ServerConfig"]["port"]
+        stop = asyncio.Event()
+        tasks = await start_in_process(load_config(config), url, stop)
+        try:
+            async with httpx.AsyncClient(timeout=60) as client:
+                for _ in range(100):  # the gateway serves once it has heard the engine's heartbeat
+                    r = await client.post(f"http://127.0.0.1:{port}/generate",
+                                          json={"inputs": "My name is", "parameters": {"max_new_tokens": 3}})
+                    if r.status_code != 503:
+                        break
+                    await asyncio.sleep(0.1)
+                assert r.status_code == 200, r.text
+            await asyncio.sleep(0.3)
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    spans = {s.name: s for s in exporter.get_finished_spans() if s.name.split(".")[0] in ("gateway", "tokenizer", "engine")}
+    gateway, tokenizer, engine = spans["gateway.request"], spans["tokenizer.request"], spans["engine.generate"]
+    assert gateway.context.trace_id == tokenizer.context.trace_id == engine.context.trace_id
+    assert tokenizer.parent.span_id == gateway.context.span_id
+    assert engine.parent.span_id == tokenizer.context.span_id
+    assert gateway.attributes["switchboard.finish_reason"] in ("length", "eos_token")
+    assert tokenizer.attributes["switchboard.prompt_tokens"] == engine.attributes["switchboard.prompt_tokens"] == 3
+    assert gateway.start_time <= tokenizer.start_time <= engine.start_time <= engine.end_time <= gateway.end_time
