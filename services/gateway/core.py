@@ -36,6 +36,7 @@ class Gateway:
         self._heartbeats = decoder(EngineInfo)
         self._stops = decoder(StopInfer)
         self.sessions: dict[str, object] = {}  # user id -> in-flight Session, for stopInfer
+        self.role = "none"  # PD role set by /v1/role, /v2/role; "none" while co-located
 
     async def start(self) -> None:
         await self.mailboxes.start()

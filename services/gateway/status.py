@@ -1,0 +1,165 @@
+"""Management status and control (reference §3.6, §3.8–§3.12): ``/v1/config``, ``/v1/status``,
+``/v2/status``, ``/v1/role/{role}``, ``/v2/role/{role}``, ``/health/timed[-N]``.
+
+Roles are recorded and reported; the KV transfer between prefill and decode instances is not built
+yet, so a role change is ready at once and there are no peers links to report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from typing import Any
+
+import msgspec
+from litestar import Request, Response, get, post
+
+from services.gateway.errors import mindie_error
+from services.gateway.session import Session
+from shared.errors import ErrorKind, SwitchboardError
+from shared.messages import Sampling
+
+TIMED = re.compile(r"^timed(?:-(\d+))?$")
+ROLE_422_TYPE = "Input validation error"  # the PD role endpoints' own casing (reference §4.2)
+
+
+@get("/v1/config")
+async def config(request: Request) -> Response:
+    cfg = request.app.state.gateway.cfg
+    model = cfg.deploy.model_config[0]
+    return Response({
+        "modelName": model.model_name, "maxSeqLen": cfg.deploy.max_seq_len, "npuMemSize": model.npu_mem_size,
+        "cpuMemSize": model.cpu_mem_size, "worldSize": model.world_size, "maxOutputLen": cfg.schedule.max_iter_times,
+        "cacheBlockSize": cfg.schedule.cache_block_size,
+    }, media_type="application/json")
+
+
+def _engine(request: Request):
+    engine = request.app.state.gateway.engine_info()
+    if engine is None:
+        raise SwitchboardError(ErrorKind.UNAVAILABLE, "no engine is serving; status is unknown")
+    return engine
+
+
+def _service(gateway) -> dict[str, str]:
+    return {"roleStatus": "RoleReady", "currentRole": gateway.role}
+
+
+@get("/v1/status")
+async def status_v1(request: Request) -> Response:
+    e = _engine(request)
+    resource = {"availSlotsNum": e.free_slots, "availBlockNum": e.free_blocks, "waitingRequestNum": e.waiting,
+                "runningRequestNum": e.running, "swappedRequestNum": 0, "freeNpuBlockNums": e.free_blocks,
+                "freeCpuBlockNums": 0, "totalNpuBlockNums": e.total_blocks, "totalCpuBlockNums": 0}
+    return Response({"service": _service(request.app.state.gateway), "resource": resource},
+                    media_type="application/json")
+
+
+@get("/v2/status")
+async def status_v2(request: Request) -> Response:
+    e = _engine(request)
+    resource = {"totalAvailNpuSlotsNum": e.free_slots, "totalAvailNpuBlockNum": e.free_blocks,
+                "maxAvailNpuBlockNum": e.free_blocks}
+    return Response({"service": _service(request.app.state.gateway), "resource": resource,
+                     "linkStatus": {"peers": []}}, media_type="application/json")
+
+
+# ---- roles ------------------------------------------------------------------------------------
+
+
+class Device(msgspec.Struct):
+    device_ip: str
+    device_logical_id: str | None = None
+    device_id: str | None = None
+    rank_id: str | None = None
+
+
+class NodeV1(msgspec.Struct):
+    server_ip: str
+    device: list[Device]
+
+
+class RoleV1(msgspec.Struct):
+    local: NodeV1
+    peers: list[NodeV1] = []
+
+
+class DpInst(msgspec.Struct):
+    dp_inst_id: int | str
+    device: list[Device]
+
+
+class NodeV2(msgspec.Struct):
+    server_ip: str
+    host_ip: str
+    dp_inst_list: list[DpInst]
+
+
+class RoleV2(msgspec.Struct):
+    local: list[NodeV2]
+    peers: list[list[NodeV2]] = []
+
+
+def _set_role(request: Request, role: str, allowed: tuple[str, ...], body: bytes, shape) -> Response:
+    if role not in allowed:
+        return mindie_error(ErrorKind.NOT_FOUND, f"role must be one of {', '.join(allowed)}, got {role}")
+    try:
+        msgspec.json.decode(body, type=shape)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        return Response({"error": f"Req body converts to json fail. Reset to previous node status. ({exc})",
+                         "error_type": ROLE_422_TYPE}, status_code=422, media_type="application/json")
+    request.app.state.gateway.role = role
+    return Response({"result": "ok"}, media_type="application/json")
+
+
+@post("/v1/role/{role:str}", status_code=200)
+async def role_v1(request: Request, role: str) -> Response:
+    return _set_role(request, role, ("prefill", "decode", "flex"), await request.body(), RoleV1)
+
+
+@post("/v2/role/{role:str}", status_code=200)
+async def role_v2(request: Request, role: str) -> Response:
+    return _set_role(request, role, ("prefill", "decode"), await request.body(), RoleV2)
+
+
+# ---- /health/timed[-N] ------------------------------------------------------------------------
+
+
+def _probe_timeout(probe: str) -> int:
+    match = TIMED.match(probe)
+    if match is None:
+        raise SwitchboardError(ErrorKind.NOT_FOUND, f"no route /health/{probe}")
+    digits = match.group(1)
+    if digits is None:
+        return 10
+    if len(digits) > 3:
+        raise SwitchboardError(ErrorKind.NOT_FOUND, "Max wait time is 600, input is invalid or too long")
+    if not 1 <= int(digits) <= 600:
+        raise SwitchboardError(ErrorKind.NOT_FOUND, "Wait time should be in range of [1, 600], input is not valid")
+    return int(digits)
+
+
+async def _one_token(gateway) -> Any:
+    """A real inference through tokenizer and engine: one greedy token, highest priority."""
+    session = Session(gateway, "", Sampling(do_sample=False, max_new_tokens=1), prompt_ids=[1], priority=1)
+    try:
+        await session.start()
+        async for _ in session.outputs():
+            pass
+    finally:
+        await session.close()
+
+
+@get("/health/{probe:str}")
+async def health_timed(request: Request, probe: str) -> Response:
+    timeout = _probe_timeout(probe)
+    try:
+        await asyncio.wait_for(_one_token(request.app.state.gateway), timeout)
+    except asyncio.TimeoutError:
+        return mindie_error(ErrorKind.INTERNAL, f"the health probe did not finish within {timeout} s")
+    except SwitchboardError as exc:
+        return mindie_error(ErrorKind.INTERNAL, f"the health probe failed: {exc.message}")
+    return Response({"status": "healthy"}, media_type="application/json")
+
+
+ROUTES = [config, status_v1, status_v2, role_v1, role_v2, health_timed]
