@@ -10,6 +10,7 @@ TOKENIZER_TOKENIZE = f"{PREFIX}.tokenizer.tokenize"  # request/reply (queue grou
 TOKENIZER_QUEUE = "tokenizer"
 
 CANCEL = f"{PREFIX}.cancel"  # fan-out: every engine and tokenizer hears it
+SHUTDOWN = f"{PREFIX}.control.shutdown"  # fan-out: every service stops (GET /stopService)
 STOP_INFER = f"{PREFIX}.stopinfer"  # request to every gateway: the one running the named request answers
 METRICS_EVENTS = f"{PREFIX}.metrics.events"  # lifecycle events -> metrics
 METRICS_SNAPSHOT = f"{PREFIX}.metrics.snapshot"  # request/reply

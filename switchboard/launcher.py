@@ -80,6 +80,9 @@ async def _run(children: list[Child], cfg: Config, stop: asyncio.Event) -> int:
     print(f"Switchboard ready on {business_url(cfg)} (management {management_url(cfg)}, "
           f"model {cfg.model.model_name}, {time.monotonic() - started:.1f}s)", flush=True)
     died = await _first_death_or_stop(children, stop)
+    if died and died.proc.returncode == 0:  # services leave on their own only after GET /stopService
+        print("switchboard: stopped by /stopService", flush=True)
+        return 0
     return _report_death(died) if died else 0
 
 

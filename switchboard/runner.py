@@ -6,6 +6,7 @@ import asyncio
 import importlib
 import signal
 
+from shared import bus, subjects
 from shared.config import Config
 from shared.logs import setup_logging
 from shared.telemetry import setup_tracing
@@ -28,7 +29,25 @@ async def _main(serve, cfg: Config, nats_url: str) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await serve(cfg, nats_url, stop, announce_ready)
+    watcher = asyncio.create_task(_stop_on_shutdown(nats_url, stop))
+    try:
+        await serve(cfg, nats_url, stop, announce_ready)
+    finally:
+        watcher.cancel()
+
+
+async def _stop_on_shutdown(nats_url: str, stop: asyncio.Event) -> None:
+    """Stop this service when the gateway broadcasts the end of a /stopService drain."""
+    nc = await bus.connect(nats_url, "switchboard-control")
+
+    async def on_shutdown(_msg) -> None:
+        stop.set()
+
+    await nc.subscribe(subjects.SHUTDOWN, cb=on_shutdown)
+    try:
+        await stop.wait()
+    finally:
+        await bus.close(nc, timeout=1.0)
 
 
 def announce_ready() -> None:

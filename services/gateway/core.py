@@ -37,6 +37,7 @@ class Gateway:
         self._stops = decoder(StopInfer)
         self.sessions: dict[str, object] = {}  # user id -> in-flight Session, for stopInfer
         self.role = "none"  # PD role set by /v1/role, /v2/role; "none" while co-located
+        self.stopping = False  # set by /stopService: new inference is refused
 
     async def start(self) -> None:
         await self.mailboxes.start()
@@ -84,13 +85,19 @@ class Gateway:
         return self.engine
 
     def require_engine(self) -> None:
-        """Refuse new inference at once (503) when no engine has sent a heartbeat lately."""
+        """Refuse new inference at once (503) while stopping or when no engine has sent a heartbeat lately."""
+        if self.stopping:
+            raise SwitchboardError(ErrorKind.UNAVAILABLE, "The service has been stopped")
         if self.engine_info() is None:
             raise SwitchboardError(ErrorKind.UNAVAILABLE, f"no engine is serving model {self.model}")
 
     def emit(self, event: MetricsEvent) -> None:
         """Fire-and-forget a lifecycle event to the metrics service."""
-        task = asyncio.ensure_future(bus.publish(self.nc, subjects.METRICS_EVENTS, event))
+        self.spawn(bus.publish(self.nc, subjects.METRICS_EVENTS, event))
+
+    def spawn(self, work) -> None:
+        """Run a coroutine in the background, keeping a reference until it is done."""
+        task = asyncio.ensure_future(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -105,6 +112,8 @@ class Gateway:
         return reply
 
     async def is_ready(self) -> bool:
+        if self.stopping:
+            return False
         engine = self.engine_info()
         return engine is not None and engine.loaded and await self.tokenizer_info() is not None
 

@@ -69,6 +69,12 @@ class Stack:
             self.proc.wait()
             raise
 
+    def drain_output(self) -> list[str]:
+        """What the exited launcher printed after the last line read."""
+        rest = self.proc.stdout.read().splitlines() if self.proc.stdout else []
+        self.output.extend(rest)
+        return rest
+
     async def engine_info(self) -> EngineInfo:
         return await self._request(subjects.engine_health(self.model), EngineInfo)
 
