@@ -2,4 +2,109 @@
 
 from __future__ import annotations
 
-ROUTES: list = []
+import time
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from litestar import Request, Response, Router, get, post, route
+from litestar.background_tasks import BackgroundTask
+from litestar.exceptions import MethodNotAllowedException
+from litestar.response import Stream
+
+from services.gateway.disconnect import ClientDisconnected, unless_disconnected
+from services.gateway.openai_api.chat_responses import chat_body, chat_chunks
+from services.gateway.openai_api.completion_responses import completion_body, completion_chunks
+from services.gateway.openai_api.errors import OPENAI_EXCEPTION_HANDLERS, bad_param, model_not_found
+from services.gateway.openai_api.params import Common
+from services.gateway.openai_api.runner import Batch
+from services.gateway.openai_api.schemas import parse_chat, parse_completion
+from services.gateway.openai_api.sse import SSE_HEADERS, sse_stream
+from shared.errors import ErrorKind, SwitchboardError
+
+STARTED_AT = int(time.time())  # the gateway imports this module once, as it starts
+OWNER = "MindIE Server"
+
+
+def model_card(model: str) -> dict[str, Any]:
+    return {"id": model, "object": "model", "created": STARTED_AT, "owned_by": OWNER}
+
+
+@get("/v1/models")
+async def list_models(request: Request) -> Response:
+    body = {"object": "list", "data": [model_card(request.app.state.gateway.model)]}
+    return Response(body, media_type="application/json")
+
+
+@get("/v1/models/{model:path}")
+async def get_model(request: Request, model: str) -> Response:
+    name = model.lstrip("/")  # a path parameter keeps its leading slash; names may contain slashes
+    if name != request.app.state.gateway.model:
+        raise model_not_found(name)
+    return Response(model_card(name), media_type="application/json")
+
+
+@post("/v1/chat/completions", status_code=200)
+async def chat_completions(request: Request) -> Response:
+    gateway = request.app.state.gateway
+    req = parse_chat(await request.body(), gateway.cfg, gateway.model)
+    prompt = {"messages": req.messages, "chat_template_kwargs": req.chat_template_kwargs,
+              "truncate": req.common.truncate}
+    batch = Batch.build(gateway, [prompt], req.common.sampling, req.common.n)
+    return await respond(request, req.common, batch, "messages",
+                         lambda: chat_body(req, batch), lambda: chat_chunks(req, batch))
+
+
+@post("/v1/completions", status_code=200)
+async def completions(request: Request) -> Response:
+    gateway = request.app.state.gateway
+    req = parse_completion(await request.body(), gateway.cfg, gateway.model)
+    prompts = [{"prompt": p.text, "prompt_ids": p.ids, "return_prompt_ids": req.echo and p.ids is not None,
+                "truncate": req.common.truncate} for p in req.prompts]
+    batch = Batch.build(gateway, prompts, req.common.sampling, req.common.n)
+    return await respond(request, req.common, batch, "prompt",
+                         lambda: completion_body(req, batch), lambda: completion_chunks(req, batch))
+
+
+async def respond(request: Request, common: Common, batch: Batch, input_field: str,
+                  body: Callable[[], Awaitable[dict]], chunks: Callable[[], AsyncIterator[dict]]) -> Response:
+    """Start every choice (errors so far are plain JSON), then answer at once or as a stream.
+
+    The tokenizer's refusals (prompt too long, ids outside the vocabulary) name ``input_field``."""
+    try:
+        await unless_disconnected(request, batch.start())
+    except ClientDisconnected:
+        await batch.close()
+        return Response(b"", status_code=499)
+    except SwitchboardError as exc:
+        await batch.close()
+        if exc.kind is ErrorKind.VALIDATION and getattr(exc, "param", None) is None:
+            raise bad_param(input_field, exc.message) from None
+        raise
+    except BaseException:
+        await batch.close()
+        raise
+    if common.stream:
+        # The background close also covers a client gone before the stream's first step.
+        return Stream(sse_stream(batch, chunks()), media_type="text/event-stream", headers=SSE_HEADERS,
+                      background=BackgroundTask(batch.close))
+    try:
+        result = await unless_disconnected(request, body())
+    except ClientDisconnected:
+        return Response(b"", status_code=499)
+    finally:
+        await batch.close()
+    return Response(result, media_type="application/json")
+
+
+@route(["/v1/models", "/v1/models/{model:path}"], http_method=["POST", "PUT", "PATCH", "DELETE"])
+async def models_wrong_method(request: Request) -> None:
+    raise MethodNotAllowedException(headers={"Allow": "GET"})
+
+
+@route(["/v1/chat/completions", "/v1/completions"], http_method=["GET", "PUT", "PATCH", "DELETE"])
+async def generation_wrong_method(request: Request) -> None:
+    raise MethodNotAllowedException(headers={"Allow": "POST"})
+
+
+ROUTES = [Router("/", route_handlers=[list_models, get_model, chat_completions, completions,
+                                      models_wrong_method, generation_wrong_method],
+                 exception_handlers=OPENAI_EXCEPTION_HANDLERS)]

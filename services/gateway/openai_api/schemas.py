@@ -1,0 +1,164 @@
+"""Chat and completions request bodies (reference §3.25, §3.26) → small validated dataclasses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from services.gateway.openai_api.errors import bad_param
+from services.gateway.openai_api.params import Common, parse_common
+from services.gateway.validation import Fields, parse_json_object
+from shared.config import Config
+
+PARSE_ERROR = "The request body must be a JSON object."
+MAX_INPUT_CHARS = 4 * 1024 * 1024
+MEDIA_PARTS = {"image_url", "image", "input_image", "audio_url", "input_audio", "video_url", "video", "file"}
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    common: Common
+    messages: list[dict[str, Any]]
+    logprobs: bool
+    top_logprobs: int
+    chat_template_kwargs: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One completions prompt: text, or token ids (``text`` is then empty)."""
+
+    text: str
+    ids: list[int] | None = None
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    common: Common
+    prompts: list[Prompt]
+    echo: bool
+    logprobs: int | None
+
+
+def parse_chat(body: bytes, cfg: Config, served: str) -> ChatRequest:
+    data = parse_json_object(body, PARSE_ERROR)
+    f = Fields(data)
+    messages = _messages(data.get("messages"))
+    _refuse_chat_extras(f)
+    logprobs = bool(f.boolean("logprobs", False))
+    top = f.integer("top_logprobs", None, 0, 20)
+    if top is not None and not logprobs:
+        raise bad_param("top_logprobs", "when using top_logprobs, logprobs must be set to true.")
+    top = top or 0
+    common = parse_common(data, cfg, served, top if logprobs else None)
+    kwargs = f.obj("chat_template_kwargs").data
+    return ChatRequest(common, messages, logprobs, top, kwargs)
+
+
+def _refuse_chat_extras(f: Fields) -> None:
+    if f.data.get("tools"):
+        raise bad_param("tools", "tool calling is not supported by the served model.")
+    if f.data.get("tool_choice") not in (None, "none", "auto"):
+        raise bad_param("tool_choice", "tool calling is not supported by the served model.")
+    if f.obj("response_format").data.get("type") not in (None, "text"):
+        raise bad_param("response_format", "structured output (response_format) is not supported.")
+    if f.data.get("chat_template") is not None:
+        raise bad_param("chat_template", "chat_template overrides are not supported; the model's template is used.")
+
+
+def _messages(value: Any) -> list[dict[str, Any]]:
+    if value is None:
+        raise bad_param("messages", "messages is required.")
+    if not isinstance(value, list) or not value:
+        raise bad_param("messages", "messages must be a non-empty array.")
+    messages = [_message(m, i) for i, m in enumerate(value)]
+    total = sum(len(m["content"]) for m in messages)
+    if total > MAX_INPUT_CHARS:
+        raise bad_param("messages", f"messages must have at most {MAX_INPUT_CHARS} characters of content, got {total}.")
+    return messages
+
+
+def _message(value: Any, i: int) -> dict[str, Any]:
+    where = f"messages[{i}]"
+    if not isinstance(value, dict):
+        raise bad_param(where, f"{where} must be an object.")
+    role = value.get("role")
+    if not isinstance(role, str) or not role:
+        raise bad_param(f"{where}.role", f"{where}.role must be a non-empty string.")
+    message = {"role": role, "content": _content(value.get("content"), where)}
+    if isinstance(value.get("name"), str):
+        message["name"] = value["name"]
+    return message
+
+
+def _content(value: Any, where: str) -> str:
+    """A string, or a list of text parts joined into one (the model is text-only)."""
+    if isinstance(value, str):
+        return value
+    if value is None:
+        raise bad_param(f"{where}.content", f"{where}.content is required.")
+    if not isinstance(value, list):
+        raise bad_param(f"{where}.content", f"{where}.content must be a string or an array of content parts.")
+    return "".join(_text_part(part, f"{where}.content[{j}]") for j, part in enumerate(value))
+
+
+def _text_part(part: Any, where: str) -> str:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind in MEDIA_PARTS:
+        raise bad_param(where, f"{where}: {kind} content is not supported: the served model is text-only.")
+    if kind != "text" or not isinstance(part.get("text"), str):
+        raise bad_param(where, f'{where} must be {{"type": "text", "text": <string>}}.')
+    return part["text"]
+
+
+def parse_completion(body: bytes, cfg: Config, served: str) -> CompletionRequest:
+    data = parse_json_object(body, PARSE_ERROR)
+    f = Fields(data)
+    prompts = _prompts(data.get("prompt"))
+    if data.get("suffix") is not None:
+        raise bad_param("suffix", "suffix is not supported.")
+    echo = bool(f.boolean("echo", False))
+    logprobs = f.integer("logprobs", None, 0, 5)
+    if echo and logprobs is not None:
+        raise bad_param("echo", "echo with logprobs is not supported: prompt logprobs are not computed.")
+    common = parse_common(data, cfg, served, logprobs)
+    return CompletionRequest(common, prompts, echo, logprobs)
+
+
+PROMPT_FORMS = "prompt must be a string, an array of strings, an array of token ids or an array of token-id arrays."
+
+
+def _prompts(value: Any) -> list[Prompt]:
+    if value is None:
+        raise bad_param("prompt", "prompt is required.")
+    if isinstance(value, str):
+        return [_text_prompt(value)]
+    if not isinstance(value, list):
+        raise bad_param("prompt", PROMPT_FORMS)
+    if not value:
+        raise bad_param("prompt", "prompt array cannot be empty.")
+    if all(_is_id(v) for v in value):
+        return [Prompt("", value)]
+    if all(isinstance(v, str) for v in value):
+        return [_text_prompt(v) for v in value]
+    if all(isinstance(v, list) for v in value):
+        return [_id_prompt(v) for v in value]
+    raise bad_param("prompt", PROMPT_FORMS)
+
+
+def _is_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _text_prompt(text: str) -> Prompt:
+    if not 0 < len(text) <= MAX_INPUT_CHARS:
+        raise bad_param("prompt", f"each prompt must be 1 to {MAX_INPUT_CHARS} characters long, got {len(text)}.")
+    return Prompt(text)
+
+
+def _id_prompt(ids: list[Any]) -> Prompt:
+    if not ids:
+        raise bad_param("prompt", "a token-id prompt cannot be empty.")
+    if not all(_is_id(i) for i in ids):
+        raise bad_param("prompt", "all elements of a token-id prompt must be integers.")
+    return Prompt("", ids)
