@@ -57,8 +57,11 @@ def listeners(gateway: Gateway) -> list[Listener]:
             for (host, port), names in by_address.items()]
 
 
+RETRY_AFTER = (b"retry-after", b"1")
+
+
 def request_uuid_middleware(app: ASGIApp) -> ASGIApp:
-    """Every response carries a ``RequestUUID`` header (reference §2.2)."""
+    """Every response carries a ``RequestUUID`` header (reference §2.2); 429 and 503 a ``Retry-After``."""
 
     async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -68,7 +71,10 @@ def request_uuid_middleware(app: ASGIApp) -> ASGIApp:
 
         async def send_with_uuid(message: Message) -> None:
             if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []), header]}
+                headers = [*message.get("headers", []), header]
+                if message["status"] in (429, 503) and not any(k.lower() == b"retry-after" for k, _ in headers):
+                    headers.append(RETRY_AFTER)
+                message = {**message, "headers": headers}
             await send(message)
 
         await app(scope, receive, send_with_uuid)

@@ -38,6 +38,8 @@ class Gateway:
         self.sessions: dict[str, object] = {}  # user id -> in-flight Session, for stopInfer
         self.role = "none"  # PD role set by /v1/role, /v2/role; "none" while co-located
         self.stopping = False  # set by /stopService: new inference is refused
+        self.slots = asyncio.Semaphore(cfg.server.max_link_num)  # requests in progress (maxLinkNum) ...
+        self.queued = 0  # ... and those waiting for a slot (up to 2 x maxLinkNum, reference §2.2)
 
     async def start(self) -> None:
         await self.mailboxes.start()
@@ -90,6 +92,21 @@ class Gateway:
             raise SwitchboardError(ErrorKind.UNAVAILABLE, "The service has been stopped")
         if self.engine_info() is None:
             raise SwitchboardError(ErrorKind.UNAVAILABLE, f"no engine is serving model {self.model}")
+
+    async def admit(self) -> None:
+        """Take one of maxLinkNum slots, waiting in a queue of 2 x maxLinkNum; beyond that 429."""
+        limit = self.cfg.server.max_link_num
+        if self.slots.locked() and self.queued >= 2 * limit:
+            raise SwitchboardError(ErrorKind.OVERLOADED, f"Model is overloaded: {limit} requests in progress and "
+                                                         f"{2 * limit} waiting (maxLinkNum {limit}); retry later")
+        self.queued += 1
+        try:
+            await self.slots.acquire()
+        finally:
+            self.queued -= 1
+
+    def release(self) -> None:
+        self.slots.release()
 
     def emit(self, event: MetricsEvent) -> None:
         """Fire-and-forget a lifecycle event to the metrics service."""

@@ -29,6 +29,7 @@ class Session:
             prompt=prompt, sampling=sampling, arrival=self.arrival, **fields,
         )
         self.started: Started | None = None
+        self.admitted = False  # holds one of the gateway's maxLinkNum slots
         self.first_token_at: float | None = None
         self.finish_reason: str | None = None
         self.generated = 0
@@ -36,6 +37,8 @@ class Session:
     async def start(self) -> Started:
         """Publish the request and wait for the tokenizer's answer (raises on a validation error)."""
         self.gw.require_engine()
+        await self.gw.admit()
+        self.admitted = True
         self.gw.register(self)
         self.gw.emit(Received(id=self.id, model=self.gw.model))
         await bus.publish(self.gw.nc, subjects.TOKENIZER_GENERATE, self.request)
@@ -78,6 +81,9 @@ class Session:
         """Always called: cancel an unfinished request, free the mailbox, report the lifecycle."""
         self.gw.mailboxes.close(self.id)
         self.gw.unregister(self)
+        if self.admitted:
+            self.admitted = False
+            self.gw.release()
         if self.finish_reason is None:
             self.finish_reason = "cancelled"
             await bus.publish(self.gw.nc, subjects.CANCEL, Cancel(id=self.id, reason="client_disconnected"))

@@ -1,0 +1,44 @@
+"""maxLinkNum: that many requests in progress, twice as many waiting, beyond that 429 + Retry-After."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from switchboard.natsd import EmbeddedNats
+from tests.conftest import write_config
+from tests.integration.stack import Stack
+
+LONG = {"prompt": "My name is Olivier and I", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def one_link_stack(tmp_path_factory, tiny_model_dir):
+    with EmbeddedNats() as url:
+        config = write_config(tmp_path_factory.mktemp("limits"), tiny_model_dir, Switchboard={"natsUrl": url},
+                              ServerConfig={"maxLinkNum": 1})
+        stack = Stack(config, url)
+        try:
+            yield stack.start()
+        finally:
+            stack.stop()
+
+
+async def test_beyond_links_and_queue_is_429_in_each_family_shape(one_link_stack):
+    url = one_link_stack.url
+    async with httpx.AsyncClient(timeout=60) as client:
+        busy = [asyncio.create_task(client.post(url + "/generate", json=LONG)) for _ in range(3)]
+        await asyncio.sleep(1.0)  # one running, two waiting
+        native = await client.post(url + "/infer", json={"inputs": "hi"})
+        assert native.status_code == 429 and native.headers["retry-after"] == "1"
+        assert native.json()["error_type"] == "Model Overloaded" and "maxLinkNum 1" in native.json()["error"]
+        tgi = await client.post(url + "/generate", json={"inputs": "hi"})
+        assert tgi.status_code == 429 and tgi.json()["error_type"] == "overloaded"
+        oai = await client.post(url + "/v1/completions", json={"model": one_link_stack.model, "prompt": "hi"})
+        assert oai.status_code == 429 and oai.json()["error"]["type"] == "rate_limit_error"
+        done = await asyncio.gather(*busy)
+        assert [r.status_code for r in done] == [200, 200, 200]  # the waiting ones were served in turn
+        ok = await client.post(url + "/infer", json={"inputs": "hi", "parameters": {"max_new_tokens": 2}})
+        assert ok.status_code == 200, ok.text
