@@ -5,7 +5,7 @@ PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
 CONFIG ?= config/config.json
 PYTEST_ARGS ?=
 
-.PHONY: serve test install install-test model clean
+.PHONY: serve test install install-test model certs clean
 
 serve: $(VENV)/.installed
 	$(VENV)/bin/switchboard serve --config $(CONFIG)
@@ -16,6 +16,10 @@ test: $(VENV)/.test-installed
 
 model: $(VENV)/.installed
 	$(VENV)/bin/switchboard prepare-model --config $(CONFIG)
+
+# Development CA, server/client certificates, a revoked client + CRL under security/ (config/config.https.json).
+certs:
+	@python3 -m switchboard.certs --out security
 
 install: $(VENV)/.installed
 install-test: $(VENV)/.test-installed

@@ -51,6 +51,19 @@ class ServerConfig(Struct, kw_only=True):
     tls_pk_pwd: str = ""
     tls_crl_path: str = ""
     tls_crl_files: list[str] = field(default_factory=list)
+    # Used by a separate management / metrics listener (reference §1.1); CA files are under tlsCaPath.
+    management_tls_ca_file: list[str] = field(default_factory=lambda: ["management_ca.pem"])
+    management_tls_cert: str = "security/certs/management/server.pem"
+    management_tls_pk: str = "security/keys/management/server.key.pem"
+    management_tls_pk_pwd: str = ""
+    management_tls_crl_path: str = ""
+    management_tls_crl_files: list[str] = field(default_factory=list)
+    metrics_tls_ca_file: list[str] = field(default_factory=lambda: ["metrics_ca.pem"])
+    metrics_tls_cert: str = "security/certs/metrics/server.pem"
+    metrics_tls_pk: str = "security/keys/metrics/server.key.pem"
+    metrics_tls_pk_pwd: str = ""
+    metrics_tls_crl_path: str = ""
+    metrics_tls_crl_files: list[str] = field(default_factory=list)
     infer_mode: Literal["standard", "dmi"] = "standard"
     open_ai_support: str = "vllm"
     token_timeout: Annotated[int, Meta(ge=1, le=3600)] = 600
@@ -276,5 +289,3 @@ def _check_cross_keys(cfg: Config) -> None:
         raise ConfigError(f"BackendConfig.ModelDeployConfig.maxSeqLen: must be >= 2, got {d.max_seq_len}")
     if isinstance(d.truncation, int) and not isinstance(d.truncation, bool) and d.truncation not in (-1, 0, 1):
         raise ConfigError(f"BackendConfig.ModelDeployConfig.truncation: must be -1, 0, 1, true or false, got {d.truncation}")
-    if s.https_enabled:
-        raise ConfigError("ServerConfig.httpsEnabled: HTTPS is not available yet in this build; set it to false")

@@ -18,6 +18,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="start NATS and all four services")
     serve.add_argument("--config", default=DEFAULT_CONFIG)
+    sub.add_parser("certs", help="make development TLS certificates (see switchboard/certs.py)", add_help=False)
     prepare = sub.add_parser("prepare-model", help="prepare the model the config names (the default model)")
     prepare.add_argument("--config", default=DEFAULT_CONFIG)
     for name in SERVICES:
@@ -27,9 +28,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def load(path: str) -> Config:
+def load(path: str, tls: bool = False) -> Config:
+    """The config, and with ``tls`` its TLS material checked (httpsEnabled); exit 2 with the key on error."""
     try:
-        return load_config(path)
+        cfg = load_config(path)
+        if tls:
+            from services.gateway.tls import server_contexts
+
+            server_contexts(cfg)
+        return cfg
     except ConfigError as exc:
         print(f"switchboard: {path}: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -50,8 +57,13 @@ def ensure_model(cfg: Config) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["certs"]:
+        from switchboard import certs
+
+        return certs.main(argv[1:])
     args = parse_args(argv)
-    cfg = load(args.config)
+    cfg = load(args.config, tls=args.command in ("serve", "gateway"))
     if args.command == "prepare-model":
         ensure_model(cfg)
         return 0

@@ -140,11 +140,15 @@ async def shutdown(children: list[Child]) -> None:
 
 
 def business_url(cfg: Config) -> str:
-    return f"http://{_host(cfg.server.ip_address)}:{cfg.server.port}"
+    return f"{_scheme(cfg)}://{_host(cfg.server.ip_address)}:{cfg.server.port}"
 
 
 def management_url(cfg: Config) -> str:
-    return f"http://{_host(cfg.server.management_ip)}:{cfg.server.management_listen_port}"
+    return f"{_scheme(cfg)}://{_host(cfg.server.management_ip)}:{cfg.server.management_listen_port}"
+
+
+def _scheme(cfg: Config) -> str:
+    return "https" if cfg.server.https_enabled else "http"
 
 
 def _host(ip: str) -> str:

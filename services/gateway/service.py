@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 
 import uvicorn
 
 from services.gateway.app import listeners
 from services.gateway.core import Gateway
+from services.gateway.tls import server_contexts
 from shared import bus
 from shared.config import Config
 
@@ -17,10 +19,11 @@ log = logging.getLogger("switchboard.gateway")
 
 
 async def serve(cfg: Config, nats_url: str, stop: asyncio.Event, ready=lambda: None) -> None:
+    contexts = server_contexts(cfg)  # plane -> SSLContext with httpsEnabled, else {}
     nc = await bus.connect(nats_url, "switchboard-gateway")
     gateway = Gateway(cfg, nc)
     await gateway.start()
-    servers = [_server(listener) for listener in listeners(gateway)]
+    servers = [_server(listener, contexts.get(listener.planes[0])) for listener in listeners(gateway)]
     tasks = [asyncio.create_task(s.serve()) for s in servers]
     stopper = asyncio.create_task(stop.wait())
     announcer = asyncio.create_task(_announce_when_started(gateway, servers, ready))
@@ -45,10 +48,11 @@ async def _announce_when_started(gateway: Gateway, servers: list[uvicorn.Server]
     ready()
 
 
-def _server(listener) -> uvicorn.Server:
+def _server(listener, ssl_context: ssl.SSLContext | None) -> uvicorn.Server:
     config = uvicorn.Config(
         listener.app, host=listener.host, port=listener.port, log_level="warning", access_log=False,
         lifespan="off", timeout_keep_alive=60, timeout_graceful_shutdown=5,
+        ssl_context_factory=(lambda _config, _default: ssl_context) if ssl_context else None,
     )
     server = uvicorn.Server(config)
     server.capture_signals = contextlib.nullcontext  # the service runner owns signals

@@ -27,8 +27,10 @@ class Stack:
         self.config_path = config_path
         self.nats_url = nats_url
         cfg = json.loads(config_path.read_text())["ServerConfig"]
-        self.url = f"http://127.0.0.1:{cfg['port']}"
-        self.mgmt_url = f"http://127.0.0.1:{cfg.get('managementPort', cfg['port'])}"
+        scheme = "https" if cfg.get("httpsEnabled") else "http"
+        self.url = f"{scheme}://127.0.0.1:{cfg['port']}"
+        self.mgmt_url = f"{scheme}://127.0.0.1:{cfg.get('managementPort', cfg['port'])}"
+        self.metrics_url = f"{scheme}://127.0.0.1:{cfg.get('metricsPort', 1027)}"
         self.model = json.loads(config_path.read_text())["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["modelName"]
         self.proc: subprocess.Popen | None = None
         self.output: list[str] = []

@@ -28,7 +28,6 @@ def metrics_stack(tmp_path_factory, tiny_model_dir):
     stack = Stack(config, url)
     try:
         stack.start()
-        stack.metrics_url = f"http://127.0.0.1:{json.loads(config.read_text())['ServerConfig']['metricsPort']}"
         yield stack
     finally:
         stack.stop()

@@ -264,8 +264,11 @@ def test_not_an_ip_is_refused(tmp_path):
     assert message.startswith("ServerConfig.ipAddress:")
 
 
-def test_https_enabled_is_refused(tmp_path):
-    assert load_error(tmp_path, patched(ServerConfig={"httpsEnabled": True})).startswith("ServerConfig.httpsEnabled:")
+def test_https_enabled_loads_with_the_tls_keys(tmp_path):
+    """The TLS files themselves are checked when the gateway starts (tests/integration/test_tls.py)."""
+    server = load_config(write(tmp_path, patched(ServerConfig={"httpsEnabled": True, "metricsTlsCaFile": ["m.pem"]}))).server
+    assert server.https_enabled and server.tls_ca_file == ["ca.pem"] and server.metrics_tls_ca_file == ["m.pem"]
+    assert server.management_tls_cert == "security/certs/management/server.pem"
 
 
 # ---- files that are not configs at all --------------------------------------------------------
