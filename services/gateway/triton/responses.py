@@ -1,0 +1,135 @@
+"""Triton response shapes: token-id tensors (seed 004) and text objects / ``data:`` events (seed 002).
+
+Timings are the gateway's view, in milliseconds: ``perf_stat`` pairs each token id with the time
+since the previous token (since arrival for the first), ``prefill_time`` / ``decode_time`` carry
+the same for a streamed event, ``queue_wait_time`` is arrival until the tokenizer accepted the
+request (first event; 0 afterwards), ``batch_size`` the engine's running requests at that moment.
+``first_token_cost`` / ``decode_cost`` are null, as in the seed.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, AsyncIterator
+
+import msgspec
+from litestar import Response
+
+from services.gateway.errors import mindie_body
+from services.gateway.session import Session
+from services.gateway.triton.binary import HEADER, pack_uint32
+from services.gateway.triton.schemas import Options
+from shared.errors import SwitchboardError
+from shared.messages import TokenOut
+
+# The engine's end reasons as MindIE names them (an abort, e.g. stopInfer, is "stop_sequence").
+FINISH = {"length": "length", "eos_token": "eos_token", "stop_sequence": "stop_sequence", "cancelled": "stop_sequence"}
+
+
+def finish_reason(session: Session) -> str:
+    return FINISH.get(session.finish_reason, "stop_sequence")
+
+
+# ---- /infer ----------------------------------------------------------------------------------
+
+
+async def collect_ids(session: Session) -> list[int]:
+    ids: list[int] = []
+    async for out in session.outputs():
+        ids.extend(token.id for token in out.tokens)
+    return ids
+
+
+def infer_response(request_id: str, ids: list[int], binary: bool) -> Response:
+    output: dict[str, Any] = {"name": "output0", "shape": [1, len(ids)], "datatype": "UINT32"}
+    if not binary:
+        return Response({"id": request_id, "outputs": [{**output, "data": ids}]}, media_type="application/json")
+    raw = pack_uint32(ids)
+    output["parameters"] = {"binary_data_size": len(raw)}
+    header = msgspec.json.encode({"id": request_id, "outputs": [output]})
+    return Response(header + raw, media_type="application/octet-stream", headers={HEADER: str(len(header))})
+
+
+# ---- /generate, /generate_stream --------------------------------------------------------------
+
+
+class Clock:
+    """Per-token costs in ms for perf_stat, prefill_time and decode_time."""
+
+    def __init__(self, session: Session):
+        self.queue_wait_ms = round((time.time() - session.arrival) * 1000)
+        self.last = session.arrival
+        self.perf: list[list[int]] = []
+
+    def tick(self, tokens: list[TokenOut]) -> list[int]:
+        now = time.time()
+        share = (now - self.last) * 1000 / max(1, len(tokens))
+        self.last = now
+        costs = [round(share)] * len(tokens)
+        self.perf.extend([token.id, cost] for token, cost in zip(tokens, costs))
+        return costs
+
+
+def _head(session: Session, text: str) -> dict[str, Any]:
+    return {"id": session.user_id, "model_name": session.gw.model, "model_version": None, "text_output": text}
+
+
+def _details(session: Session, clock: Clock, options: Options, upto: int, final: bool) -> dict[str, Any]:
+    """Details after the first ``upto`` tokens."""
+    details: dict[str, Any] = {"finish_reason": finish_reason(session)} if final else {}
+    details.update(generated_tokens=upto, first_token_cost=None, decode_cost=None)
+    if options.perf_stat:
+        details["perf_stat"] = [list(pair) for pair in clock.perf[:upto]]
+    return details
+
+
+async def collect_text(session: Session, options: Options) -> dict[str, Any]:
+    clock = Clock(session)
+    text = ""
+    async for out in session.outputs():
+        clock.tick(out.tokens)
+        text += "".join(token.text for token in out.tokens)
+    body = _head(session, text)
+    if options.details or options.perf_stat:
+        body["details"] = _details(session, clock, options, len(clock.perf), final=True)
+    return body
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    """Triton framing: ``data:`` with no space (reference §2.5)."""
+    return b"data:" + msgspec.json.encode(payload) + b"\n\n"
+
+
+async def stream_events(session: Session, options: Options) -> AsyncIterator[bytes]:
+    """One event per token; the last carries details.finish_reason; an error after the start is a final event."""
+    clock = Clock(session)
+    try:
+        async for out in session.outputs():
+            costs = clock.tick(out.tokens)
+            final = out.finish_reason is not None
+            done = len(clock.perf) - len(costs)
+            for index, (token, cost) in enumerate(zip(out.tokens, costs)):
+                last = final and index == len(costs) - 1
+                yield sse(_event(session, clock, options, token.text, cost, done + index + 1, last))
+            if final and not out.tokens:
+                yield sse(_event(session, clock, options, "", 0, len(clock.perf), True))
+    except SwitchboardError as exc:
+        yield sse(mindie_body(exc.kind, exc.message))
+    finally:
+        await session.close()
+
+
+def _event(session: Session, clock: Clock, options: Options, text: str, cost: int, upto: int,
+           final: bool) -> dict[str, Any]:
+    """The event for token number ``upto`` (1-based)."""
+    event = _head(session, text)
+    first = upto <= 1
+    if options.details or options.perf_stat:
+        details = _details(session, clock, options, upto, final)
+        engine = session.gw.engine_info()
+        details["batch_size"] = max(1, engine.running) if engine else 1
+        details["queue_wait_time"] = clock.queue_wait_ms if first else 0
+        event["details"] = details
+    event["prefill_time"] = cost if first else None
+    event["decode_time"] = None if first else cost
+    return event

@@ -1,0 +1,104 @@
+"""Triton request parts shared by ``infer`` and ``generate``: the ``id`` and ``parameters`` (reference §3.29, §3.31).
+
+Ranges follow seed 004 and reference §5: temperature (0, FLT_MAX], top_k [0, 2^31-1], top_p (0, 1],
+typical_p (0, 1], repetition_penalty (0, FLT_MAX], seed [0, 2^64-1], max_new_tokens (0, 2^31-1],
+priority [1, 5] (default 5), timeout (0, 3600] seconds (default 600, reference §6 #3), batch_size
+(0, 2^31-1]. ``timeout`` is MindIE's, in seconds, not KServe's microseconds.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from services.gateway.validation import FLT_MAX, INT32_MAX, UINT64_MAX, Fields, parse_json_object
+from shared.errors import validation
+from shared.messages import Sampling
+
+PARSE_ERROR = "Failed to parse context to json body."
+ID_PATTERN = re.compile(r"^[a-zA-Z0-9_-]{1,256}$")
+ID_ERROR = ("The id can contain only digits, letters, underscores(_), hyphens(-) "
+            "and no more than 256 characters in length.")
+MAX_INPUT_CHARS = 4 * 1024 * 1024
+DEFAULT_PRIORITY = 5
+DEFAULT_TIMEOUT_S = 600
+
+
+@dataclass(frozen=True)
+class Options:
+    """The validated ``parameters`` of a Triton request."""
+
+    sampling: Sampling
+    priority: int
+    timeout_s: float
+    details: bool
+    perf_stat: bool
+
+
+@dataclass(frozen=True)
+class TextRequest:
+    """``/generate`` and ``/generate_stream``."""
+
+    user_id: str | None
+    text: str
+    options: Options
+
+
+def optional_id(data: dict[str, Any]) -> str | None:
+    """The optional request ``id``; absent or null means the server's own id."""
+    value = data.get("id")
+    if value is None:
+        return None
+    return checked_id(value)
+
+
+def checked_id(value: Any) -> str:
+    if not isinstance(value, str):
+        raise validation("id must be string type.")
+    if not ID_PATTERN.match(value):
+        raise validation(ID_ERROR)
+    return value
+
+
+def parse_options(p: Fields) -> Options:
+    p.boolean("watermark", False)
+    p.integer("batch_size", 1, 0, INT32_MAX, lo_open=True)
+    sampling = Sampling(
+        do_sample=p.boolean("do_sample"),
+        temperature=p.number("temperature", 1.0, 0.0, FLT_MAX, lo_open=True, hi_open=False),
+        top_k=p.integer("top_k", 0, 0, INT32_MAX),
+        top_p=p.number("top_p", 1.0, 0.0, 1.0, lo_open=True, hi_open=False),
+        typical_p=p.number("typical_p", 1.0, 0.0, 1.0, lo_open=True, hi_open=False),
+        repetition_penalty=p.number("repetition_penalty", 1.0, 0.0, FLT_MAX, lo_open=True, hi_open=False),
+        seed=p.integer("seed", None, 0, UINT64_MAX),
+        max_new_tokens=p.integer("max_new_tokens", 20, 0, INT32_MAX, lo_open=True),
+    )
+    return Options(
+        sampling=sampling,
+        priority=p.integer("priority", DEFAULT_PRIORITY, 1, 5),
+        timeout_s=float(p.integer("timeout", DEFAULT_TIMEOUT_S, 0, 3600, lo_open=True)),
+        details=p.boolean("details", False),
+        perf_stat=p.boolean("perf_stat", False),
+    )
+
+
+def parse_text_request(body: bytes) -> TextRequest:
+    data = parse_json_object(body, PARSE_ERROR)
+    user_id = optional_id(data)
+    text = _text_input(data.get("text_input"))
+    return TextRequest(user_id, text, parse_options(Fields(data).obj("parameters")))
+
+
+def _text_input(value: Any) -> str:
+    if value is None:
+        raise validation("The text_input not found: it is required and must be a string.")
+    if isinstance(value, list):
+        if not value:
+            raise validation("Parameter text_input arr is empty.")
+        raise validation("text_input as a multimodal list is not supported: the served model is text-only.")
+    if not isinstance(value, str):
+        raise validation("text_input must be string type.")
+    if not 0 < len(value) <= MAX_INPUT_CHARS:
+        raise validation(f"text_input must be 1 to {MAX_INPUT_CHARS} characters long, got {len(value)}.")
+    return value
