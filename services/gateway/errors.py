@@ -7,6 +7,7 @@ import logging
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
 
+from services.gateway.disconnect import ClientDisconnected
 from shared.errors import MINDIE_TYPE, STATUS, TGI_TYPE, ErrorKind, SwitchboardError
 
 log = logging.getLogger("switchboard.gateway")
@@ -40,6 +41,11 @@ def on_http_error(request: Request, exc: HTTPException) -> Response:
                     headers=exc.headers)
 
 
+def on_client_gone(_: Request, exc: ClientDisconnected) -> Response:
+    """The client left before its request started: nobody reads this answer, nothing went wrong."""
+    return Response(b"", status_code=499)
+
+
 def on_unexpected(_: Request, exc: Exception) -> Response:
     log.exception("unhandled error", exc_info=exc)
     return mindie_error(ErrorKind.INTERNAL, "Server internal error")
@@ -53,4 +59,5 @@ def _type_for(status: int) -> str:
 
 
 TGI_EXCEPTION_HANDLERS = {SwitchboardError: on_tgi_error}
-EXCEPTION_HANDLERS = {SwitchboardError: on_switchboard_error, HTTPException: on_http_error, Exception: on_unexpected}
+EXCEPTION_HANDLERS = {SwitchboardError: on_switchboard_error, HTTPException: on_http_error,
+                      ClientDisconnected: on_client_gone, Exception: on_unexpected}

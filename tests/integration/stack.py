@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import select
 import signal
 import subprocess
+import threading
 import sys
 import time
 from pathlib import Path
@@ -34,6 +34,7 @@ class Stack:
         self.model = json.loads(config_path.read_text())["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["modelName"]
         self.proc: subprocess.Popen | None = None
         self.output: list[str] = []
+        self.new_line = threading.Condition()
 
     def start(self, timeout: float = 180.0) -> "Stack":
         self.proc = subprocess.Popen(
@@ -41,23 +42,32 @@ class Stack:
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
             preexec_fn=die_with_parent,  # a killed test run leaves no server behind
         )
+        # Always read the server's output: a full pipe would block every service that logs.
+        self.reader = threading.Thread(target=self._read_output, daemon=True)
+        self.reader.start()
         self.wait_for_line(READY_PREFIX, timeout)
         return self
 
+    def _read_output(self) -> None:
+        for line in self.proc.stdout:
+            with self.new_line:
+                self.output.append(line.rstrip())
+                self.new_line.notify_all()
+        with self.new_line:
+            self.new_line.notify_all()
+
     def wait_for_line(self, prefix: str, timeout: float) -> str:
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([self.proc.stdout], [], [], 0.5)
-            if not ready:
-                if self.proc.poll() is not None:
+        seen = 0
+        with self.new_line:
+            while time.monotonic() < deadline:
+                for line in self.output[seen:]:
+                    if line.startswith(prefix):
+                        return line
+                seen = len(self.output)
+                if not self.reader.is_alive():
                     break
-                continue
-            line = self.proc.stdout.readline()
-            if not line and self.proc.poll() is not None:
-                break
-            self.output.append(line.rstrip())
-            if line.startswith(prefix):
-                return line
+                self.new_line.wait(0.5)
         raise RuntimeError(f"no line {prefix!r} (exit {self.proc.poll()}):\n" + "\n".join(self.output[-40:]))
 
     def stop(self, timeout: float = 20.0) -> int:
@@ -72,10 +82,9 @@ class Stack:
             raise
 
     def drain_output(self) -> list[str]:
-        """What the exited launcher printed after the last line read."""
-        rest = self.proc.stdout.read().splitlines() if self.proc.stdout else []
-        self.output.extend(rest)
-        return rest
+        """Everything the exited launcher printed (waits for the reader to reach the end)."""
+        self.reader.join(10)
+        return list(self.output)
 
     async def engine_info(self) -> EngineInfo:
         return await self._request(subjects.engine_health(self.model), EngineInfo)
