@@ -11,6 +11,7 @@ from typing import Any
 import msgspec
 
 from shared.errors import validation
+from shared.messages import Sampling
 
 FLT_MAX = 3.4028234663852886e38
 INT32_MAX = 2147483647
@@ -110,3 +111,29 @@ class Fields:
         if below or above:
             left, right = "(" if lo_open else "[", ")" if hi_open else "]"
             raise validation(f"{self._name(key)} must be in {left}{_fmt(lo)}, {_fmt(hi)}{right}, got {_fmt(value)}.")
+
+
+def stream_flag(data: dict[str, Any]) -> bool:
+    """The top-level ``stream`` of the MindIE-style bodies (TGI, native)."""
+    value = data.get("stream")
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise validation("Stream must be boolean type.")
+    return value
+
+
+def mindie_sampling(p: Fields) -> Sampling:
+    """The ``parameters`` object TGI and the native API share (seed 003, reference §3.22, §3.27)."""
+    p.boolean("watermark", False)
+    return Sampling(
+        do_sample=p.boolean("do_sample"),
+        temperature=p.number("temperature", 1.0, 0.0, FLT_MAX, lo_open=True, hi_open=False),
+        top_k=p.integer("top_k", 0, 0, INT32_MAX, lo_open=True),
+        top_p=p.number("top_p", 1.0, 0.0, 1.0, lo_open=True, hi_open=True),
+        typical_p=p.number("typical_p", 1.0, 0.0, 1.0, lo_open=True, hi_open=False),
+        repetition_penalty=p.number("repetition_penalty", 1.0, 0.0, FLT_MAX, lo_open=True, hi_open=False),
+        seed=p.integer("seed", None, 0, UINT64_MAX),
+        max_new_tokens=p.integer("max_new_tokens", 20, 0, INT32_MAX, lo_open=True),
+        stop=p.stop_list("stop"),
+    )

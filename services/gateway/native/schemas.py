@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from services.gateway.validation import FLT_MAX, INT32_MAX, UINT64_MAX, Fields, parse_json_object
+from services.gateway.validation import Fields, mindie_sampling, parse_json_object, stream_flag
 from shared.errors import validation
 from shared.messages import Sampling
 
@@ -36,7 +36,7 @@ def parse_infer(body: bytes) -> NativeRequest:
     text, ids = _input(data)
     params = Fields(data).obj("parameters")
     return NativeRequest(
-        text=text, ids=ids, sampling=sampling_from(params), stream=_stream(data),
+        text=text, ids=ids, sampling=mindie_sampling(params), stream=stream_flag(data),
         details=params.boolean("details", False),
         priority=_priority(params),
         timeout_s=float(params.integer("timeout", 600, 0, 3600, lo_open=True)),
@@ -96,15 +96,6 @@ def _token_ids(value: Any) -> list[int]:
     return value
 
 
-def _stream(data: dict[str, Any]) -> bool:
-    value = data.get("stream")
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise validation("Stream must be boolean type.")
-    return value
-
-
 def _priority(p: Fields) -> int:
     value = p.data.get("priority")
     if value is None:
@@ -114,21 +105,6 @@ def _priority(p: Fields) -> int:
     if not 1 <= value <= 5:
         raise validation(f"Parameter priority must be in [1,5], got {value}.")
     return value
-
-
-def sampling_from(p: Fields) -> Sampling:
-    p.boolean("watermark", False)
-    return Sampling(
-        do_sample=p.boolean("do_sample"),
-        temperature=p.number("temperature", 1.0, 0.0, FLT_MAX, lo_open=True, hi_open=False),
-        top_k=p.integer("top_k", 0, 0, INT32_MAX, lo_open=True),
-        top_p=p.number("top_p", 1.0, 0.0, 1.0, lo_open=True, hi_open=True),
-        typical_p=p.number("typical_p", 1.0, 0.0, 1.0, lo_open=True, hi_open=False),
-        repetition_penalty=p.number("repetition_penalty", 1.0, 0.0, FLT_MAX, lo_open=True, hi_open=False),
-        seed=p.integer("seed", None, 0, UINT64_MAX),
-        max_new_tokens=p.integer("max_new_tokens", 20, 0, INT32_MAX, lo_open=True),
-        stop=p.stop_list("stop"),
-    )
 
 
 # ---- /v1/tokenizer ----------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from services.gateway.validation import FLT_MAX, INT32_MAX, UINT64_MAX, Fields, parse_json_object
+from services.gateway.validation import INT32_MAX, Fields, mindie_sampling, parse_json_object, stream_flag
 from shared.errors import validation
 from shared.messages import Sampling
 
@@ -35,7 +35,7 @@ def parse_tgi(body: bytes | dict[str, Any], stream: bool | None = None) -> TgiRe
     data = body if isinstance(body, dict) else parse_json_object(body, PARSE_ERROR)
     top = Fields(data)
     inputs = _inputs(data.get("inputs"))
-    body_stream = _stream_flag(data)
+    body_stream = stream_flag(data)
     params = top.obj("parameters")
     streaming = body_stream if stream is None else stream
     decoder_details = params.boolean("decoder_input_details", False)
@@ -64,30 +64,10 @@ def _inputs(value: Any) -> str:
     return value
 
 
-def _stream_flag(data: dict[str, Any]) -> bool:
-    value = data.get("stream")
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise validation("Stream must be boolean type.")
-    return value
-
-
 def sampling_from(p: Fields) -> Sampling:
-    p.boolean("watermark", False)
     _check_best_of(p)
     _check_adapter(p.string("adapter_id"))
-    return Sampling(
-        do_sample=p.boolean("do_sample"),
-        temperature=p.number("temperature", 1.0, 0.0, FLT_MAX, lo_open=True, hi_open=False),
-        top_k=p.integer("top_k", 0, 0, INT32_MAX, lo_open=True),
-        top_p=p.number("top_p", 1.0, 0.0, 1.0, lo_open=True, hi_open=True),
-        typical_p=p.number("typical_p", 1.0, 0.0, 1.0, lo_open=True, hi_open=False),
-        repetition_penalty=p.number("repetition_penalty", 1.0, 0.0, FLT_MAX, lo_open=True, hi_open=False),
-        seed=p.integer("seed", None, 0, UINT64_MAX),
-        max_new_tokens=p.integer("max_new_tokens", 20, 0, INT32_MAX, lo_open=True),
-        stop=p.stop_list("stop"),
-    )
+    return mindie_sampling(p)
 
 
 def _check_best_of(p: Fields) -> None:
