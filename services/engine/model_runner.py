@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from services.engine import linears
 from services.engine.devices import Device
 from services.engine.sequence import Sequence
 
@@ -45,7 +46,8 @@ class Batch:
 
 
 class ModelRunner:
-    def __init__(self, path: str, device: Device, block_size: int, kv_budget_bytes: int, max_blocks: int):
+    def __init__(self, path: str, device: Device, block_size: int, kv_budget_bytes: int, max_blocks: int,
+                 batch_hint: int = 16):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         config = AutoConfig.from_pretrained(path)
@@ -54,6 +56,7 @@ class ModelRunner:
         self.device = device.torch_device
         self.dtype = device.dtype
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).to(self.device).eval()
+        self.linears = linears.build(self.model, self.device, self.dtype, batch_hint)
         self.block_size = block_size
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -123,17 +126,15 @@ class ModelRunner:
         cos, sin = inner.rotary_emb(h[None], batch.positions[None])
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]
         for index, layer in enumerate(inner.layers):
-            h = self._layer(index, layer, h, cos, sin, batch)
+            h = self._layer(index, layer, self.linears[index], h, cos, sin, batch)
         h = inner.norm(h[batch.last_index])
         return self.model.lm_head(h).float()
 
-    def _layer(self, index: int, layer, h, cos, sin, batch: Batch) -> torch.Tensor:
+    def _layer(self, index: int, layer, lin: linears.LayerLinears, h, cos, sin, batch: Batch) -> torch.Tensor:
         attn = layer.self_attn
         x = layer.input_layernorm(h)
         n = x.shape[0]
-        q = attn.q_proj(x).view(n, -1, self.head_dim)
-        k = attn.k_proj(x).view(n, -1, self.head_dim)
-        v = attn.v_proj(x).view(n, -1, self.head_dim)
+        q, k, v = (t.view(n, -1, self.head_dim) for t in lin.qkv(x).split(lin.qkv_sizes, dim=-1))
         if hasattr(attn, "q_norm"):  # Qwen3
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
@@ -143,8 +144,8 @@ class ModelRunner:
             o = self._attend_prefill(q, k, v, batch, attn.scaling)
         else:
             o = self._attend_decode(q, index, batch, attn.scaling)
-        h = h + attn.o_proj(o.reshape(n, -1))
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        h = h + lin.o(o.reshape(n, -1))
+        return h + lin.mlp(layer.post_attention_layernorm(h))
 
     def _attend_prefill(self, q, k, v, batch: Batch, scale: float) -> torch.Tensor:
         out = torch.empty_like(q)

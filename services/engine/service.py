@@ -35,6 +35,7 @@ def build_engine(cfg: Config) -> tuple[Engine, str]:
         block_size=sc.cache_block_size,
         kv_budget_bytes=kv_budget_bytes(device, cfg.switchboard.kv_cache_memory_mb, cfg.model.npu_mem_size),
         max_blocks=sc.max_batch_size * blocks_per_seq,
+        batch_hint=sc.max_batch_size,
     )
     limits = Limits(sc.max_batch_size, sc.prefill_batch_size, sc.max_prefill_tokens, deploy.max_seq_len,
                     token_timeout_s=float(cfg.server.token_timeout), max_preempt_count=sc.max_preempt_count)
