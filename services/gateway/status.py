@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 from litestar import Request, Response, get, post
+from litestar.params import FromPath
 
 from services.gateway.errors import mindie_error
 from services.gateway.session import Session
@@ -115,12 +116,12 @@ def _set_role(request: Request, role: str, allowed: tuple[str, ...], body: bytes
 
 
 @post("/v1/role/{role:str}", status_code=200)
-async def role_v1(request: Request, role: str) -> Response:
+async def role_v1(request: Request, role: FromPath[str]) -> Response:
     return _set_role(request, role, ("prefill", "decode", "flex"), await request.body(), RoleV1)
 
 
 @post("/v2/role/{role:str}", status_code=200)
-async def role_v2(request: Request, role: str) -> Response:
+async def role_v2(request: Request, role: FromPath[str]) -> Response:
     return _set_role(request, role, ("prefill", "decode"), await request.body(), RoleV2)
 
 
@@ -153,7 +154,7 @@ async def _one_token(gateway) -> Any:
 
 
 @get("/health/{probe:str}")
-async def health_timed(request: Request, probe: str) -> Response:
+async def health_timed(request: Request, probe: FromPath[str]) -> Response:
     timeout = _probe_timeout(probe)
     if request.app.state.gateway.stopping:  # as MindIE: the probe reports healthy while draining
         return Response({"status": "healthy"}, media_type="application/json")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 
 from litestar import Request, Response, get
+from litestar.params import FromQuery
 
 from shared import subjects
 
@@ -29,7 +30,7 @@ async def _broadcast_shutdown(gateway) -> None:
 
 
 @get("/stopService")
-async def stop_service(request: Request, mode: str | None = None) -> Response:
+async def stop_service(request: Request, mode: FromQuery[str | None] = None) -> Response:
     gateway = request.app.state.gateway
     if gateway.stopping:
         return Response(b"", status_code=500)

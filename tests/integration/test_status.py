@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import httpx
 import pytest
 
@@ -16,6 +19,16 @@ def get(stack, path: str) -> httpx.Response:
     return httpx.get(stack.mgmt_url + path, timeout=60)
 
 
+async def status_after_heartbeat(stack, idle) -> dict:
+    """/v1/status once the gateway has heard the engine's idle heartbeat (status reads heartbeats)."""
+    deadline = time.monotonic() + 5
+    while True:
+        body = get(stack, "/v1/status").json()
+        if body["resource"]["availSlotsNum"] == idle.free_slots or time.monotonic() > deadline:
+            return body
+        await asyncio.sleep(0.1)
+
+
 def test_v1_config(tiny_stack):
     body = get(tiny_stack, "/v1/config").json()
     assert body == {"modelName": tiny_stack.model, "maxSeqLen": 2560, "npuMemSize": -1, "cpuMemSize": 0,
@@ -24,7 +37,7 @@ def test_v1_config(tiny_stack):
 
 async def test_status_reports_the_engine_state(tiny_stack):
     info = await tiny_stack.wait_engine_idle()
-    v1 = get(tiny_stack, "/v1/status").json()
+    v1 = await status_after_heartbeat(tiny_stack, info)
     assert v1["service"] == {"roleStatus": "RoleReady", "currentRole": "none"}
     assert v1["resource"]["availSlotsNum"] == info.max_batch_size
     assert v1["resource"]["availBlockNum"] == v1["resource"]["totalNpuBlockNums"] == info.total_blocks

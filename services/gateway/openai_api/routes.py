@@ -8,6 +8,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from litestar import Request, Response, Router, get, post, route
 from litestar.background_tasks import BackgroundTask
 from litestar.exceptions import MethodNotAllowedException
+from litestar.params import FromPath
 from litestar.response import Stream
 
 from services.gateway.disconnect import ClientDisconnected, unless_disconnected
@@ -35,7 +36,7 @@ async def list_models(request: Request) -> Response:
 
 
 @get("/v1/models/{model:path}")
-async def get_model(request: Request, model: str) -> Response:
+async def get_model(request: Request, model: FromPath[str]) -> Response:
     name = model.lstrip("/")  # a path parameter keeps its leading slash; names may contain slashes
     if name != request.app.state.gateway.model:
         raise model_not_found(name)

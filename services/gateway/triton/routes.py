@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Awaitable, Callable, TypeVar
 
 from litestar import Request, Response, get, post
+from litestar.params import FromPath
 from litestar.response import Stream
 
 from services.gateway.disconnect import ClientDisconnected, unless_disconnected
@@ -50,17 +51,17 @@ async def server_metadata(request: Request) -> Response:
 
 
 @get(model_paths())
-async def model_metadata(request: Request, model: str) -> Response:
+async def model_metadata(request: Request, model: FromPath[str]) -> Response:
     return Response(metadata.model_metadata(served(request, model).model))
 
 
 @get(model_paths("/config"))
-async def model_config(request: Request, model: str) -> Response:
+async def model_config(request: Request, model: FromPath[str]) -> Response:
     return Response(metadata.model_config(served(request, model).cfg))
 
 
 @post(model_paths("/infer"), status_code=200)
-async def infer(request: Request, model: str) -> Response:
+async def infer(request: Request, model: FromPath[str]) -> Response:
     gateway = served(request, model)
     limit = gateway.cfg.server.max_request_length * 1024 * 1024
     body = decode_body(await request.body(), request.headers.get("content-encoding"), limit)
@@ -73,7 +74,7 @@ async def infer(request: Request, model: str) -> Response:
 
 
 @post(model_paths("/generate"), status_code=200)
-async def generate(request: Request, model: str) -> Response:
+async def generate(request: Request, model: FromPath[str]) -> Response:
     gateway = served(request, model)
     req = parse_text_request(await request.body())
     session = text_session(gateway, req)
@@ -82,7 +83,7 @@ async def generate(request: Request, model: str) -> Response:
 
 
 @post(model_paths("/generate_stream"), status_code=200)
-async def generate_stream(request: Request, model: str) -> Response:
+async def generate_stream(request: Request, model: FromPath[str]) -> Response:
     gateway = served(request, model)
     req = parse_text_request(await request.body())
     session = text_session(gateway, req)
@@ -94,7 +95,7 @@ async def generate_stream(request: Request, model: str) -> Response:
 
 
 @post(model_paths("/stopInfer"), status_code=200)
-async def stop_infer(request: Request, model: str) -> Response:
+async def stop_infer(request: Request, model: FromPath[str]) -> Response:
     """End the Triton request the client named ``id``; 200 echoes the body (reference §3.30)."""
     gateway = served(request, model)
     data = parse_json_object(await request.body(), PARSE_ERROR)
@@ -138,13 +139,13 @@ async def run(request: Request, session: Session, collect: Callable[[], Awaitabl
 
 
 @get(model_paths("/ready"))
-async def model_ready(request: Request, model: str) -> Response:
+async def model_ready(request: Request, model: FromPath[str]) -> Response:
     ready = await served(request, model).is_ready()
     return Response(b"", status_code=200 if ready else 503)
 
 
 @get(model_paths("/getSlotCount"))
-async def slot_count(request: Request, model: str) -> Response:
+async def slot_count(request: Request, model: FromPath[str]) -> Response:
     gateway = served(request, model)
     engine = gateway.engine_info()
     if engine is None:
