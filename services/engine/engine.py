@@ -46,6 +46,7 @@ class Engine:
         self.inbox: queue.SimpleQueue[EngineRequest | _Abort] = queue.SimpleQueue()
         self.seqs: dict[str, Sequence] = {}
         self.stats = Stats()
+        self.held_until: float | None = None  # set by a step that held a small first batch back
 
     # ---- called from any thread -------------------------------------------------------------
 
@@ -63,7 +64,11 @@ class Engine:
 
     def step(self) -> list[TokenEvent]:
         events = self._drain_inbox()
-        events += self._expire(time.time())
+        now = time.time()
+        events += self._expire(now)
+        self.held_until = self.scheduler.hold_until(now)
+        if self.held_until is not None:
+            return events
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
             return events

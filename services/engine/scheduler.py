@@ -17,6 +17,7 @@ class Limits:
     max_seq_len: int
     token_timeout_s: float = float("inf")
     max_preempt_count: int = 0  # preemptions allowed per step; 0 = off: admission reserves whole sequences
+    max_queue_delay_s: float = 0.0  # an idle engine waits this long for a fuller first prefill batch
 
 
 @dataclass
@@ -41,6 +42,17 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
         bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+
+    def hold_until(self, now: float) -> float | None:
+        """When nothing runs and the waiting prompts fill less than a prefill batch, the time (unix
+        seconds) the batch launches anyway: maxQueueDelayMicroseconds after the oldest arrived."""
+        lim = self.limits
+        if self.running or not self.waiting or len(self.waiting) >= lim.max_prefill_batch_size:
+            return None
+        if sum(len(s) for s in self.waiting) >= lim.max_prefill_tokens:
+            return None
+        launch = min(s.last_event_at for s in self.waiting) + lim.max_queue_delay_s
+        return launch if launch > now else None
 
     def schedule(self) -> tuple[list[Sequence], bool]:
         """New prompts first (prefill); otherwise one decode step for every running sequence."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 from concurrent.futures import ThreadPoolExecutor
 from collections import defaultdict
@@ -38,7 +39,8 @@ def build_engine(cfg: Config) -> tuple[Engine, str]:
         batch_hint=sc.max_batch_size,
     )
     limits = Limits(sc.max_batch_size, sc.prefill_batch_size, sc.max_prefill_tokens, deploy.max_seq_len,
-                    token_timeout_s=float(cfg.server.token_timeout), max_preempt_count=sc.max_preempt_count)
+                    token_timeout_s=float(cfg.server.token_timeout), max_preempt_count=sc.max_preempt_count,
+                    max_queue_delay_s=sc.max_queue_delay_microseconds / 1e6)
     return Engine(runner, limits, eos_token_ids(runner)), device.kind
 
 
@@ -125,6 +127,9 @@ class EngineService:
                 await self._wait(stop)
                 continue
             await self.publish(await self._step())
+            if self.engine.held_until is not None:  # a small first batch waits for company
+                self.wake.clear()
+                await self._wait(stop, timeout=max(0.0, self.engine.held_until - time.time()))
 
     async def _step(self) -> list[TokenEvent]:
         try:
@@ -133,9 +138,9 @@ class EngineService:
             log.exception("engine step failed")
             return self.engine.fail_all(f"engine failure: {exc}")
 
-    async def _wait(self, stop: asyncio.Event) -> None:
+    async def _wait(self, stop: asyncio.Event, timeout: float | None = None) -> None:
         waiters = [asyncio.ensure_future(self.wake.wait()), asyncio.ensure_future(stop.wait())]
-        _, pending = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        _, pending = await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         for task in pending:
             task.cancel()
 

@@ -218,3 +218,28 @@ def test_prefill_respects_prefill_batch_and_token_limits(tiny_runner):
     assert len(engine.step()) == 2  # 10 + 10 <= 25 < 30
     run = run_until_idle(engine)
     assert len(run.finish) == 5
+
+
+def test_idle_engine_holds_a_small_first_batch_for_max_queue_delay(tiny_runner):
+    engine = Engine(tiny_runner, limits(max_prefill_batch_size=3, max_queue_delay_s=0.2), set())
+    engine.add_request(request("a", prompt(6), max_new_tokens=2))
+    before = time.time()
+    assert engine.step() == [] and engine.num_running == 0  # held: one prompt, a batch holds three
+    assert before < engine.held_until <= before + 0.2 + 0.05
+    engine.add_request(request("b", prompt(6), max_new_tokens=2))
+    engine.add_request(request("c", prompt(6), max_new_tokens=2))
+    assert len(engine.step()) == 3 and engine.held_until is None  # full batch: launched at once
+    engine.add_request(request("d", prompt(6), max_new_tokens=4))
+    assert [e.id for e in engine.step()] == ["d"]  # something runs: no holding
+    run_until_idle(engine)
+    assert_pool_whole(engine)
+
+
+def test_held_batch_launches_when_the_delay_is_over(tiny_runner):
+    engine = Engine(tiny_runner, limits(max_prefill_batch_size=8, max_queue_delay_s=0.05), set())
+    engine.add_request(request("a", prompt(6), max_new_tokens=2))
+    assert engine.step() == []
+    time.sleep(0.06)
+    assert [e.id for e in engine.step()] == ["a"]
+    run_until_idle(engine)
+    assert_pool_whole(engine)
