@@ -16,6 +16,7 @@ from shared.messages import Sampling
 FLT_MAX = 3.4028234663852886e38
 INT32_MAX = 2147483647
 UINT64_MAX = 18446744073709551615
+MAX_INPUT_CHARS = 4 * 1024 * 1024  # longest text input, every family
 
 
 def parse_json_object(body: bytes, message: str) -> dict[str, Any]:
@@ -27,6 +28,17 @@ def parse_json_object(body: bytes, message: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise validation(message)
     return data
+
+
+def text_input(value: Any, key: str) -> str:
+    """A prompt that must be one string of 1..MAX_INPUT_CHARS characters (a list is the multimodal form)."""
+    if isinstance(value, list):
+        raise validation(f"{key} as a multimodal list is not supported: the served model is text-only.")
+    if not isinstance(value, str):
+        raise validation(f"{key} must be string type.")
+    if not 0 < len(value) <= MAX_INPUT_CHARS:
+        raise validation(f"{key} must be 1 to {MAX_INPUT_CHARS} characters long, got {len(value)}.")
+    return value
 
 
 def _fmt(value: float) -> str:

@@ -10,14 +10,17 @@ import subprocess
 import threading
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import msgspec
 import nats
 
 from shared import subjects
 from shared.messages import EngineInfo, MetricsSnapshot, Ping, encode
-from switchboard.natsd import die_with_parent
+from switchboard.natsd import EmbeddedNats, die_with_parent
+from tests.conftest import write_config
 
 READY_PREFIX = "Switchboard ready on "
 
@@ -109,6 +112,21 @@ class Stack:
                     or time.monotonic() > deadline:
                 return info
             await asyncio.sleep(0.1)
+
+
+@contextmanager
+def running_stack(folder: Path, model_dir: Path, **sections) -> Iterator[Stack]:
+    """A stack on a nats-server of its own, its config.json written into ``folder``; stopped on exit."""
+    nats_server = EmbeddedNats()
+    url = nats_server.start()
+    sections["Switchboard"] = {"natsUrl": url, **sections.get("Switchboard", {})}
+    stack = Stack(write_config(folder, model_dir, **sections), url)
+    try:
+        stack.start()
+        yield stack
+    finally:
+        stack.stop()
+        nats_server.stop()
 
 
 def sse_events(body: str) -> list[dict]:

@@ -12,26 +12,16 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from switchboard.natsd import EmbeddedNats
-from tests.conftest import write_config
-from tests.integration.stack import Stack, post
+from tests.integration.stack import post, running_stack
 
 PROMPT = "My name is Olivier and I"  # 8 tokens
 
 
 @pytest.fixture(scope="module")
 def metrics_stack(tmp_path_factory, tiny_model_dir):
-    nats_server = EmbeddedNats()
-    url = nats_server.start()
-    config = write_config(tmp_path_factory.mktemp("metrics"), tiny_model_dir, Switchboard={"natsUrl": url},
-                          **{"BackendConfig.ModelDeployConfig": {"maxInputTokenLen": 64}})
-    stack = Stack(config, url)
-    try:
-        stack.start()
+    with running_stack(tmp_path_factory.mktemp("metrics"), tiny_model_dir,
+                       **{"BackendConfig.ModelDeployConfig": {"maxInputTokenLen": 64}}) as stack:
         yield stack
-    finally:
-        stack.stop()
-        nats_server.stop()
 
 
 def samples(text: str) -> dict[str, float]:

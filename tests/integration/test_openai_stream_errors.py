@@ -8,8 +8,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.integration.conftest import _start
-from tests.integration.stack import sse_events
+from tests.integration.stack import running_stack, sse_events
 from tests.integration.test_openai_api import MESSAGES, PROMPT, client, post
 
 LONG = {"max_tokens": 100000, "temperature": 0, "ignore_eos": True}
@@ -17,10 +16,8 @@ LONG = {"max_tokens": 100000, "temperature": 0, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def short_stack(tmp_path_factory, tiny_model_dir):
-    stack, nats_server = _start(tmp_path_factory, "openai-e2e", tiny_model_dir, ServerConfig={"e2eTimeout": 1})
-    yield stack
-    stack.stop()
-    nats_server.stop()
+    with running_stack(tmp_path_factory.mktemp("openai-e2e"), tiny_model_dir, ServerConfig={"e2eTimeout": 1}) as stack:
+        yield stack
 
 
 @pytest.mark.parametrize("path,body", [

@@ -19,9 +19,8 @@ import pytest
 
 from services.gateway.tls import server_contexts
 from shared.config import ConfigError, load_config
-from switchboard.natsd import EmbeddedNats
 from tests.conftest import write_config
-from tests.integration.stack import READY_PREFIX, Stack
+from tests.integration.stack import READY_PREFIX, running_stack
 
 GENERATE = {"inputs": "My name is Olivier and I", "parameters": {"max_new_tokens": 5}}
 TLS_VERSIONS = [ssl.TLSVersion.TLSv1_2, ssl.TLSVersion.TLSv1_3]
@@ -58,15 +57,8 @@ def pki(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tls_stack(pki, tiny_model_dir):
-    nats_server = EmbeddedNats()
-    url = nats_server.start()
-    stack = Stack(write_config(pki, tiny_model_dir, ServerConfig=SERVER_TLS, Switchboard={"natsUrl": url}), url)
-    try:
-        stack.start()
+    with running_stack(pki, tiny_model_dir, ServerConfig=SERVER_TLS) as stack:
         yield stack
-    finally:
-        stack.stop()
-        nats_server.stop()
 
 
 def client(pki: Path, cert: str | None = "client", issuer: str = "security", tls_max=None) -> httpx.Client:

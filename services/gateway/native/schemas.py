@@ -9,12 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from services.gateway.validation import Fields, mindie_sampling, parse_json_object, stream_flag
+from services.gateway.validation import MAX_INPUT_CHARS, Fields, mindie_sampling, parse_json_object, stream_flag
 from shared.errors import validation
 from shared.messages import Sampling
 
 PARSE_ERROR = "Failed to parse context to json body"
-MAX_INPUT_CHARS = 4 * 1024 * 1024
 MAX_TOKEN_ID = 1024 * 1024
 MAX_TOKENS_NUM = 1048576
 MEDIA_TYPES = ("image_url", "video_url", "audio_url")

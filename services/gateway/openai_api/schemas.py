@@ -7,11 +7,10 @@ from typing import Any
 
 from services.gateway.openai_api.errors import bad_param
 from services.gateway.openai_api.params import Common, parse_common
-from services.gateway.validation import Fields, parse_json_object
+from services.gateway.validation import MAX_INPUT_CHARS, Fields, parse_json_object
 from shared.config import Config
 
 PARSE_ERROR = "The request body must be a JSON object."
-MAX_INPUT_CHARS = 4 * 1024 * 1024
 MEDIA_PARTS = {"image_url", "image", "input_image", "audio_url", "input_audio", "video_url", "video", "file"}
 
 

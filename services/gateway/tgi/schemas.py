@@ -6,12 +6,13 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from services.gateway.validation import INT32_MAX, Fields, mindie_sampling, parse_json_object, stream_flag
+from services.gateway.validation import (
+    INT32_MAX, Fields, mindie_sampling, parse_json_object, stream_flag, text_input,
+)
 from shared.errors import validation
 from shared.messages import Sampling
 
 PARSE_ERROR = "Failed to parse context to json body"
-MAX_INPUT_CHARS = 4 * 1024 * 1024
 ADAPTER_ID = re.compile(r"^[a-zA-Z0-9_./-]{1,256}$")
 
 
@@ -55,13 +56,7 @@ def parse_tgi(body: bytes | dict[str, Any], stream: bool | None = None) -> TgiRe
 def _inputs(value: Any) -> str:
     if value is None:
         raise validation("inputs must be necessary and its data type must be string.")
-    if isinstance(value, list):
-        raise validation("inputs as a multimodal list is not supported: the served model is text-only.")
-    if not isinstance(value, str):
-        raise validation("inputs must be string type.")
-    if not 0 < len(value) <= MAX_INPUT_CHARS:
-        raise validation(f"inputs must be 1 to {MAX_INPUT_CHARS} characters long, got {len(value)}.")
-    return value
+    return text_input(value, "inputs")
 
 
 def sampling_from(p: Fields) -> Sampling:

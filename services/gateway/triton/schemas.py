@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from services.gateway.validation import FLT_MAX, INT32_MAX, UINT64_MAX, Fields, parse_json_object
+from services.gateway.validation import FLT_MAX, INT32_MAX, UINT64_MAX, Fields, parse_json_object, text_input
 from shared.errors import validation
 from shared.messages import Sampling
 
@@ -20,7 +20,6 @@ PARSE_ERROR = "Failed to parse context to json body."
 ID_PATTERN = re.compile(r"^[a-zA-Z0-9_-]{1,256}$")
 ID_ERROR = ("The id can contain only digits, letters, underscores(_), hyphens(-) "
             "and no more than 256 characters in length.")
-MAX_INPUT_CHARS = 4 * 1024 * 1024
 DEFAULT_PRIORITY = 5
 DEFAULT_TIMEOUT_S = 600
 
@@ -93,12 +92,6 @@ def parse_text_request(body: bytes) -> TextRequest:
 def _text_input(value: Any) -> str:
     if value is None:
         raise validation("The text_input not found: it is required and must be a string.")
-    if isinstance(value, list):
-        if not value:
-            raise validation("Parameter text_input arr is empty.")
-        raise validation("text_input as a multimodal list is not supported: the served model is text-only.")
-    if not isinstance(value, str):
-        raise validation("text_input must be string type.")
-    if not 0 < len(value) <= MAX_INPUT_CHARS:
-        raise validation(f"text_input must be 1 to {MAX_INPUT_CHARS} characters long, got {len(value)}.")
-    return value
+    if value == []:
+        raise validation("Parameter text_input arr is empty.")
+    return text_input(value, "text_input")

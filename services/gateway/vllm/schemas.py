@@ -5,11 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from services.gateway.validation import FLT_MAX, INT32_MAX, Fields
+from services.gateway.validation import FLT_MAX, INT32_MAX, Fields, text_input
 from shared.errors import ErrorKind, SwitchboardError, validation
 from shared.messages import Sampling
 
-MAX_INPUT_CHARS = 4 * 1024 * 1024
 INT63_MAX = 2**63 - 1
 STOP_TOTAL = 32768
 
@@ -25,22 +24,12 @@ class VllmRequest:
 
 def parse_vllm(data: dict[str, Any], model: str, max_iter_times: int, max_n: int) -> VllmRequest:
     f = Fields(data)
-    prompt = _prompt(data.get("prompt"))
+    prompt = text_input(data.get("prompt"), "prompt")
     _check_model(f.string("model"), model)
     sampling = sampling_from(f, max_iter_times)
     f.boolean("skip_special_tokens", True)
     n, best_of = _n_best_of(f, max_n)
     return VllmRequest(prompt, sampling, n, best_of, f.boolean("stream", False))
-
-
-def _prompt(value: Any) -> str:
-    if isinstance(value, list):
-        raise validation("prompt as a multimodal list is not supported: the served model is text-only.")
-    if not isinstance(value, str):
-        raise validation("prompt must be string type.")
-    if not 0 < len(value) <= MAX_INPUT_CHARS:
-        raise validation(f"prompt must be 1 to {MAX_INPUT_CHARS} characters long, got {len(value)}.")
-    return value
 
 
 def _check_model(name: str | None, served: str) -> None:
