@@ -2,21 +2,30 @@
 
 Requests and cancels arrive from any thread through a thread-safe inbox and take effect at the
 start of the next step, so the NATS loop never waits on the model.
+
+One request never harms another: the model pass and sampling change no sequence, so when they
+raise, ``isolation.run_isolated`` runs the batch again in halves until only the requests that make
+it raise remain; those end with an internal error and the rest go on with the tokens they would
+have produced alone.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import time
 from dataclasses import dataclass, field
 
 from services.engine.block_manager import BlockManager, blocks_for
+from services.engine.isolation import Outcome, run_isolated
 from services.engine.model_runner import ModelRunner
 from services.engine.sampler import raw_logprobs, sample, token_logprob
 from services.engine.scheduler import Finish, Limits, Scheduler
 from services.engine.sequence import Sequence
 from shared.errors import ErrorInfo, ErrorKind
-from shared.messages import EngineRequest, TokenEvent
+from shared.messages import EngineRequest, TokenEvent, TokenLogprob
+
+log = logging.getLogger("switchboard.engine")
 
 
 @dataclass
@@ -30,6 +39,14 @@ class Stats:
     def take_queue_times(self) -> list[float]:
         taken, self.queue_times = self.queue_times, []
         return taken
+
+
+@dataclass(frozen=True)
+class Drawn:
+    """One sequence's result of a step, not yet applied to it."""
+
+    token_id: int
+    logprob: TokenLogprob | None = None
 
 
 @dataclass(frozen=True)
@@ -72,35 +89,63 @@ class Engine:
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
             return events
-        self._count(seqs, is_prefill)
+        started = time.time()
+        outcome = run_isolated(lambda part: self.forward(part, is_prefill), seqs)
+        events += self._end_failed(outcome, is_prefill)
+        if outcome.results:
+            self._count([seq for seq, _ in outcome.results], is_prefill, started)
+            events += self._advance(outcome.results)
+        return events
+
+    def forward(self, seqs: list[Sequence], is_prefill: bool) -> list[Drawn]:
+        """The model pass and sampling for ``seqs``: no side effect on them, safe to run again."""
         logits = self.runner.run(seqs, is_prefill)
         logprob_rows = raw_logprobs(logits, seqs)
         token_ids = sample(logits, seqs)
-        finished = {f.seq.id: f for f in self.scheduler.postprocess(seqs, token_ids)}
+        return [Drawn(token_id, token_logprob(logprob_rows[i], token_id, seq.sampling.logprobs)
+                      if i in logprob_rows else None)
+                for i, (seq, token_id) in enumerate(zip(seqs, token_ids))]
+
+    def _advance(self, results: list[tuple[Sequence, Drawn]]) -> list[TokenEvent]:
+        """Append each drawn token, finish the sequences that are done, and say so."""
+        ran = [seq for seq, _ in results]
+        finished = {f.seq.id: f for f in self.scheduler.postprocess(ran, [d.token_id for _, d in results])}
         now = time.time()
-        for seq in seqs:
+        events = []
+        for seq, drawn in results:
             seq.last_event_at = now
-        for i, (seq, token_id) in enumerate(zip(seqs, token_ids)):
             done = finished.get(seq.id)
-            event = TokenEvent(seq.id, [token_id], done.reason if done else None)
-            if i in logprob_rows:
-                event.logprobs = [token_logprob(logprob_rows[i], token_id, seq.sampling.logprobs)]
+            event = TokenEvent(seq.id, [drawn.token_id], done.reason if done else None)
+            if drawn.logprob is not None:
+                event.logprobs = [drawn.logprob]
             events.append(event)
             if done:
                 self.seqs.pop(seq.id, None)
         return events
 
-    def _count(self, seqs: list[Sequence], is_prefill: bool) -> None:
+    def _end_failed(self, outcome: Outcome[Drawn], is_prefill: bool) -> list[TokenEvent]:
+        """End each request the step fails for, alone, with an internal error; free its blocks."""
+        events = []
+        for seq, exc in outcome.failures:
+            log.warning("request ended: the engine step fails for it", exc_info=exc, extra={
+                "request_id": seq.id, "phase": "prefill" if is_prefill else "decode", "error": repr(exc)})
+            self.scheduler.finish(seq, "error")
+            self.seqs.pop(seq.id, None)
+            error = ErrorInfo(ErrorKind.INTERNAL, f"engine failure for this request: {type(exc).__name__}: {exc}")
+            events.append(TokenEvent(seq.id, [], "error", error))
+        return events
+
+    def _count(self, seqs: list[Sequence], is_prefill: bool, started: float) -> None:
+        """Tokens produced, and for a first run the queue time up to ``started``."""
         self.stats.generation_tokens += len(seqs)
         if not is_prefill:
             return
-        now = time.time()
         for seq in seqs:
             self.stats.prompt_tokens += len(seq)
             if seq.scheduled_at is None:
-                seq.scheduled_at = now
+                seq.scheduled_at = started
                 if seq.arrival:
-                    self.stats.queue_times.append(max(0.0, now - seq.arrival))
+                    self.stats.queue_times.append(max(0.0, started - seq.arrival))
 
     def _drain_inbox(self) -> list[TokenEvent]:
         events: list[TokenEvent] = []
@@ -126,7 +171,8 @@ class Engine:
         return []
 
     def fail_all(self, message: str) -> list[TokenEvent]:
-        """End every request with an internal error (the model step raised); the engine keeps serving."""
+        """Last resort: end every request with an internal error (a step raised outside the per-request
+        part, which ``run_isolated`` guards); the engine keeps serving."""
         error = ErrorInfo(ErrorKind.INTERNAL, message)
         events = [TokenEvent(seq.id, [], "error", error) for seq in self.seqs.values()]
         for seq in list(self.seqs.values()):

@@ -90,6 +90,7 @@ class ModelRunner:
     def prepare_prefill(self, seqs: list[Sequence]) -> Batch:
         ids, positions, slots, spans, last = [], [], [], [], []
         for seq in seqs:
+            self._check_ids(seq.token_ids)
             start = len(ids)
             ids.extend(seq.token_ids)
             positions.extend(range(len(seq)))
@@ -97,6 +98,13 @@ class ModelRunner:
             spans.append((start, len(ids)))
             last.append(len(ids) - 1)
         return Batch(self._long(ids), self._long(positions), self._long(slots), self._long(last), True, spans)
+
+    def _check_ids(self, ids: list[int]) -> None:
+        """Raise for an id the embedding has no row for (on a GPU the lookup would abort the device)."""
+        size = self.model.model.embed_tokens.num_embeddings
+        if ids and not 0 <= min(ids) <= max(ids) < size:
+            bad = next(i for i in ids if not 0 <= i < size)
+            raise ValueError(f"token id {bad} is outside the model's vocabulary of {size}")
 
     def prepare_decode(self, seqs: list[Sequence]) -> Batch:
         lmax = max(len(s) for s in seqs)

@@ -1,39 +1,91 @@
 """Per-request sampling in one batched pass over the step's logits.
 
 Order as transformers applies it: repetition penalty (then vLLM's presence and frequency
-penalties on generated tokens), temperature, top-k, top-p, typical-p, then greedy argmax or a draw
-from each request's own seeded generator (so a seeded request gives the same tokens whatever else
-shares its batch). Log-probabilities, when asked for, are those of the model's raw distribution.
+penalties on generated tokens), temperature, top-k, top-p, typical-p, then greedy argmax or a
+seeded draw. A temperature below ``SAMPLING_EPS`` (vLLM's) is greedy. Each draw uses a generator
+seeded from (request seed, tokens so far), so a seeded request gives the same tokens whatever else
+shares its batch, re-running a step draws the same token again, and a request resumed elsewhere
+continues the same sequence. A row whose distribution cannot be formed (every logit -inf, NaN,
++inf from an extreme penalty) falls back to greedy instead of raising; parameters no family
+accepts (NaN, a negative temperature or penalty) raise ``ValueError`` for the engine to isolate.
+Log-probabilities, when asked for, are those of the model's raw distribution.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from services.engine.sequence import Sequence
-from shared.messages import TokenLogprob
+from shared.messages import Sampling, TokenLogprob
+
+SAMPLING_EPS = 1e-5  # vLLM's: a lower temperature means greedy
+_MASK64 = (1 << 64) - 1
 
 
 @torch.inference_mode()
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    """One token per row; ``logits`` is modified in place (penalties)."""
+    for seq in seqs:
+        check_sampling(seq.sampling)
+    raw_best = best_finite(logits)
     apply_repetition_penalty(logits, seqs)
     apply_output_penalties(logits, seqs)
-    greedy = logits.argmax(dim=-1).tolist()
-    rows = [i for i, s in enumerate(seqs) if s.sampling.sampling]
+    tokens = greedy(logits, raw_best)
+    rows = [i for i, s in enumerate(seqs) if draws(s.sampling)]
     if not rows:
-        return greedy
+        return tokens
     sub = [seqs[i] for i in rows]
     probs = warp(logits[rows], sub).softmax(dim=-1)
+    valid = torch.isfinite(probs).all(dim=-1).tolist()
     for j, (i, seq) in enumerate(zip(rows, sub)):
-        greedy[i] = int(torch.multinomial(probs[j], 1, generator=generator_for(seq)))
-    return greedy
+        if valid[j]:  # otherwise the greedy token already in place
+            tokens[i] = int(torch.multinomial(probs[j], 1, generator=generator_for(seq, probs.device)))
+    return tokens
 
 
-def generator_for(seq: Sequence) -> torch.Generator:
-    if seq.generator is None:
-        seq.generator = torch.Generator(device="cpu")
-        seq.generator.manual_seed(seq.sampling.seed or 0)
-    return seq.generator
+def draws(sampling: Sampling) -> bool:
+    """Whether the request samples: asked to, and with a temperature of at least ``SAMPLING_EPS``."""
+    return sampling.sampling and sampling.temperature >= SAMPLING_EPS
+
+
+def check_sampling(sampling: Sampling) -> None:
+    """Raise ``ValueError`` for a value no API family accepts (the gateway validates the rest)."""
+    for name in ("temperature", "top_p", "typical_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+        if math.isnan(getattr(sampling, name)):
+            raise ValueError(f"sampling parameter {name} is NaN")
+    if sampling.temperature < 0:
+        raise ValueError(f"temperature must not be negative, got {sampling.temperature}")
+    if sampling.repetition_penalty <= 0:
+        raise ValueError(f"repetition_penalty must be positive, got {sampling.repetition_penalty}")
+
+
+def greedy(logits: torch.Tensor, fallback: torch.Tensor) -> list[int]:
+    """Argmax per row; a row with a NaN or with every logit -inf takes ``fallback`` (raw argmax)."""
+    best, index = logits.max(dim=-1)
+    broken = best.isnan() | (best == float("-inf"))
+    return torch.where(broken, fallback, index).tolist()
+
+
+def best_finite(logits: torch.Tensor) -> torch.Tensor:
+    """Argmax per row, NaN ignored (the fallback of rows whose distribution cannot be formed)."""
+    if bool(logits.isnan().any()):
+        logits = logits.nan_to_num(nan=float("-inf"))
+    return logits.argmax(dim=-1)
+
+
+def position_seed(seed: int, position: int) -> int:
+    """A well-spread 63-bit seed for the draw at ``position`` (splitmix64 of seed and position)."""
+    x = (seed * 0x9E3779B97F4A7C15 + position) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) >> 1
+
+
+def generator_for(seq: Sequence, device: torch.device | str = "cpu") -> torch.Generator:
+    """The generator for this sequence's next draw: a function of its seed and its length only."""
+    return torch.Generator(device=device).manual_seed(position_seed(seq.sampling.seed or 0, len(seq)))
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seqs: list[Sequence]) -> None:

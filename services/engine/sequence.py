@@ -1,12 +1,13 @@
-"""One request inside the engine: its tokens, its blocks, its sampling state."""
+"""One request inside the engine: its tokens, its blocks, its scheduling state.
+
+Sampling keeps no state here: each draw is seeded from (seed, len(token_ids)) by the sampler.
+"""
 
 from __future__ import annotations
 
 import enum
 import itertools
 from dataclasses import dataclass, field
-
-import torch
 
 from shared.messages import Sampling
 
@@ -35,7 +36,6 @@ class Sequence:
     status: Status = Status.WAITING
     num_preemptions: int = 0
     order: int = field(default_factory=lambda: next(_counter))
-    generator: torch.Generator | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)

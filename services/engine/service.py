@@ -134,7 +134,7 @@ class EngineService:
     async def _step(self) -> list[TokenEvent]:
         try:
             return await asyncio.get_running_loop().run_in_executor(self.stepper, self.engine.step)
-        except Exception as exc:  # a model failure ends the batch's requests, not the service
+        except Exception as exc:  # last resort: per-request failures are isolated inside the step
             log.exception("engine step failed")
             return self.engine.fail_all(f"engine failure: {exc}")
 

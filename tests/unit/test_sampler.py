@@ -13,7 +13,8 @@ from transformers.generation.logits_process import (
 )
 
 from services.engine.sampler import (
-    apply_output_penalties, apply_repetition_penalty, raw_logprobs, sample, token_logprob, top_k, top_p, typical_p, warp,
+    SAMPLING_EPS, apply_output_penalties, apply_repetition_penalty, position_seed, raw_logprobs, sample, token_logprob,
+    top_k, top_p, typical_p, warp,
 )
 from services.engine.sequence import Sequence
 from shared.messages import Sampling
@@ -177,19 +178,19 @@ def test_repetition_penalty_one_changes_nothing_and_rows_are_independent():
 # ---- sample -----------------------------------------------------------------------------------
 
 
-def test_greedy_rows_are_argmax_and_ignore_the_generator():
+def draw_run(logits: torch.Tensor, s: Sequence, n: int) -> list[int]:
+    """``n`` draws for one sequence, each appended before the next (the position advances)."""
+    out = []
+    for _ in range(n):
+        out.append(sample(logits.clone(), [s])[0])
+        s.append(out[-1])
+    return out
+
+
+def test_greedy_rows_are_argmax_whatever_their_seed():
     logits = random_logits(3, seed=12)
     seqs = [seq(do_sample=False, seed=1), seq(do_sample=False, seed=999), seq()]
-    tokens = sample(logits.clone(), seqs)
-    assert tokens == logits.argmax(-1).tolist()
-    assert all(s.generator is None for s in seqs)
-    # a pre-existing generator is neither used nor advanced
-    g = torch.Generator().manual_seed(5)
-    state = g.get_state()
-    greedy = seq(do_sample=False, seed=5)
-    greedy.generator = g
-    assert sample(logits[:1].clone(), [greedy]) == [int(logits[0].argmax())]
-    assert torch.equal(g.get_state(), state)
+    assert sample(logits.clone(), seqs) == logits.argmax(-1).tolist()
 
 
 def test_warpers_without_do_sample_mean_sampling():
@@ -216,6 +217,7 @@ def test_seeded_draw_is_reproducible_and_independent_of_the_batch():
             batch = others[: len(others) // 2] + [target] + others[len(others) // 2 :]
             rows = logits.expand(len(batch), -1).clone()
             out.append(sample(rows, batch)[len(others) // 2])
+            target.append(out[-1])
         return out
 
     alone = draws(0)
@@ -223,27 +225,96 @@ def test_seeded_draw_is_reproducible_and_independent_of_the_batch():
     assert len(set(alone)) > 1  # it really samples
 
 
-def test_seeded_draw_equals_multinomial_with_that_seed():
+def test_seeded_draw_is_multinomial_with_a_generator_seeded_from_seed_and_position():
     logits = random_logits(1, seed=14, scale=1.0)
     s = seq(do_sample=True, temperature=0.8, top_k=50, top_p=0.9, seed=1234)
-    ours = [sample(logits.clone(), [s])[0] for _ in range(10)]
-    g = torch.Generator().manual_seed(1234)
     probs = warp(logits.clone(), [s]).softmax(-1)[0]
-    expected = [int(torch.multinomial(probs, 1, generator=g)) for _ in range(10)]
-    assert ours == expected
+    expected = []
+    for position in range(3, 13):
+        g = torch.Generator().manual_seed(position_seed(1234, position))
+        expected.append(int(torch.multinomial(probs, 1, generator=g)))
+    assert draw_run(logits, s, 10) == expected
+
+
+def test_drawing_again_at_the_same_position_gives_the_same_token():
+    """No generator advances: re-running a step (isolation, a resumed request) draws the same token."""
+    logits = random_logits(1, seed=17, scale=0.3)
+    s = seq(list(range(40)), do_sample=True, seed=99)
+    first = [sample(logits.clone(), [s])[0] for _ in range(5)]
+    assert len(set(first)) == 1
+    resumed = seq(list(range(40)), do_sample=True, seed=99)
+    assert sample(logits.clone(), [resumed]) == first[:1]
+
+
+def test_position_seed_is_deterministic_and_spread():
+    assert position_seed(5, 10) == position_seed(5, 10)
+    seeds = {position_seed(seed, position) for seed in range(20) for position in range(50)}
+    assert len(seeds) == 1000
+    assert all(0 <= x < 2**63 for x in seeds)
+    assert 0 <= position_seed(2**64 - 1, 2**31) < 2**63
 
 
 def test_sampled_tokens_stay_inside_top_k():
     logits = random_logits(1, seed=15, scale=1.0)
     allowed = set(logits[0].topk(3).indices.tolist())
-    s = seq(do_sample=True, top_k=3, seed=7)
-    assert {sample(logits.clone(), [s])[0] for _ in range(50)} <= allowed
+    assert set(draw_run(logits, seq(do_sample=True, top_k=3, seed=7), 50)) <= allowed
 
 
 def test_different_seeds_differ():
     logits = random_logits(1, seed=16, scale=0.5)
     a, b = seq(do_sample=True, seed=1), seq(do_sample=True, seed=2)
-    assert [sample(logits.clone(), [a])[0] for _ in range(10)] != [sample(logits.clone(), [b])[0] for _ in range(10)]
+    assert draw_run(logits, a, 10) != draw_run(logits, b, 10)
+
+
+# ---- numerically safe at every value a family accepts -----------------------------------------
+
+FLT_MAX = 3.4028234663852886e38
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 1e-6, 0.0, SAMPLING_EPS / 2])
+def test_a_temperature_below_eps_is_greedy(temperature):
+    logits = random_logits(2, seed=18)
+    seqs = [seq(do_sample=True, temperature=temperature, seed=3), seq(temperature=temperature, top_k=5, seed=4)]
+    assert sample(logits.clone(), seqs) == logits.argmax(-1).tolist()
+
+
+EXTREMES = [
+    dict(repetition_penalty=FLT_MAX), dict(repetition_penalty=1e-300), dict(temperature=FLT_MAX),
+    dict(top_p=1e-300), dict(typical_p=1e-300), dict(top_k=2**31 - 1), dict(temperature=SAMPLING_EPS),
+    dict(presence_penalty=2.0, frequency_penalty=2.0), dict(presence_penalty=-2.0, frequency_penalty=-2.0),
+    dict(repetition_penalty=FLT_MAX, temperature=FLT_MAX, top_p=1e-300, typical_p=1e-300, top_k=1),
+]
+
+
+@pytest.mark.parametrize("params", EXTREMES, ids=lambda p: ",".join(f"{k}={v:g}" for k, v in p.items()))
+@pytest.mark.parametrize("do_sample", [True, False])
+def test_extreme_accepted_values_give_a_valid_token(params, do_sample):
+    logits = random_logits(1, seed=19)
+    s = seq(list(range(0, VOCAB, 2)) + [3, 3, 5], do_sample=do_sample, seed=8, **params)
+    for token in draw_run(logits, s, 5):
+        assert 0 <= token < VOCAB
+
+
+def test_a_row_without_a_distribution_falls_back_to_the_raw_argmax():
+    logits = random_logits(4, seed=20)
+    logits[0] = float("-inf")  # every logit -inf
+    logits[1, 7] = float("nan")
+    logits[2] = -logits[2].abs() - 1  # all negative: the penalty below sends every logit to -inf
+    logits[3, 9] = float("inf")  # a tiny penalty (0 in float32) sends repeated positive logits to +inf
+    raw = logits.nan_to_num(nan=float("-inf")).argmax(-1).tolist()
+    seqs = [seq(do_sample=True, seed=1), seq(do_sample=True, seed=2),
+            seq(list(range(VOCAB)), do_sample=True, repetition_penalty=FLT_MAX, seed=3),
+            seq(do_sample=True, seed=4)]
+    tokens = sample(logits.clone(), seqs)
+    assert tokens[1:] == raw[1:] and raw[1] != 7 and raw[3] == 9
+    assert 0 <= tokens[0] < VOCAB
+
+
+@pytest.mark.parametrize("params", [dict(temperature=float("nan")), dict(top_p=float("nan")),
+                                    dict(temperature=-1.0), dict(repetition_penalty=0.0)])
+def test_values_no_family_accepts_raise(params):
+    with pytest.raises(ValueError):
+        sample(random_logits(1, seed=21), [seq(do_sample=True, **params)])
 
 
 # ---- presence / frequency penalties and logprobs ----------------------------------------------
