@@ -170,6 +170,21 @@ class SwitchboardConfig(Struct, kw_only=True):
     otlp_endpoint: str = ""
     """OTLP/HTTP traces endpoint; empty = no spans exported."""
     log_level: Literal["debug", "info", "warning", "error"] = "warning"
+    # Slow clients, per listener. The request head is a few hundred bytes, so 10 s is ample even on a
+    # bad mobile link (Go services commonly set ReadHeaderTimeout to 5-10 s; nginx's 60 s dates from
+    # dial-up). The body gets a whole deadline, not nginx's gap between reads, so a body sent a byte at a
+    # time cannot hold a connection forever; 30 s carries a typical request body over any link.
+    header_timeout_seconds: Annotated[int, Meta(ge=1, le=3600)] = 10
+    """a connection that has not sent a whole request head this long after it opened (or after the
+    first byte of a keep-alive request) gets 408 and is closed."""
+    body_timeout_seconds: Annotated[int, Meta(ge=1, le=3600)] = 30
+    """a request whose body has not fully arrived this long after its head gets 408 and is closed;
+    answers, streams included, are never cut by either timeout."""
+    # maxLinkNum (1000 by default) admits 3 x maxLinkNum requests (in progress plus queued); 4096
+    # connections leave room for all of them and for idle keep-alive connections, so overload is still a
+    # 429 in the family's shape, while a flood of idle or slow sockets cannot exhaust file descriptors.
+    max_connections: Annotated[int, Meta(ge=1, le=65536)] = 4096
+    """open connections per listener; beyond it a new connection gets 503 (and is closed) on its request."""
 
 
 class Config(msgspec.Struct, kw_only=True):

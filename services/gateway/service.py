@@ -11,6 +11,7 @@ import uvicorn
 
 from services.gateway.app import listeners
 from services.gateway.core import Gateway
+from services.gateway.slowloris import ClientLimits, protocol_class
 from services.gateway.tls import server_contexts
 from shared import bus
 from shared.config import Config
@@ -23,7 +24,8 @@ async def serve(cfg: Config, nats_url: str, stop: asyncio.Event, ready=lambda: N
     nc = await bus.connect(nats_url, "switchboard-gateway")
     gateway = Gateway(cfg, nc)
     await gateway.start()
-    servers = [_server(listener, contexts.get(listener.planes[0])) for listener in listeners(gateway)]
+    limits = ClientLimits.from_config(cfg)
+    servers = [_server(listener, contexts.get(listener.planes[0]), limits) for listener in listeners(gateway)]
     tasks = [asyncio.create_task(s.serve()) for s in servers]
     stopper = asyncio.create_task(stop.wait())
     announcer = asyncio.create_task(_announce_when_started(gateway, servers, ready))
@@ -48,10 +50,11 @@ async def _announce_when_started(gateway: Gateway, servers: list[uvicorn.Server]
     ready()
 
 
-def _server(listener, ssl_context: ssl.SSLContext | None) -> uvicorn.Server:
+def _server(listener, ssl_context: ssl.SSLContext | None, limits: ClientLimits) -> uvicorn.Server:
+    """One listener's uvicorn, its h11 protocol bounding slow clients and open connections."""
     config = uvicorn.Config(
         listener.app, host=listener.host, port=listener.port, log_level="warning", access_log=False,
-        lifespan="off", timeout_keep_alive=60, timeout_graceful_shutdown=5,
+        lifespan="off", timeout_keep_alive=60, timeout_graceful_shutdown=5, http=protocol_class(limits),
         ssl_context_factory=(lambda _config, _default: ssl_context) if ssl_context else None,
     )
     server = uvicorn.Server(config)

@@ -17,6 +17,7 @@ from litestar.params import FromPath
 
 from services.gateway.errors import mindie_error
 from services.gateway.session import Session
+from services.gateway.validation import BodyError, read_json_object
 from shared.errors import ErrorKind, SwitchboardError
 from shared.messages import Sampling
 
@@ -107,8 +108,8 @@ def _set_role(request: Request, role: str, allowed: tuple[str, ...], body: bytes
     if role not in allowed:
         return mindie_error(ErrorKind.NOT_FOUND, f"role must be one of {', '.join(allowed)}, got {role}")
     try:
-        msgspec.json.decode(body, type=shape)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        msgspec.convert(read_json_object(body), type=shape)
+    except (BodyError, msgspec.ValidationError) as exc:
         return Response({"error": f"Req body converts to json fail. Reset to previous node status. ({exc})",
                          "error_type": ROLE_422_TYPE}, status_code=422, media_type="application/json")
     request.app.state.gateway.role = role

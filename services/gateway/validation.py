@@ -6,6 +6,8 @@ an out-of-range value names the range and the value. Every failure is a 422 vali
 
 from __future__ import annotations
 
+import re
+from itertools import accumulate
 from typing import Any
 
 import msgspec
@@ -15,19 +17,130 @@ from shared.messages import Sampling
 
 FLT_MAX = 3.4028234663852886e38
 INT32_MAX = 2147483647
+INT64_MIN = -(2**63)
 UINT64_MAX = 18446744073709551615
 MAX_INPUT_CHARS = 4 * 1024 * 1024  # longest text input, every family
+MAX_JSON_DEPTH = 64  # the deepest valid body (a Triton row, a PD role's peers) nests under 10 levels
+
+# A JSON string, or an unterminated one up to the end; possessive, so it never backtracks.
+_JSON_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+(?:"|\Z)', re.S)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_DEPTH_STEP = [0] * 256
+_DEPTH_STEP[ord("[")] = _DEPTH_STEP[ord("{")] = 1
+_DEPTH_STEP[ord("]")] = _DEPTH_STEP[ord("}")] = -1
+_LONG_DIGITS = re.compile(rb"[0-9]{19,}")  # any integer outside 64 bits has at least 19 digits
+_BAD_NUMBER = re.compile(rb"-?(?:NaN|Infinity)")
+_AT_BYTE = re.compile(r"\(byte (\d+)\)")
+
+
+class BodyError(ValueError):
+    """A request body that is not one usable JSON object; the message names the problem."""
 
 
 def parse_json_object(body: bytes, message: str) -> dict[str, Any]:
-    """Decode a request body that must be a JSON object; ``message`` is the family's parse error."""
+    """Decode a request body that must be a JSON object; ``message`` is the family's parse error.
+
+    Every problem is a 422 validation error (400 on OpenAI routes) reading "<message> (<problem>)".
+    """
     try:
-        data = msgspec.json.decode(body)
-    except (msgspec.DecodeError, UnicodeDecodeError):
-        raise validation(message) from None
+        return read_json_object(body)
+    except BodyError as exc:
+        raise validation(f"{message} ({exc})") from None
+
+
+def read_json_object(body: bytes) -> dict[str, Any]:
+    """The JSON object in ``body``, or :class:`BodyError`: the one JSON reader of every route.
+
+    Refused before decoding: an empty body, bytes that are not UTF-8, nesting deeper than
+    MAX_JSON_DEPTH (counted without recursion, so the decoder never recurses that deep). Refused
+    after: NaN/Infinity, numbers a 64-bit float or integer cannot hold, a top level that is not an object.
+    """
+    if not body.strip():
+        raise BodyError("the request body is empty")
+    _check_utf8(body)
+    _check_depth(body)
+    data = _decode(body)
     if not isinstance(data, dict):
-        raise validation(message)
+        raise BodyError(f"the top level must be a JSON object, got {json_kind(data)}")
+    _check_integers(body, data)
     return data
+
+
+def json_kind(value: Any) -> str:
+    """The JSON name of a decoded value's type, for messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    return {str: "string", list: "array", dict: "object"}.get(type(value), type(value).__name__)
+
+
+def _check_utf8(body: bytes) -> None:
+    if body.isascii():
+        return
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BodyError(f"the request body is not valid UTF-8: byte {exc.start} is {body[exc.start]:#04x}") from None
+
+
+def _check_depth(body: bytes) -> None:
+    """Refuse nesting deeper than MAX_JSON_DEPTH; brackets inside strings do not count."""
+    if body.count(b"[") + body.count(b"{") <= MAX_JSON_DEPTH:
+        return
+    brackets = _JSON_STRING.sub(b"", body).translate(None, _NOT_BRACKETS)
+    depth = max(accumulate(map(_DEPTH_STEP.__getitem__, brackets)), default=0)
+    if depth > MAX_JSON_DEPTH:
+        raise BodyError(f"the JSON nests deeper than {MAX_JSON_DEPTH} levels")
+
+
+def _decode(body: bytes) -> Any:
+    try:
+        return msgspec.json.decode(body)
+    except msgspec.ValidationError as exc:  # msgspec's word for a number it cannot hold
+        if str(exc).startswith("Integer"):
+            raise BodyError("an integer is outside the 64-bit range") from None
+        raise BodyError("a number is too large for a 64-bit float (like 1e400)") from None
+    except msgspec.DecodeError as exc:
+        raise BodyError(_decode_problem(body, str(exc))) from None
+    except (RecursionError, UnicodeDecodeError) as exc:  # guarded against above; never a 500
+        raise BodyError(f"the JSON could not be read: {exc}") from None
+
+
+def _decode_problem(body: bytes, text: str) -> str:
+    """msgspec's parse error, naming NaN and Infinity, which JSON does not allow."""
+    at = _AT_BYTE.search(text)
+    if at is not None:
+        start = max(int(at.group(1)) - 1, 0)
+        literal = _BAD_NUMBER.match(body, start) or _BAD_NUMBER.match(body, start + 1)
+        if literal is not None:
+            return f"{literal.group().decode()} is not a valid JSON number (byte {literal.start()})"
+    return f"invalid JSON: {text}"
+
+
+def _check_integers(body: bytes, data: dict[str, Any]) -> None:
+    """Refuse integers outside [-2^63, 2^64-1], naming where; the tree is walked only when digits are long."""
+    if _LONG_DIGITS.search(body) is None:
+        return
+    where = _outsized_integer(data)
+    if where is not None:
+        raise BodyError(f"{where} is an integer outside the 64-bit range")
+
+
+def _outsized_integer(data: dict[str, Any]) -> str | None:
+    """The path of the first integer outside 64 bits, walked without recursion."""
+    stack: list[tuple[str, Any]] = [(str(k), v) for k, v in data.items()]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, dict):
+            stack.extend((f"{path}.{k}", v) for k, v in value.items())
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", v) for i, v in enumerate(value))
+        elif isinstance(value, int) and not INT64_MIN <= value <= UINT64_MAX:
+            return path
+    return None
 
 
 def text_input(value: Any, key: str) -> str:

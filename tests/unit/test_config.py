@@ -121,6 +121,15 @@ def test_minimal_config_gets_defaults():
     assert cfg.schedule.max_batch_size == 200
     assert cfg.model.backend_type == "torch"
     assert cfg.switchboard.kv_cache_memory_mb == 1024
+    assert cfg.switchboard.header_timeout_seconds == 10
+    assert cfg.switchboard.body_timeout_seconds == 30
+    assert cfg.switchboard.max_connections == 4096
+
+
+def test_slow_client_keys_are_read(tmp_path):
+    data = patched(Switchboard={"headerTimeoutSeconds": 1, "bodyTimeoutSeconds": 3600, "maxConnections": 8})
+    s = load_config(write(tmp_path, data)).switchboard
+    assert (s.header_timeout_seconds, s.body_timeout_seconds, s.max_connections) == (1, 3600, 8)
 
 
 @pytest.mark.parametrize("value, truncates", [(-1, True), (0, False), (1, True), (True, True), (False, False)])
@@ -160,6 +169,12 @@ def test_all_zero_ip_allowed_with_flag(tmp_path):
          "BackendConfig.ModelDeployConfig.ModelConfig[0].backendType", "'atb' | 'ms' | 'torch'"),
         ({"Switchboard": {"device": "tpu"}}, "Switchboard.device", "'auto' | 'cpu' | 'cuda' | 'npu'"),
         ({"Switchboard": {"kvCacheMemoryMb": 1}}, "Switchboard.kvCacheMemoryMb", "[16, 1048576]"),
+        ({"Switchboard": {"headerTimeoutSeconds": 0}}, "Switchboard.headerTimeoutSeconds", "[1, 3600]"),
+        ({"Switchboard": {"headerTimeoutSeconds": 3601}}, "Switchboard.headerTimeoutSeconds", "[1, 3600]"),
+        ({"Switchboard": {"bodyTimeoutSeconds": 0}}, "Switchboard.bodyTimeoutSeconds", "[1, 3600]"),
+        ({"Switchboard": {"bodyTimeoutSeconds": 86400}}, "Switchboard.bodyTimeoutSeconds", "[1, 3600]"),
+        ({"Switchboard": {"maxConnections": 0}}, "Switchboard.maxConnections", "[1, 65536]"),
+        ({"Switchboard": {"maxConnections": 65537}}, "Switchboard.maxConnections", "[1, 65536]"),
     ],
 )
 def test_out_of_range_value_names_key_and_range(tmp_path, sections, key, allowed):
@@ -177,6 +192,9 @@ def test_out_of_range_value_names_key_and_range(tmp_path, sections, key, allowed
          "[1, 5000]"),
         ({"BackendConfig.ModelDeployConfig": {"ModelConfig": {"modelName": "m"}}},
          "BackendConfig.ModelDeployConfig.ModelConfig", None),
+        ({"Switchboard": {"headerTimeoutSeconds": "10"}}, "Switchboard.headerTimeoutSeconds", "[1, 3600]"),
+        ({"Switchboard": {"bodyTimeoutSeconds": 2.5}}, "Switchboard.bodyTimeoutSeconds", "[1, 3600]"),
+        ({"Switchboard": {"maxConnections": None}}, "Switchboard.maxConnections", "[1, 65536]"),
     ],
 )
 def test_wrong_type_names_key(tmp_path, sections, key, allowed):

@@ -7,7 +7,7 @@ from typing import Any
 
 from services.gateway.openai_api.errors import bad_param
 from services.gateway.openai_api.params import Common, parse_common
-from services.gateway.validation import MAX_INPUT_CHARS, Fields, parse_json_object
+from services.gateway.validation import MAX_INPUT_CHARS, Fields, json_kind, parse_json_object
 from shared.config import Config
 
 PARSE_ERROR = "The request body must be a JSON object."
@@ -102,7 +102,11 @@ def _content(value: Any, where: str) -> str:
 
 
 def _text_part(part: Any, where: str) -> str:
-    kind = part.get("type") if isinstance(part, dict) else None
+    if not isinstance(part, dict):
+        raise bad_param(where, f'{where} must be {{"type": "text", "text": <string>}}, got {json_kind(part)}.')
+    kind = part.get("type")
+    if not isinstance(kind, str):
+        raise bad_param(f"{where}.type", f"{where}.type must be a string, got {json_kind(kind)}.")
     if kind in MEDIA_PARTS:
         raise bad_param(where, f"{where}: {kind} content is not supported: the served model is text-only.")
     if kind != "text" or not isinstance(part.get("text"), str):
