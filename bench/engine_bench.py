@@ -16,6 +16,9 @@ request: TTFT (time to the first SSE event) and end-to-end latency; per batch: o
 all output tokens / wall time of the batch. The Markdown table (for docs/benchmarks.md) is printed
 and written to .cache/bench/last.md. Every server started here is stopped when the script ends,
 also on Ctrl-C or an error. ``--quick`` is a fast sanity run (8 requests, concurrency 4, 16 tokens).
+
+``--baseline CHECKOUT [--rounds N]`` compares this tree's Switchboard with another checkout's
+instead (before vs after a change, in one run): N alternations of both, the same requests.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from typing import Any, Callable
 
 import httpx
 
-from results import HF_STATIC, Run, Sample, render  # bench/results.py
+from results import BASELINE, HF_STATIC, Run, Sample, baseline_report, render  # bench/results.py
 from processes import OFFLINE_ENV, Blocked, free_port, http_ok, log_tail, server  # bench/processes.py
 
 os.environ.update(OFFLINE_ENV)
@@ -191,14 +194,30 @@ def switchboard_config(folder: Path) -> tuple[Path, str]:
     return path, f"http://{server_cfg['ipAddress']}:{server_cfg['port']}"
 
 
-def bench_switchboard(prompts: list[str], tokens: int, levels: list[int]) -> list[Run]:
-    log = WORK / "switchboard.log"
+def bench_switchboard(prompts: list[str], tokens: int, levels: list[int], checkout: Path | None = None,
+                      name: str = "switchboard") -> list[Run]:
+    """This tree's Switchboard, or the one of another ``checkout`` (run from there with this venv)."""
+    log = WORK / f"{name.replace(' ', '-')}.log"
     with tempfile.TemporaryDirectory(prefix="sb-bench-") as tmp:
         config, url = switchboard_config(Path(tmp))
         cmd = [str(SWITCHBOARD), "serve", "--config", str(config)]
-        with server("switchboard", cmd, log, lambda: SWITCHBOARD_READY in log_tail(log, 200)):
+        env = None
+        if checkout is not None:
+            cmd = [sys.executable, "-m", "switchboard.cli", "serve", "--config", str(config)]
+            env = {"PYTHONPATH": str(checkout)}
+        with server(name, cmd, log, lambda: SWITCHBOARD_READY in log_tail(log, 200), cwd=checkout, env=env):
             api = Api("/generate_stream", tgi_body, tgi_tokens)
-            return bench_server("switchboard", url, api, prompts, tokens, levels)
+            return bench_server(name, url, api, prompts, tokens, levels)
+
+
+def bench_against_baseline(prompts: list[str], tokens: int, levels: list[int], checkout: Path,
+                           rounds: int) -> list[Run]:
+    """Alternate the baseline checkout and this tree, ``rounds`` times each, so drift hits both alike."""
+    runs: list[Run] = []
+    for round_no in range(1, rounds + 1):
+        runs += bench_switchboard(prompts, tokens, levels, checkout, f"{BASELINE} (round {round_no})")
+        runs += bench_switchboard(prompts, tokens, levels, None, f"switchboard (round {round_no})")
+    return runs
 
 
 # ---- (b) transformers serve ------------------------------------------------------------------
@@ -288,6 +307,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=64, help="greedy new tokens per request (default 64)")
     parser.add_argument("--quick", action="store_true", help="sanity run: 8 requests, concurrency 4, 16 tokens")
     parser.add_argument("--skip-transformers-serve", action="store_true", help="leave out system (b)")
+    parser.add_argument("--baseline", type=Path, metavar="CHECKOUT",
+                        help="instead of (b) and (c): compare with the Switchboard of another checkout "
+                             "(e.g. a `git worktree` of an older commit), alternating with this tree")
+    parser.add_argument("--rounds", type=int, default=2, help="with --baseline: alternations (default 2)")
     args = parser.parse_args(argv)
     if args.quick:
         args.requests, args.concurrency, args.tokens = 8, 4, 16
@@ -316,6 +339,12 @@ def main(argv: list[str] | None = None) -> int:
     prompts = make_prompts(args.requests)
     levels = sorted({1, args.concurrency})
     started = time.monotonic()
+    if args.baseline is not None:
+        runs = bench_against_baseline(prompts, args.tokens, levels, args.baseline.resolve(), args.rounds)
+        report = baseline_report(runs, args, command, time.monotonic() - started)
+        REPORT.write_text(report)
+        print(f"\n{report}\n(written to {REPORT})")
+        return 0
 
     runs = bench_switchboard(prompts, args.tokens, levels)
     tf_blocker = "--skip-transformers-serve" if args.skip_transformers_serve else ""

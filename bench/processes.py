@@ -49,13 +49,14 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 @contextmanager
-def server(name: str, cmd: list[str], log: Path, ready: Callable[[], bool]) -> Iterator[None]:
+def server(name: str, cmd: list[str], log: Path, ready: Callable[[], bool], cwd: Path | None = None,
+           env: dict[str, str] | None = None) -> Iterator[None]:
     """Start ``cmd`` (output to ``log``), wait until ``ready()``, and always stop it afterwards."""
     print(f"[{name}] starting: {' '.join(cmd)}  (log: {log})", flush=True)
     started = time.monotonic()
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env={**os.environ, **OFFLINE_ENV}, start_new_session=True)
+                                env={**os.environ, **OFFLINE_ENV, **(env or {})}, cwd=cwd, start_new_session=True)
     try:
         while not ready():
             if proc.poll() is not None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 
 HF_STATIC = "HF generate, static batch"
+BASELINE = "baseline"
 MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
@@ -91,12 +92,12 @@ def ratios(runs: list[Run], concurrency: int, tf_blocker: str) -> list[str]:
     ]
 
 
-def render(runs: list[Run], args: argparse.Namespace, command: str, elapsed: float, tf_blocker: str) -> str:
+def header(args: argparse.Namespace, command: str, elapsed: float) -> list[str]:
     import torch
     import transformers
 
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    lines = [
+    return [
         f"`{command}` — {args.requests} requests (distinct short prompts), {args.tokens} greedy new tokens each, "
         f"{MODEL_NAME}, float32, CPU ({os.cpu_count()} cores, {platform.machine()}), torch {torch.__version__}, "
         f"transformers {transformers.__version__}, {when}, run time {elapsed / 60:.1f} min:",
@@ -104,6 +105,29 @@ def render(runs: list[Run], args: argparse.Namespace, command: str, elapsed: flo
         "| system | concurrency | output tokens | output tok/s | TTFT p50 (s) | TTFT p90 (s) | latency p50 (s) | latency p90 (s) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
+
+
+def baseline_report(runs: list[Run], args: argparse.Namespace, command: str, elapsed: float) -> str:
+    """Every run, then this tree ÷ baseline per round and concurrency (tok/s and TTFT p50)."""
+    lines = header(args, command, elapsed)
+    for r in runs:
+        lines.append(f"| {r.system} | {r.concurrency} | {r.tokens} | {r.tok_s:.1f} | {r.ttft(50):.2f} "
+                     f"| {r.ttft(90):.2f} | {r.latency(50):.2f} | {r.latency(90):.2f} |")
+    lines += ["", "| round | concurrency | tok/s this tree ÷ baseline | TTFT p50 this tree ÷ baseline |",
+              "|---:|---:|---:|---:|"]
+    for r in runs:
+        if not r.system.startswith("switchboard (round"):
+            continue
+        round_no = r.system.split("round ")[1].rstrip(")")
+        base = find(runs, f"{BASELINE} (round {round_no})", r.concurrency)
+        if base:
+            lines.append(f"| {round_no} | {r.concurrency} | {r.tok_s / base.tok_s:.3f} | "
+                         f"{r.ttft(50) / base.ttft(50):.3f} |")
+    return "\n".join([*lines, ""])
+
+
+def render(runs: list[Run], args: argparse.Namespace, command: str, elapsed: float, tf_blocker: str) -> str:
+    lines = header(args, command, elapsed)
     for r in runs:
         shown = f"{r.concurrency} (one batch)" if r.system == HF_STATIC else str(r.concurrency)
         lines.append(f"| {r.system} | {shown} | {r.tokens} | {r.tok_s:.1f} | {r.ttft(50):.2f} | {r.ttft(90):.2f} "

@@ -64,6 +64,7 @@ class ErrorInfo(msgspec.Struct, frozen=True):
 
     kind: ErrorKind
     message: str
+    param: str | None = None  # the request field at fault, when one is (OpenAI's ``param``)
 
     @property
     def status(self) -> int:
@@ -73,9 +74,9 @@ class ErrorInfo(msgspec.Struct, frozen=True):
 class SwitchboardError(Exception):
     """Raised inside a service; carries an :class:`ErrorInfo`."""
 
-    def __init__(self, kind: ErrorKind, message: str):
+    def __init__(self, kind: ErrorKind, message: str, param: str | None = None):
         super().__init__(message)
-        self.info = ErrorInfo(kind, message)
+        self.info = ErrorInfo(kind, message, param)
 
     @property
     def kind(self) -> ErrorKind:
@@ -85,6 +86,10 @@ class SwitchboardError(Exception):
     def message(self) -> str:
         return self.info.message
 
+    @property
+    def param(self) -> str | None:
+        return self.info.param
 
-def validation(message: str) -> SwitchboardError:
-    return SwitchboardError(ErrorKind.VALIDATION, message)
+
+def validation(message: str, param: str | None = None) -> SwitchboardError:
+    return SwitchboardError(ErrorKind.VALIDATION, message, param)

@@ -10,6 +10,7 @@ import msgspec
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 
 from services.gateway.mailbox import Mailboxes
+from services.gateway.slots import Slots
 from shared import bus, subjects
 from shared.config import Config
 from shared.errors import ErrorKind, SwitchboardError
@@ -35,11 +36,11 @@ class Gateway:
         self.engine_seen = 0.0
         self._heartbeats = decoder(EngineInfo)
         self._stops = decoder(StopInfer)
-        self.sessions: dict[str, object] = {}  # user id -> in-flight Session, for stopInfer
+        self.live: dict[str, object] = {}  # session id -> every in-flight Session (the stop drain waits on it)
+        self.by_user: dict[str, object] = {}  # user id -> in-flight Session, for stopInfer
         self.role = "none"  # PD role set by /v1/role, /v2/role; "none" while co-located
         self.stopping = False  # set by /stopService: new inference is refused
-        self.slots = asyncio.Semaphore(cfg.server.max_link_num)  # requests in progress (maxLinkNum) ...
-        self.queued = 0  # ... and those waiting for a slot (up to 2 x maxLinkNum, reference §2.2)
+        self.slots = Slots(cfg.server.max_link_num)  # maxLinkNum in progress, 2 x maxLinkNum waiting (§2.2)
 
     async def start(self) -> None:
         await self.mailboxes.start()
@@ -49,11 +50,13 @@ class Gateway:
     # ---- in-flight requests by the id their client gave (Triton stopInfer) -------------------
 
     def register(self, session) -> None:
-        self.sessions[session.user_id] = session
+        self.live[session.id] = session
+        self.by_user[session.user_id] = session
 
     def unregister(self, session) -> None:
-        if self.sessions.get(session.user_id) is session:
-            del self.sessions[session.user_id]
+        self.live.pop(session.id, None)
+        if self.by_user.get(session.user_id) is session:
+            del self.by_user[session.user_id]
 
     async def stop_infer(self, user_id: str) -> bool:
         """End the request ``user_id`` on whichever gateway runs it; False when none does."""
@@ -70,7 +73,7 @@ class Gateway:
             await msg.respond(b"")
 
     async def _stop_local(self, user_id: str) -> bool:
-        session = self.sessions.get(user_id)
+        session = self.by_user.get(user_id)
         if session is None:
             return False
         await bus.publish(self.nc, subjects.CANCEL, Cancel(id=session.id, reason="stopInfer"))
@@ -92,21 +95,6 @@ class Gateway:
             raise SwitchboardError(ErrorKind.UNAVAILABLE, "The service has been stopped")
         if self.engine_info() is None:
             raise SwitchboardError(ErrorKind.UNAVAILABLE, f"no engine is serving model {self.model}")
-
-    async def admit(self) -> None:
-        """Take one of maxLinkNum slots, waiting in a queue of 2 x maxLinkNum; beyond that 429."""
-        limit = self.cfg.server.max_link_num
-        if self.slots.locked() and self.queued >= 2 * limit:
-            raise SwitchboardError(ErrorKind.OVERLOADED, f"Model is overloaded: {limit} requests in progress and "
-                                                         f"{2 * limit} waiting (maxLinkNum {limit}); retry later")
-        self.queued += 1
-        try:
-            await self.slots.acquire()
-        finally:
-            self.queued -= 1
-
-    def release(self) -> None:
-        self.slots.release()
 
     def emit(self, event: MetricsEvent) -> None:
         """Fire-and-forget a lifecycle event to the metrics service."""

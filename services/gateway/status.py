@@ -15,6 +15,7 @@ import msgspec
 from litestar import Request, Response, get, post
 from litestar.params import FromPath
 
+from services.gateway.call import Call
 from services.gateway.errors import mindie_error
 from services.gateway.session import Session
 from services.gateway.validation import BodyError, read_json_object
@@ -145,13 +146,13 @@ def _probe_timeout(probe: str) -> int:
 
 async def _one_token(gateway) -> Any:
     """A real inference through tokenizer and engine: one greedy token, highest priority."""
-    session = Session(gateway, "", Sampling(do_sample=False, max_new_tokens=1), prompt_ids=[1], priority=1)
+    call = Call(gateway, [Session(gateway, "", Sampling(do_sample=False, max_new_tokens=1), prompt_ids=[1],
+                                  priority=1)])
     try:
-        await session.start()
-        async for _ in session.outputs():
-            pass
+        await call.start()
+        await call.results()
     finally:
-        await session.close()
+        call.close()
 
 
 @get("/health/{probe:str}")

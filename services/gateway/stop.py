@@ -20,7 +20,7 @@ BROADCAST_DELAY_S = 0.3  # let the 200 reach the client before the listeners clo
 def drained(gateway) -> bool:
     engine = gateway.engine_info()
     idle_engine = engine is None or (engine.running == 0 and engine.waiting == 0)
-    return not gateway.sessions and idle_engine
+    return not gateway.live and idle_engine
 
 
 async def _broadcast_shutdown(gateway) -> None:

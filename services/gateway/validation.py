@@ -13,7 +13,6 @@ from typing import Any
 import msgspec
 
 from shared.errors import validation
-from shared.messages import Sampling
 
 FLT_MAX = 3.4028234663852886e38
 INT32_MAX = 2147483647
@@ -146,11 +145,11 @@ def _outsized_integer(data: dict[str, Any]) -> str | None:
 def text_input(value: Any, key: str) -> str:
     """A prompt that must be one string of 1..MAX_INPUT_CHARS characters (a list is the multimodal form)."""
     if isinstance(value, list):
-        raise validation(f"{key} as a multimodal list is not supported: the served model is text-only.")
+        raise validation(f"{key} as a multimodal list is not supported: the served model is text-only.", key)
     if not isinstance(value, str):
-        raise validation(f"{key} must be string type.")
+        raise validation(f"{key} must be string type.", key)
     if not 0 < len(value) <= MAX_INPUT_CHARS:
-        raise validation(f"{key} must be 1 to {MAX_INPUT_CHARS} characters long, got {len(value)}.")
+        raise validation(f"{key} must be 1 to {MAX_INPUT_CHARS} characters long, got {len(value)}.", key)
     return value
 
 
@@ -176,7 +175,7 @@ class Fields:
         if value is None:
             return default
         if not isinstance(value, bool):
-            raise validation(f"{self._name(key)} must be boolean type.")
+            raise validation(f"{self._name(key)} must be boolean type.", self._name(key))
         return value
 
     def number(self, key: str, default: float, lo: float, hi: float, lo_open: bool, hi_open: bool) -> float:
@@ -184,7 +183,7 @@ class Fields:
         if value is None:
             return default
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise validation(f"{self._name(key)} must be float type.")
+            raise validation(f"{self._name(key)} must be float type.", self._name(key))
         self._check_range(key, value, lo, hi, lo_open, hi_open)
         return float(value)
 
@@ -194,7 +193,8 @@ class Fields:
             return default
         unsigned = lo >= 0
         if isinstance(value, bool) or not isinstance(value, int) or (unsigned and value < 0):
-            raise validation(f"{self._name(key)} must be {'unsigned' if unsigned else 'integer'} type.")
+            raise validation(f"{self._name(key)} must be {'unsigned' if unsigned else 'integer'} type.",
+                             self._name(key))
         self._check_range(key, value, lo, hi, lo_open, False)
         return value
 
@@ -203,7 +203,7 @@ class Fields:
         if value is None:
             return default
         if not isinstance(value, str):
-            raise validation(f"{self._name(key)} must be string type.")
+            raise validation(f"{self._name(key)} must be string type.", self._name(key))
         return value
 
     def obj(self, key: str) -> "Fields":
@@ -211,7 +211,7 @@ class Fields:
         if value is None:
             return Fields({}, self.where)
         if not isinstance(value, dict):
-            raise validation(f"{self._name(key)} must be object type.")
+            raise validation(f"{self._name(key)} must be object type.", self._name(key))
         return Fields(value, self.where)
 
     def stop_list(self, key: str, max_items: int = 1024, max_len: int = 1024, max_total: int = 32768) -> list[str]:
@@ -220,14 +220,16 @@ class Fields:
             return []
         items = [value] if isinstance(value, str) else value
         if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
-            raise validation(f"{self._name(key)} must be string or array of strings type.")
+            raise validation(f"{self._name(key)} must be string or array of strings type.", self._name(key))
         if len(items) > max_items:
-            raise validation(f"{self._name(key)} must have at most {max_items} items, got {len(items)}.")
+            raise validation(f"{self._name(key)} must have at most {max_items} items, got {len(items)}.",
+                             self._name(key))
         for s in items:
             if not 1 <= len(s) <= max_len:
-                raise validation(f"each {self._name(key)} item must be 1 to {max_len} characters long, got {len(s)}.")
+                raise validation(f"each {self._name(key)} item must be 1 to {max_len} characters long, got {len(s)}.",
+                                 self._name(key))
         if sum(len(s) for s in items) > max_total:
-            raise validation(f"{self._name(key)} must have at most {max_total} characters in total.")
+            raise validation(f"{self._name(key)} must have at most {max_total} characters in total.", self._name(key))
         return items
 
     def _check_range(self, key: str, value: float, lo: float, hi: float, lo_open: bool, hi_open: bool) -> None:
@@ -235,7 +237,8 @@ class Fields:
         above = value >= hi if hi_open else value > hi
         if below or above:
             left, right = "(" if lo_open else "[", ")" if hi_open else "]"
-            raise validation(f"{self._name(key)} must be in {left}{_fmt(lo)}, {_fmt(hi)}{right}, got {_fmt(value)}.")
+            raise validation(f"{self._name(key)} must be in {left}{_fmt(lo)}, {_fmt(hi)}{right}, got {_fmt(value)}.",
+                             self._name(key))
 
 
 def stream_flag(data: dict[str, Any]) -> bool:
@@ -244,21 +247,5 @@ def stream_flag(data: dict[str, Any]) -> bool:
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise validation("Stream must be boolean type.")
+        raise validation("Stream must be boolean type.", "stream")
     return value
-
-
-def mindie_sampling(p: Fields) -> Sampling:
-    """The ``parameters`` object TGI and the native API share (seed 003, reference §3.22, §3.27)."""
-    p.boolean("watermark", False)
-    return Sampling(
-        do_sample=p.boolean("do_sample"),
-        temperature=p.number("temperature", 1.0, 0.0, FLT_MAX, lo_open=True, hi_open=False),
-        top_k=p.integer("top_k", 0, 0, INT32_MAX, lo_open=True),
-        top_p=p.number("top_p", 1.0, 0.0, 1.0, lo_open=True, hi_open=True),
-        typical_p=p.number("typical_p", 1.0, 0.0, 1.0, lo_open=True, hi_open=False),
-        repetition_penalty=p.number("repetition_penalty", 1.0, 0.0, FLT_MAX, lo_open=True, hi_open=False),
-        seed=p.integer("seed", None, 0, UINT64_MAX),
-        max_new_tokens=p.integer("max_new_tokens", 20, 0, INT32_MAX, lo_open=True),
-        stop=p.stop_list("stop"),
-    )

@@ -15,7 +15,7 @@ MESSAGES = [{"role": "user", "content": "My name is Olivier and I"}]
 PROMPT = "My name is Olivier and I"
 GREEDY = {"temperature": 0, "max_tokens": 8}
 
-CHAT_KEYS = {"id", "object", "created", "model", "system_fingerprint", "choices", "usage"}
+CHAT_KEYS = {"id", "object", "created", "model", "choices", "usage"}  # system_fingerprint: a string or absent
 CHAT_CHOICE_KEYS = {"index", "message", "logprobs", "finish_reason"}
 CHUNK_CHOICE_KEYS = {"index", "delta", "logprobs", "finish_reason"}
 COMPLETION_CHOICE_KEYS = {"index", "text", "logprobs", "finish_reason", "stop_reason"}
@@ -80,7 +80,8 @@ def test_chat_body_shape(tiny_stack):
     assert body["model"] == tiny_stack.model and isinstance(body["created"], int)
     (choice,) = body["choices"]
     assert set(choice) == CHAT_CHOICE_KEYS and choice["index"] == 0 and choice["logprobs"] is None
-    assert choice["message"] == {"role": "assistant", "content": choice["message"]["content"], "tool_calls": []}
+    assert choice["message"] == {"role": "assistant", "content": choice["message"]["content"], "refusal": None,
+                                 "tool_calls": []}
     assert choice["finish_reason"] in ("stop", "length")
     check_usage(body["usage"])
     assert 0 < body["usage"]["completion_tokens"] <= 8 and body["usage"]["prompt_tokens"] > 8  # template added

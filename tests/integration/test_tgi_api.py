@@ -102,7 +102,7 @@ def test_stop_sequence_cuts_the_text(tiny_stack):
 BAD_PARAMETERS = [
     {"max_new_tokens": 0}, {"max_new_tokens": -1}, {"max_new_tokens": 2147483648}, {"max_new_tokens": 1.5},
     {"max_new_tokens": "10"}, {"repetition_penalty": 0}, {"repetition_penalty": -1.0}, {"repetition_penalty": "1"},
-    {"seed": -1}, {"seed": 1.5}, {"seed": 18446744073709551616}, {"temperature": 0}, {"temperature": -0.5},
+    {"seed": -1}, {"seed": 0}, {"seed": 1.5}, {"seed": 18446744073709551616}, {"temperature": 0}, {"temperature": -0.5},
     {"top_k": 0}, {"top_k": -1}, {"top_p": 0}, {"top_p": 1.0}, {"top_p": 1.5}, {"truncate": 0},
     {"typical_p": 0}, {"typical_p": 1.5}, {"watermark": "no"}, {"details": 1}, {"do_sample": "true"},
     {"decoder_input_details": "x"}, {"return_full_text": 0}, {"stop": 5}, {"stop": [""]}, {"stop": ["a" * 1025]},

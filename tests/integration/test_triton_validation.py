@@ -17,7 +17,7 @@ from tests.integration.test_triton_api import (PROMPT, PROMPT_IDS, assert_servin
 BAD_PARAMETERS = [
     {"temperature": 0}, {"temperature": -1.0}, {"temperature": "1"}, {"top_k": -1}, {"top_k": 2147483648},
     {"top_k": 1.5}, {"top_p": 0}, {"top_p": 1.01}, {"top_p": "0.5"}, {"typical_p": 0}, {"typical_p": 1.5},
-    {"do_sample": "true"}, {"do_sample": 1}, {"seed": -1}, {"seed": 1.5}, {"seed": 18446744073709551616},
+    {"do_sample": "true"}, {"do_sample": 1}, {"seed": -1}, {"seed": 0}, {"seed": 1.5}, {"seed": 18446744073709551616},
     {"repetition_penalty": 0}, {"repetition_penalty": -2}, {"max_new_tokens": 0}, {"max_new_tokens": -1},
     {"max_new_tokens": 2147483648}, {"max_new_tokens": 2.5}, {"watermark": "no"}, {"details": 1},
     {"perf_stat": "yes"}, {"batch_size": 0}, {"batch_size": 2147483648}, {"priority": 0}, {"priority": 6},
@@ -43,7 +43,7 @@ def test_bad_parameters_get_422_on_every_route(tiny_stack, parameters):
 
 
 def test_boundary_parameters_are_accepted(tiny_stack):
-    edge = {"top_k": 0, "top_p": 1.0, "typical_p": 1.0, "priority": 1, "timeout": 3600, "seed": 0,
+    edge = {"top_k": 0, "top_p": 1.0, "typical_p": 1.0, "priority": 1, "timeout": 3600, "seed": 1,
             "temperature": 1, "batch_size": 2147483647, "max_new_tokens": 2}
     assert post(tiny_stack, model_path(tiny_stack, "/infer"), infer_body(parameters=edge)).status_code == 200
     r = post(tiny_stack, model_path(tiny_stack, "/generate"), {"text_input": PROMPT, "parameters": edge})

@@ -7,31 +7,34 @@ from typing import Any, AsyncIterator
 
 import msgspec
 
+from services.gateway.call import Call
 from services.gateway.errors import mindie_body
 from services.gateway.native.schemas import NativeRequest
-from services.gateway.session import Session
+from services.gateway.session import End
 from services.gateway.tgi.responses import FINISH
 from shared.errors import SwitchboardError
-from shared.messages import Started, TokenOut
 
 
-def details(session: Session, started: Started, token_ids: list[int]) -> dict[str, Any]:
-    return {"finish_reason": FINISH.get(session.finish_reason, "stop_sequence"),
-            "generated_tokens": session.generated, "seed": started.seed, "generated_token_ids": token_ids}
+def details(call: Call, end: End) -> dict[str, Any]:
+    return {"finish_reason": FINISH.get(end.finish_reason, "stop_sequence"),
+            "generated_tokens": end.generated_tokens, "seed": call.started[0].seed,
+            "generated_token_ids": [t.id for t in end.tokens]}
 
 
-async def collect(session: Session, req: NativeRequest, started: Started) -> dict[str, Any]:
-    tokens: list[TokenOut] = []
-    async for out in session.outputs():
-        tokens.extend(out.tokens)
-    body: dict[str, Any] = {"generated_text": "".join(t.text for t in tokens)}
+async def collect(call: Call, req: NativeRequest) -> dict[str, Any]:
+    end = (await call.results())[0]
+    body: dict[str, Any] = {"generated_text": end.text}
     if req.details:
-        body["details"] = details(session, started, [t.id for t in tokens])
+        body["details"] = details(call, end)
     return body
 
 
 def sse(payload: dict[str, Any]) -> bytes:
     return b"data: " + msgspec.json.encode(payload) + b"\n\n"
+
+
+def error_event(exc: SwitchboardError) -> bytes:
+    return sse(mindie_body(exc.kind, exc.message))
 
 
 class _Clock:
@@ -50,22 +53,17 @@ class _Clock:
         return {"prefill_time": None, "decode_time": elapsed}
 
 
-async def stream_events(session: Session, req: NativeRequest, started: Started, full_text_mode: bool) -> AsyncIterator[bytes]:
-    clock, text, ids = _Clock(session.arrival), "", []
-    try:
-        async for out in session.outputs():
-            for index, token in enumerate(out.tokens):
-                text += token.text
-                ids.append(token.id)
-                if out.finish_reason is None or index < len(out.tokens) - 1:
-                    shown = text if full_text_mode else token.text
-                    yield sse({**clock.times(), "token": {"id": [token.id], "text": shown}})
-            if out.finish_reason is not None:
-                last = [out.tokens[-1].id] if out.tokens else []
-                yield sse({**clock.times(), "generated_text": text,
-                           "details": details(session, started, ids) if req.details else None,
-                           "token": {"id": last, "text": None}})
-    except SwitchboardError as exc:
-        yield sse(mindie_body(exc.kind, exc.message))
-    finally:
-        await session.close()
+async def stream_events(call: Call, req: NativeRequest, full_text_mode: bool) -> AsyncIterator[bytes]:
+    """A token event per token; the last token comes in the final event with generated_text and details."""
+    clock, text = _Clock(call.sessions[0].arrival), ""
+    async for step in call.steps():
+        for index, token in enumerate(step.tokens):
+            text += token.text
+            if step.end is None or index < len(step.tokens) - 1:
+                shown = text if full_text_mode else token.text
+                yield sse({**clock.times(), "token": {"id": [token.id], "text": shown}})
+        if step.end is not None:
+            last = [step.tokens[-1].id] if step.tokens else []
+            yield sse({**clock.times(), "generated_text": step.end.text,
+                       "details": details(call, step.end) if req.details else None,
+                       "token": {"id": last, "text": None}})

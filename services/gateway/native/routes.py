@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from litestar import Request, Response, post
 
-from services.gateway import respond
-from services.gateway.native.responses import collect, stream_events
+from services.gateway import lifecycle
+from services.gateway.call import Call
+from services.gateway.native.responses import collect, error_event, stream_events
 from services.gateway.native.schemas import parse_infer, parse_tokenize
 from services.gateway.session import Session
 
@@ -19,10 +20,10 @@ async def infer(request: Request) -> Response:
     gateway = request.app.state.gateway
     session = Session(gateway, req.text or "", req.sampling, prompt_ids=req.ids, priority=req.priority,
                       timeout_s=req.timeout_s)
-    started = await respond.start(request, session)
-    if req.stream:
-        return respond.event_stream(stream_events(session, req, started, gateway.cfg.server.full_text_enabled))
-    return await respond.collect(request, session, collect(session, req, started))
+    call = Call(gateway, [session])
+    full_text_mode = gateway.cfg.server.full_text_enabled
+    return await lifecycle.respond(request, call, req.stream, lambda: collect(call, req),
+                                   lambda: stream_events(call, req, full_text_mode), error_event)
 
 
 @post("/v1/tokenizer", status_code=200)

@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from services.gateway.validation import MAX_INPUT_CHARS, Fields, mindie_sampling, parse_json_object, stream_flag
+from services.gateway.sampling import NATIVE, mindie_sampling
+from services.gateway.validation import MAX_INPUT_CHARS, Fields, parse_json_object, stream_flag
 from shared.errors import validation
 from shared.messages import Sampling
 
@@ -35,7 +36,7 @@ def parse_infer(body: bytes) -> NativeRequest:
     text, ids = _input(data)
     params = Fields(data).obj("parameters")
     return NativeRequest(
-        text=text, ids=ids, sampling=mindie_sampling(params), stream=stream_flag(data),
+        text=text, ids=ids, sampling=mindie_sampling(params, NATIVE), stream=stream_flag(data),
         details=params.boolean("details", False),
         priority=_priority(params),
         timeout_s=float(params.integer("timeout", 600, 0, 3600, lo_open=True)),

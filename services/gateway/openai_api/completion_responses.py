@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator
 
-from services.gateway.openai_api.runner import Batch
+from services.gateway.call import Call
 from services.gateway.openai_api.schemas import CompletionRequest
-from services.gateway.openai_api.sse import Meta, UsagePlacement, finish_reason
+from services.gateway.openai_api.sse import Meta, UsagePlacement, finish_reason, sse
 from shared.messages import TokenOut
 
 
@@ -29,13 +29,13 @@ class Logprobs:
         return body
 
 
-def echo_texts(req: CompletionRequest, batch: Batch) -> list[str]:
+def echo_texts(req: CompletionRequest, call: Call) -> list[str]:
     """Per choice, the prompt text ``echo`` prepends ("" without echo)."""
     if not req.echo:
-        return [""] * len(batch)
+        return [""] * len(call)
     texts = []
-    for index, started in enumerate(batch.started):
-        prompt = req.prompts[batch.prompt_of(index)]
+    for index, started in enumerate(call.started):
+        prompt = req.prompts[call.prompt_of(index)]
         texts.append(prompt.text if prompt.ids is None else "".join(started.prompt_texts))
     return texts
 
@@ -45,32 +45,31 @@ def _choice(index: int, text: str, logprobs: Any, reason: str | None) -> dict[st
             "stop_reason": None}
 
 
-async def completion_body(req: CompletionRequest, batch: Batch) -> dict[str, Any]:
-    all_tokens = await batch.collect()
+async def completion_body(req: CompletionRequest, call: Call) -> dict[str, Any]:
     choices = []
-    for index, (echo, tokens) in enumerate(zip(echo_texts(req, batch), all_tokens)):
-        logprobs = Logprobs(len(echo)).of(tokens) if req.logprobs is not None else None
-        text = echo + "".join(t.text for t in tokens)
-        choices.append(_choice(index, text, logprobs, batch.sessions[index].finish_reason))
-    return Meta.new("cmpl", "text_completion", req.common.model).body(choices, usage=batch.usage())
+    for index, (echo, end) in enumerate(zip(echo_texts(req, call), await call.results())):
+        logprobs = Logprobs(len(echo)).of(end.tokens) if req.logprobs is not None else None
+        choices.append(_choice(index, echo + end.text, logprobs, end.finish_reason))
+    return Meta.new("cmpl", "text_completion", req.common.model).body(choices, usage=call.usage())
 
 
-async def completion_chunks(req: CompletionRequest, batch: Batch) -> AsyncIterator[dict[str, Any]]:
+async def completion_chunks(req: CompletionRequest, call: Call) -> AsyncIterator[bytes]:
     """With echo, each choice's prompt first; then text deltas, each choice's end, the usage (if asked)."""
     meta = Meta.new("cmpl", "text_completion", req.common.model)
-    usage = UsagePlacement(batch, req.common.include_usage)
-    echoes = echo_texts(req, batch)
+    usage = UsagePlacement(call, req.common.include_usage)
+    echoes = echo_texts(req, call)
     trackers = [Logprobs(len(echo)) for echo in echoes]
     for index, echo in enumerate(echoes):
         if echo:
-            yield meta.body([_choice(index, echo, None, None)], **usage.on_chunk(False))
-    async for index, out in batch.events():
-        text = "".join(t.text for t in out.tokens)
-        ends = out.finish_reason is not None
-        wants_logprobs = req.logprobs is not None
-        if not (text or ends or (wants_logprobs and out.tokens)):
+            yield sse(meta.body([_choice(index, echo, None, None)], **usage.on_chunk(False)))
+    wants_logprobs = req.logprobs is not None
+    async for step in call.steps():
+        text = step.text
+        ends = step.end is not None
+        if not (text or ends or (wants_logprobs and step.tokens)):
             continue
-        logprobs = trackers[index].of(out.tokens) if wants_logprobs else None
-        yield meta.body([_choice(index, text, logprobs, out.finish_reason)], **usage.on_chunk(ends))
+        logprobs = trackers[step.index].of(step.tokens) if wants_logprobs else None
+        reason = step.end and step.end.finish_reason
+        yield sse(meta.body([_choice(step.index, text, logprobs, reason)], **usage.on_chunk(ends)))
     for closing in usage.closing(meta):
-        yield closing
+        yield sse(closing)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import re
 from typing import Any
 
 from litestar import Request, Response
@@ -26,16 +25,13 @@ CODE_BY_KIND = {
     ErrorKind.OVERLOADED: "model_overloaded", ErrorKind.GENERATION: "generation_error",
     ErrorKind.TIMEOUT: "timeout", ErrorKind.UNAVAILABLE: "service_unavailable",
 }
-# Shared validators word their messages "<key> must be ..." or "each <key> item ...".
-FIELD_IN_MESSAGE = re.compile(r"^(?:each )?([A-Za-z_][\w.\[\]]*) (?:must|item)\b")
 
 
 class OpenAIError(SwitchboardError):
     """A SwitchboardError that also names the offending request field and an OpenAI ``code``."""
 
     def __init__(self, kind: ErrorKind, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(kind, message)
-        self.param = param
+        super().__init__(kind, message, param)
         self.code = code
 
 
@@ -54,12 +50,8 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 
 def switchboard_body(exc: SwitchboardError) -> dict[str, Any]:
     """The body of an error, also sent as the last event of a stream that already started."""
-    param = getattr(exc, "param", None)
-    if param is None and exc.kind is ErrorKind.VALIDATION:
-        found = FIELD_IN_MESSAGE.match(exc.message)
-        param = found.group(1) if found else None
     code = getattr(exc, "code", None) or CODE_BY_KIND.get(exc.kind)
-    return error_body(OPENAI_STATUS[exc.kind], exc.message, param, code)
+    return error_body(OPENAI_STATUS[exc.kind], exc.message, exc.param, code)
 
 
 def on_switchboard_error(_: Request, exc: SwitchboardError) -> Response:

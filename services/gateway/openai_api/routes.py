@@ -6,19 +6,18 @@ import time
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from litestar import Request, Response, Router, get, post, route
-from litestar.background_tasks import BackgroundTask
 from litestar.exceptions import MethodNotAllowedException
 from litestar.params import FromPath
-from litestar.response import Stream
 
-from services.gateway.disconnect import ClientDisconnected, unless_disconnected
+from services.gateway import lifecycle
+from services.gateway.call import Call
 from services.gateway.openai_api.chat_responses import chat_body, chat_chunks
 from services.gateway.openai_api.completion_responses import completion_body, completion_chunks
 from services.gateway.openai_api.errors import OPENAI_EXCEPTION_HANDLERS, bad_param, model_not_found
 from services.gateway.openai_api.params import Common
-from services.gateway.openai_api.runner import Batch
+from services.gateway.openai_api.runner import build_call
 from services.gateway.openai_api.schemas import parse_chat, parse_completion
-from services.gateway.openai_api.sse import SSE_HEADERS, sse_stream
+from services.gateway.openai_api.sse import DONE, error_event
 from shared.errors import ErrorKind, SwitchboardError
 
 STARTED_AT = int(time.time())  # the gateway imports this module once, as it starts
@@ -49,9 +48,9 @@ async def chat_completions(request: Request) -> Response:
     req = parse_chat(await request.body(), gateway.cfg, gateway.model)
     prompt = {"messages": req.messages, "chat_template_kwargs": req.chat_template_kwargs,
               "truncate": req.common.truncate}
-    batch = Batch.build(gateway, [prompt], req.common.sampling, req.common.n)
-    return await respond(request, req.common, batch, "messages",
-                         lambda: chat_body(req, batch), lambda: chat_chunks(req, batch))
+    call = build_call(gateway, [prompt], req.common.sampling, req.common.n)
+    return await respond(request, req.common, call, "messages",
+                         lambda: chat_body(req, call), lambda: chat_chunks(req, call))
 
 
 @post("/v1/completions", status_code=200)
@@ -60,40 +59,21 @@ async def completions(request: Request) -> Response:
     req = parse_completion(await request.body(), gateway.cfg, gateway.model)
     prompts = [{"prompt": p.text, "prompt_ids": p.ids, "return_prompt_ids": req.echo and p.ids is not None,
                 "truncate": req.common.truncate} for p in req.prompts]
-    batch = Batch.build(gateway, prompts, req.common.sampling, req.common.n)
-    return await respond(request, req.common, batch, "prompt",
-                         lambda: completion_body(req, batch), lambda: completion_chunks(req, batch))
+    call = build_call(gateway, prompts, req.common.sampling, req.common.n)
+    return await respond(request, req.common, call, "prompt",
+                         lambda: completion_body(req, call), lambda: completion_chunks(req, call))
 
 
-async def respond(request: Request, common: Common, batch: Batch, input_field: str,
-                  body: Callable[[], Awaitable[dict]], chunks: Callable[[], AsyncIterator[dict]]) -> Response:
-    """Start every choice (errors so far are plain JSON), then answer at once or as a stream.
-
-    The tokenizer's refusals (prompt too long, ids outside the vocabulary) name ``input_field``."""
+async def respond(request: Request, common: Common, call: Call, input_field: str,
+                  body: Callable[[], Awaitable[dict]], chunks: Callable[[], AsyncIterator[bytes]]) -> Response:
+    """The shared lifecycle; the tokenizer's refusals (prompt too long, ids outside the vocabulary),
+    which name no field, are charged to ``input_field``."""
     try:
-        await unless_disconnected(request, batch.start())
-    except ClientDisconnected:
-        await batch.close()
-        return Response(b"", status_code=499)
+        return await lifecycle.respond(request, call, common.stream, body, chunks, error_event, trailer=DONE)
     except SwitchboardError as exc:
-        await batch.close()
-        if exc.kind is ErrorKind.VALIDATION and getattr(exc, "param", None) is None:
+        if exc.kind is ErrorKind.VALIDATION and exc.param is None:
             raise bad_param(input_field, exc.message) from None
         raise
-    except BaseException:
-        await batch.close()
-        raise
-    if common.stream:
-        # The background close also covers a client gone before the stream's first step.
-        return Stream(sse_stream(batch, chunks()), media_type="text/event-stream", headers=SSE_HEADERS,
-                      background=BackgroundTask(batch.close))
-    try:
-        result = await unless_disconnected(request, body())
-    except ClientDisconnected:
-        return Response(b"", status_code=499)
-    finally:
-        await batch.close()
-    return Response(result, media_type="application/json")
 
 
 @route(["/v1/models", "/v1/models/{model:path}"], http_method=["POST", "PUT", "PATCH", "DELETE"])

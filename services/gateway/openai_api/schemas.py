@@ -49,7 +49,7 @@ def parse_chat(body: bytes, cfg: Config, served: str) -> ChatRequest:
     if top is not None and not logprobs:
         raise bad_param("top_logprobs", "when using top_logprobs, logprobs must be set to true.")
     top = top or 0
-    common = parse_common(data, cfg, served, top if logprobs else None)
+    common = parse_common(data, cfg, served, top if logprobs else None, chat=True)
     kwargs = f.obj("chat_template_kwargs").data
     return ChatRequest(common, messages, logprobs, top, kwargs)
 
@@ -124,7 +124,7 @@ def parse_completion(body: bytes, cfg: Config, served: str) -> CompletionRequest
     logprobs = f.integer("logprobs", None, 0, 5)
     if echo and logprobs is not None:
         raise bad_param("echo", "echo with logprobs is not supported: prompt logprobs are not computed.")
-    common = parse_common(data, cfg, served, logprobs)
+    common = parse_common(data, cfg, served, logprobs, chat=False)
     return CompletionRequest(common, prompts, echo, logprobs)
 
 

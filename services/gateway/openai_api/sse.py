@@ -2,22 +2,18 @@
 
 from __future__ import annotations
 
-import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 import msgspec
 
-from services.gateway.openai_api.errors import error_body, switchboard_body
-from services.gateway.openai_api.runner import Batch
+from services.gateway.call import Call
+from services.gateway.openai_api.errors import switchboard_body
 from shared.errors import SwitchboardError
 
-log = logging.getLogger("switchboard.gateway")
-
 DONE = b"data: [DONE]\n\n"
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def finish_reason(engine_reason: str | None) -> str | None:
@@ -41,43 +37,35 @@ class Meta:
         return cls(obj, model, f"{prefix}-{uuid.uuid4().hex}")
 
     def body(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        """No ``system_fingerprint``: OpenAI's schema wants a string or nothing, and there is no backend
+        configuration fingerprint to report."""
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                "system_fingerprint": None, "choices": choices, **extra}
+                "choices": choices, **extra}
 
 
 class UsagePlacement:
     """include_usage: ``usage: null`` on every chunk and a last ``choices: []`` chunk with the usage.
     Without it, the chunk that ends the last choice carries the usage (MindIE), the others none."""
 
-    def __init__(self, batch: Batch, include_usage: bool):
-        self.batch = batch
+    def __init__(self, call: Call, include_usage: bool):
+        self.call = call
         self.include = include_usage
-        self.unfinished = len(batch)
+        self.unfinished = len(call)
 
     def on_chunk(self, ends_a_choice: bool) -> dict[str, Any]:
         self.unfinished -= ends_a_choice
         if self.include:
             return {"usage": None}
-        return {"usage": self.batch.usage()} if ends_a_choice and not self.unfinished else {}
+        return {"usage": self.call.usage()} if ends_a_choice and not self.unfinished else {}
 
     def closing(self, meta: Meta) -> list[dict[str, Any]]:
-        return [meta.body([], usage=self.batch.usage())] if self.include else []
+        return [meta.body([], usage=self.call.usage())] if self.include else []
 
 
 def sse(payload: dict[str, Any]) -> bytes:
     return b"data: " + msgspec.json.encode(payload) + b"\n\n"
 
 
-async def sse_stream(batch: Batch, chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
-    """Frame chunks as SSE, end with [DONE]; a failure after the start is an error event, then [DONE]."""
-    try:
-        async for chunk in chunks:
-            yield sse(chunk)
-    except SwitchboardError as exc:
-        yield sse(switchboard_body(exc))
-    except Exception as exc:  # noqa: BLE001 - the stream must still end cleanly
-        log.exception("stream failed", exc_info=exc)
-        yield sse(error_body(500, "Server internal error"))
-    finally:
-        await batch.close()
-    yield DONE
+def error_event(exc: SwitchboardError) -> bytes:
+    """A failure after the stream started: an error event (then [DONE], the lifecycle's trailer)."""
+    return sse(switchboard_body(exc))

@@ -6,8 +6,9 @@ from typing import Any, AsyncIterator
 
 import msgspec
 
+from services.gateway.call import Call
 from services.gateway.errors import tgi_body
-from services.gateway.session import Session
+from services.gateway.session import End
 from services.gateway.tgi.schemas import TgiRequest
 from shared.errors import SwitchboardError
 from shared.messages import Started, TokenOut
@@ -17,7 +18,13 @@ FINISH = {"length": "length", "eos_token": "eos_token", "stop_sequence": "stop_s
 
 
 def token_json(token: TokenOut) -> dict[str, Any]:
-    return {"id": token.id, "text": token.text, "logprob": None, "special": token.special}
+    """``logprob`` is the sampled token's when top_n_tokens asked for log-probabilities, else null."""
+    return {"id": token.id, "text": token.text, "logprob": token.logprob, "special": token.special}
+
+
+def top_json(token: TokenOut) -> list[dict[str, Any]]:
+    """TGI's ``top_tokens`` of one step: the most likely ids with their log-probabilities."""
+    return [{"id": t.id, "text": t.text, "logprob": t.logprob, "special": False} for t in token.top]
 
 
 def prefill_json(started: Started) -> list[dict[str, Any]]:
@@ -30,57 +37,60 @@ def full_text(req: TgiRequest, generated: str) -> str:
     return f"{req.inputs} {generated}" if req.return_full_text else generated
 
 
-async def collect(session: Session, req: TgiRequest, started: Started, as_array: bool = False) -> Any:
-    """Run a non-streaming request to its end and build TGI's object (in an array for ``POST /``)."""
-    tokens: list[TokenOut] = []
-    async for out in session.outputs():
-        tokens.extend(out.tokens)
-    generated = "".join(t.text for t in tokens)
-    body: dict[str, Any] = {"generated_text": full_text(req, generated)}
+def body(call: Call, req: TgiRequest, end: End, as_array: bool = False) -> Any:
+    """TGI's object for a finished request (in an array for ``POST /``)."""
+    started = call.started[0]
+    result: dict[str, Any] = {"generated_text": full_text(req, end.text)}
     if req.wants_details:
-        body = {
+        result = {
             "details": {
                 "prompt_tokens": started.prompt_tokens,
-                "finish_reason": FINISH.get(session.finish_reason, "stop_sequence"),
-                "generated_tokens": session.generated,
+                "finish_reason": FINISH.get(end.finish_reason, "stop_sequence"),
+                "generated_tokens": end.generated_tokens,
                 "prefill": prefill_json(started) if req.decoder_input_details else [],
                 "seed": started.seed,
-                "tokens": [token_json(t) for t in tokens],
+                "tokens": [token_json(t) for t in end.tokens],
+                **({"top_tokens": [top_json(t) for t in end.tokens]} if req.top_n_tokens else {}),
             },
-            **body,
+            **result,
         }
-    return [body] if as_array else body
+    return [result] if as_array else result
+
+
+async def collect(call: Call, req: TgiRequest, as_array: bool = False) -> Any:
+    return body(call, req, (await call.results())[0], as_array)
 
 
 def sse(payload: dict[str, Any]) -> bytes:
     return b"data: " + msgspec.json.encode(payload) + b"\n\n"
 
 
-async def stream_events(session: Session, req: TgiRequest, started: Started, full_text_mode: bool) -> AsyncIterator[bytes]:
+def error_event(exc: SwitchboardError) -> bytes:
+    return sse(tgi_body(exc.kind, exc.message))
+
+
+async def stream_events(call: Call, req: TgiRequest, full_text_mode: bool) -> AsyncIterator[bytes]:
     """SSE token events; the last carries generated_text (and details when asked)."""
     text = ""
     last: TokenOut | None = None
-    try:
-        async for out in session.outputs():
-            for index, token in enumerate(out.tokens):
-                text += token.text
-                last = token
-                shown = TokenOut(token.id, text, token.special) if full_text_mode else token
-                is_final = out.finish_reason is not None and index == len(out.tokens) - 1
-                yield sse(_event(shown, session, req, started, text if is_final else None))
-            if out.finish_reason is not None and not out.tokens:
-                yield sse(_event(last or TokenOut(0, "", True), session, req, started, text))
-    except SwitchboardError as exc:
-        yield sse(tgi_body(exc.kind, exc.message))
-    finally:
-        await session.close()
+    async for step in call.steps():
+        for index, token in enumerate(step.tokens):
+            text += token.text
+            last = token
+            shown = TokenOut(token.id, text, token.special, token.logprob, token.top) if full_text_mode else token
+            end = step.end if index == len(step.tokens) - 1 else None
+            yield sse(_event(shown, call, req, end))
+        if step.end is not None and not step.tokens:
+            yield sse(_event(last or TokenOut(0, "", True), call, req, step.end))
 
 
-def _event(token: TokenOut, session: Session, req: TgiRequest, started: Started, final: str | None) -> dict[str, Any]:
+def _event(token: TokenOut, call: Call, req: TgiRequest, end: End | None) -> dict[str, Any]:
     details = None
-    if final is not None and req.wants_details:
-        details = {"prompt_tokens": started.prompt_tokens,
-                   "finish_reason": FINISH.get(session.finish_reason, "stop_sequence"),
-                   "generated_tokens": session.generated, "seed": started.seed}
-    return {"token": token_json(token), "generated_text": None if final is None else full_text(req, final),
-            "details": details}
+    if end is not None and req.wants_details:
+        details = {"prompt_tokens": end.prompt_tokens, "finish_reason": FINISH.get(end.finish_reason, "stop_sequence"),
+                   "generated_tokens": end.generated_tokens, "seed": call.started[0].seed}
+    event = {"token": token_json(token), "generated_text": None if end is None else full_text(req, end.text),
+             "details": details}
+    if req.top_n_tokens:
+        event["top_tokens"] = top_json(token)
+    return event

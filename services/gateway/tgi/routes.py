@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from litestar import Request, Response, Router, post
 
-from services.gateway import respond as lifecycle
+from services.gateway import lifecycle
+from services.gateway.call import Call
 from services.gateway.errors import TGI_EXCEPTION_HANDLERS
 from services.gateway.session import Session
-from services.gateway.tgi.responses import collect, stream_events
+from services.gateway.tgi.responses import collect, error_event, stream_events
 from services.gateway.tgi.schemas import TgiRequest, parse_tgi
 from services.gateway.vllm import routes as vllm
 from services.gateway.validation import parse_json_object
@@ -44,10 +45,10 @@ async def respond(request: Request, req: TgiRequest, as_array: bool) -> Response
     gateway = request.app.state.gateway
     session = Session(gateway, req.inputs, req.sampling, truncate=req.truncate,
                       return_prompt_ids=req.decoder_input_details)
-    started = await lifecycle.start(request, session)
-    if req.stream:
-        return lifecycle.event_stream(stream_events(session, req, started, gateway.cfg.server.full_text_enabled))
-    return await lifecycle.collect(request, session, collect(session, req, started, as_array))
+    call = Call(gateway, [session])
+    full_text_mode = gateway.cfg.server.full_text_enabled
+    return await lifecycle.respond(request, call, req.stream, lambda: collect(call, req, as_array),
+                                   lambda: stream_events(call, req, full_text_mode), error_event)
 
 
 ROUTES = [Router("/", route_handlers=[tgi_root, generate, generate_stream], exception_handlers=TGI_EXCEPTION_HANDLERS)]

@@ -6,13 +6,13 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from services.gateway.validation import (
-    INT32_MAX, Fields, mindie_sampling, parse_json_object, stream_flag, text_input,
-)
+from services.gateway.sampling import TGI, mindie_sampling
+from services.gateway.validation import INT32_MAX, Fields, parse_json_object, stream_flag, text_input
 from shared.errors import validation
 from shared.messages import Sampling
 
 PARSE_ERROR = "Failed to parse context to json body"
+MAX_TOP_N_TOKENS = 5  # TGI's default --max-top-n-tokens
 ADAPTER_ID = re.compile(r"^[a-zA-Z0-9_./-]{1,256}$")
 
 
@@ -25,6 +25,7 @@ class TgiRequest:
     details: bool
     decoder_input_details: bool
     return_full_text: bool
+    top_n_tokens: int  # 0: none
 
     @property
     def wants_details(self) -> bool:
@@ -40,16 +41,18 @@ def parse_tgi(body: bytes | dict[str, Any], stream: bool | None = None) -> TgiRe
     params = top.obj("parameters")
     streaming = body_stream if stream is None else stream
     decoder_details = params.boolean("decoder_input_details", False)
+    top_n = params.integer("top_n_tokens", 0, 0, MAX_TOP_N_TOKENS)
     if streaming and decoder_details:
         raise validation("The decoder_input_details must not be true when stream is true.")
     return TgiRequest(
         inputs=inputs,
-        sampling=sampling_from(params),
+        sampling=sampling_from(params, top_n),
         truncate=params.integer("truncate", 0, 0, INT32_MAX, lo_open=True),
         stream=streaming,
         details=params.boolean("details", False),
         decoder_input_details=decoder_details,
         return_full_text=params.boolean("return_full_text", False),
+        top_n_tokens=top_n,
     )
 
 
@@ -59,10 +62,18 @@ def _inputs(value: Any) -> str:
     return text_input(value, "inputs")
 
 
-def sampling_from(p: Fields) -> Sampling:
+def sampling_from(p: Fields, top_n_tokens: int = 0) -> Sampling:
+    """``top_n_tokens`` asks the engine for each step's most likely tokens (and every token's logprob)."""
     _check_best_of(p)
     _check_adapter(p.string("adapter_id"))
-    return mindie_sampling(p)
+    _refuse_grammar(p)
+    return mindie_sampling(p, TGI, logprobs=top_n_tokens or None)
+
+
+def _refuse_grammar(p: Fields) -> None:
+    if p.data.get("grammar") is not None:
+        raise validation("grammar is not supported yet: structured output would be silently unconstrained.",
+                         "grammar")
 
 
 def _check_best_of(p: Fields) -> None:

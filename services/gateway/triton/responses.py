@@ -15,32 +15,29 @@ from typing import Any, AsyncIterator
 import msgspec
 from litestar import Response
 
+from services.gateway.call import Call
 from services.gateway.errors import mindie_body
-from services.gateway.session import Session
+from services.gateway.session import End, Session
 from services.gateway.triton.binary import HEADER, pack_uint32
 from services.gateway.triton.schemas import Options
-from shared.errors import SwitchboardError
+from shared.errors import ErrorKind, SwitchboardError
 from shared.messages import TokenOut
 
 # The engine's end reasons as MindIE names them (an abort, e.g. stopInfer, is "stop_sequence").
 FINISH = {"length": "length", "eos_token": "eos_token", "stop_sequence": "stop_sequence", "cancelled": "stop_sequence"}
 
 
-def finish_reason(session: Session) -> str:
-    return FINISH.get(session.finish_reason, "stop_sequence")
+def finish_reason(end: End) -> str:
+    return FINISH.get(end.finish_reason, "stop_sequence")
 
 
 # ---- /infer ----------------------------------------------------------------------------------
 
 
-async def collect_ids(session: Session) -> list[int]:
-    ids: list[int] = []
-    async for out in session.outputs():
-        ids.extend(token.id for token in out.tokens)
-    return ids
-
-
-def infer_response(request_id: str, ids: list[int], binary: bool) -> Response:
+async def infer_response(call: Call, binary: bool) -> Response:
+    """Run to the end; the generated ids as the ``output0`` tensor, JSON or binary."""
+    ids = [token.id for token in (await call.results())[0].tokens]
+    request_id = call.sessions[0].user_id
     output: dict[str, Any] = {"name": "output0", "shape": [1, len(ids)], "datatype": "UINT32"}
     if not binary:
         return Response({"id": request_id, "outputs": [{**output, "data": ids}]}, media_type="application/json")
@@ -74,25 +71,26 @@ def _head(session: Session, text: str) -> dict[str, Any]:
     return {"id": session.user_id, "model_name": session.gw.model, "model_version": None, "text_output": text}
 
 
-def _details(session: Session, clock: Clock, options: Options, upto: int, final: bool) -> dict[str, Any]:
-    """Details after the first ``upto`` tokens."""
-    details: dict[str, Any] = {"finish_reason": finish_reason(session)} if final else {}
+def _details(clock: Clock, options: Options, upto: int, end: End | None) -> dict[str, Any]:
+    """Details after the first ``upto`` tokens (``end`` set on the last)."""
+    details: dict[str, Any] = {"finish_reason": finish_reason(end)} if end is not None else {}
     details.update(generated_tokens=upto, first_token_cost=None, decode_cost=None)
     if options.perf_stat:
         details["perf_stat"] = [list(pair) for pair in clock.perf[:upto]]
     return details
 
 
-async def collect_text(session: Session, options: Options) -> dict[str, Any]:
+async def collect_text(call: Call, options: Options) -> dict[str, Any]:
+    session = call.sessions[0]
     clock = Clock(session)
-    text = ""
-    async for out in session.outputs():
-        clock.tick(out.tokens)
-        text += "".join(token.text for token in out.tokens)
-    body = _head(session, text)
-    if options.details or options.perf_stat:
-        body["details"] = _details(session, clock, options, len(clock.perf), final=True)
-    return body
+    async for step in call.steps():
+        clock.tick(step.tokens)
+        if step.end is not None:
+            body = _head(session, step.end.text)
+            if options.details or options.perf_stat:
+                body["details"] = _details(clock, options, len(clock.perf), step.end)
+            return body
+    raise SwitchboardError(ErrorKind.INTERNAL, "the request ended without an end event")
 
 
 def sse(payload: dict[str, Any]) -> bytes:
@@ -100,32 +98,31 @@ def sse(payload: dict[str, Any]) -> bytes:
     return b"data:" + msgspec.json.encode(payload) + b"\n\n"
 
 
-async def stream_events(session: Session, options: Options) -> AsyncIterator[bytes]:
-    """One event per token; the last carries details.finish_reason; an error after the start is a final event."""
+def error_event(exc: SwitchboardError) -> bytes:
+    return sse(mindie_body(exc.kind, exc.message))
+
+
+async def stream_events(call: Call, options: Options) -> AsyncIterator[bytes]:
+    """One event per token; the last carries details.finish_reason (an empty one if no token came with the end)."""
+    session = call.sessions[0]
     clock = Clock(session)
-    try:
-        async for out in session.outputs():
-            costs = clock.tick(out.tokens)
-            final = out.finish_reason is not None
-            done = len(clock.perf) - len(costs)
-            for index, (token, cost) in enumerate(zip(out.tokens, costs)):
-                last = final and index == len(costs) - 1
-                yield sse(_event(session, clock, options, token.text, cost, done + index + 1, last))
-            if final and not out.tokens:
-                yield sse(_event(session, clock, options, "", 0, len(clock.perf), True))
-    except SwitchboardError as exc:
-        yield sse(mindie_body(exc.kind, exc.message))
-    finally:
-        await session.close()
+    async for step in call.steps():
+        costs = clock.tick(step.tokens)
+        done = len(clock.perf) - len(costs)
+        for index, (token, cost) in enumerate(zip(step.tokens, costs)):
+            end = step.end if index == len(costs) - 1 else None
+            yield sse(_event(session, clock, options, token.text, cost, done + index + 1, end))
+        if step.end is not None and not step.tokens:
+            yield sse(_event(session, clock, options, "", 0, len(clock.perf), step.end))
 
 
 def _event(session: Session, clock: Clock, options: Options, text: str, cost: int, upto: int,
-           final: bool) -> dict[str, Any]:
+           end: End | None) -> dict[str, Any]:
     """The event for token number ``upto`` (1-based)."""
     event = _head(session, text)
     first = upto <= 1
     if options.details or options.perf_stat:
-        details = _details(session, clock, options, upto, final)
+        details = _details(clock, options, upto, end)
         engine = session.gw.engine_info()
         details["batch_size"] = max(1, engine.running) if engine else 1
         details["queue_wait_time"] = clock.queue_wait_ms if first else 0

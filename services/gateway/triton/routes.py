@@ -9,25 +9,21 @@ Errors use MindIE's ``{"error", "error_type"}`` body (the app's handlers), which
 
 from __future__ import annotations
 
-from typing import Awaitable, Callable, TypeVar
-
 from litestar import Request, Response, get, post
 from litestar.params import FromPath
-from litestar.response import Stream
 
-from services.gateway.disconnect import ClientDisconnected, unless_disconnected
+from services.gateway import lifecycle
+from services.gateway.call import Call
 from services.gateway.errors import mindie_error
 from services.gateway.session import Session
 from services.gateway.triton import metadata
 from services.gateway.triton.binary import HEADER, decode_body
-from services.gateway.triton.responses import collect_ids, collect_text, infer_response, stream_events
+from services.gateway.triton.responses import collect_text, error_event, infer_response, stream_events
 from services.gateway.triton.schemas import PARSE_ERROR, checked_id, parse_text_request
 from services.gateway.triton.tensors import parse_infer
 from services.gateway.validation import parse_json_object
 from shared.errors import ErrorKind, SwitchboardError, validation
 
-T = TypeVar("T")
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def model_paths(suffix: str = "") -> list[str]:
@@ -69,29 +65,30 @@ async def infer(request: Request, model: FromPath[str]) -> Response:
     opts = req.options
     session = Session(gateway, "", opts.sampling, user_id=req.user_id, prompt_ids=req.prompt_ids,
                       priority=opts.priority, timeout_s=opts.timeout_s)
-    ids = await run(request, session, lambda: collect_ids(session))
-    return ids if isinstance(ids, Response) else infer_response(session.user_id, ids, req.binary_output)
+    call = Call(gateway, [session])
+    await lifecycle.start(request, call)
+    return await lifecycle.collect(request, call, infer_response(call, req.binary_output))
 
 
 @post(model_paths("/generate"), status_code=200)
 async def generate(request: Request, model: FromPath[str]) -> Response:
-    gateway = served(request, model)
-    req = parse_text_request(await request.body())
-    session = text_session(gateway, req)
-    body = await run(request, session, lambda: collect_text(session, req.options))
-    return body if isinstance(body, Response) else Response(body, media_type="application/json")
+    return await _text(request, model, streaming=False)
 
 
 @post(model_paths("/generate_stream"), status_code=200)
 async def generate_stream(request: Request, model: FromPath[str]) -> Response:
+    return await _text(request, model, streaming=True)
+
+
+async def _text(request: Request, model: str, streaming: bool) -> Response:
     gateway = served(request, model)
     req = parse_text_request(await request.body())
-    session = text_session(gateway, req)
-    try:
-        await start(request, session)
-    except ClientDisconnected:
-        return Response(b"", status_code=499)
-    return Stream(stream_events(session, req.options), media_type="text/event-stream", headers=SSE_HEADERS)
+    opts = req.options
+    session = Session(gateway, req.text, opts.sampling, user_id=req.user_id, priority=opts.priority,
+                      timeout_s=opts.timeout_s)
+    call = Call(gateway, [session])
+    return await lifecycle.respond(request, call, streaming, lambda: collect_text(call, opts),
+                                   lambda: stream_events(call, opts), error_event)
 
 
 @post(model_paths("/stopInfer"), status_code=200)
@@ -107,32 +104,6 @@ async def stop_infer(request: Request, model: FromPath[str]) -> Response:
     if not await gateway.stop_infer(user_id):
         raise SwitchboardError(ErrorKind.NOT_FOUND, f"RequestId is {user_id} not found.")
     return Response(data, media_type="application/json")
-
-
-def text_session(gateway, req) -> Session:
-    opts = req.options
-    return Session(gateway, req.text, opts.sampling, user_id=req.user_id, priority=opts.priority,
-                   timeout_s=opts.timeout_s)
-
-
-async def start(request: Request, session: Session) -> None:
-    """Start a streaming session; closed at once if that fails (the stream closes it otherwise)."""
-    try:
-        await unless_disconnected(request, session.start())
-    except BaseException:
-        await session.close()
-        raise
-
-
-async def run(request: Request, session: Session, collect: Callable[[], Awaitable[T]]) -> T | Response:
-    """Start ``session`` and await ``collect()`` to its end; a 499 Response when the client went away."""
-    try:
-        await unless_disconnected(request, session.start())
-        return await unless_disconnected(request, collect())
-    except ClientDisconnected:
-        return Response(b"", status_code=499)
-    finally:
-        await session.close()
 
 
 # ---- management plane -------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Triton request parts shared by ``infer`` and ``generate``: the ``id`` and ``parameters`` (reference §3.29, §3.31).
 
-Ranges follow seed 004 and reference §5: temperature (0, FLT_MAX], top_k [0, 2^31-1], top_p (0, 1],
-typical_p (0, 1], repetition_penalty (0, FLT_MAX], seed [0, 2^64-1], max_new_tokens (0, 2^31-1],
+Sampling ranges are MindIE's dialect for Triton (``sampling.TRITON``: top_k [0, 2^31-1], top_p (0, 1],
+seed (0, 2^64-1], ``max_tokens`` standing in for an absent ``max_new_tokens``); besides them
 priority [1, 5] (default 5), timeout (0, 3600] seconds (default 600, reference §6 #3), batch_size
 (0, 2^31-1]. ``timeout`` is MindIE's, in seconds, not KServe's microseconds.
 """
@@ -12,7 +12,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from services.gateway.validation import FLT_MAX, INT32_MAX, UINT64_MAX, Fields, parse_json_object, text_input
+from services.gateway.sampling import TRITON, mindie_sampling
+from services.gateway.validation import INT32_MAX, Fields, parse_json_object, text_input
 from shared.errors import validation
 from shared.messages import Sampling
 
@@ -61,18 +62,8 @@ def checked_id(value: Any) -> str:
 
 
 def parse_options(p: Fields) -> Options:
-    p.boolean("watermark", False)
     p.integer("batch_size", 1, 0, INT32_MAX, lo_open=True)
-    sampling = Sampling(
-        do_sample=p.boolean("do_sample"),
-        temperature=p.number("temperature", 1.0, 0.0, FLT_MAX, lo_open=True, hi_open=False),
-        top_k=p.integer("top_k", 0, 0, INT32_MAX),
-        top_p=p.number("top_p", 1.0, 0.0, 1.0, lo_open=True, hi_open=False),
-        typical_p=p.number("typical_p", 1.0, 0.0, 1.0, lo_open=True, hi_open=False),
-        repetition_penalty=p.number("repetition_penalty", 1.0, 0.0, FLT_MAX, lo_open=True, hi_open=False),
-        seed=p.integer("seed", None, 0, UINT64_MAX),
-        max_new_tokens=p.integer("max_new_tokens", 20, 0, INT32_MAX, lo_open=True),
-    )
+    sampling = mindie_sampling(p, TRITON)
     return Options(
         sampling=sampling,
         priority=p.integer("priority", DEFAULT_PRIORITY, 1, 5),

@@ -9,10 +9,9 @@ from typing import Any
 
 from litestar import Request, Response
 
+from services.gateway import lifecycle
 from services.gateway.errors import mindie_error
-from services.gateway.disconnect import ClientDisconnected, unless_disconnected
-from services.gateway.respond import event_stream
-from services.gateway.vllm.responses import close_all, collect, sessions_for, start_all, stream_chunks
+from services.gateway.vllm.responses import build_call, collect, error_chunk, stream_chunks
 from services.gateway.vllm.schemas import parse_vllm
 from shared.errors import SwitchboardError
 
@@ -29,14 +28,8 @@ async def _generate(request: Request, data: dict[str, Any]) -> Response:
     schedule = gateway.cfg.schedule
     req = parse_vllm(data, gateway.model, schedule.max_iter_times,
                      min(schedule.max_n, schedule.max_batch_size, schedule.prefill_batch_size))
-    sessions = sessions_for(gateway, req, req.n if req.stream else req.best_of)
-    await unless_disconnected(request, start_all(sessions))
-    if req.stream:
-        return event_stream(stream_chunks(sessions, gateway.cfg.server.full_text_enabled), media_type="application/json")
-    try:
-        body = await unless_disconnected(request, collect(sessions, req))
-    except ClientDisconnected:
-        return Response(b"", status_code=499)
-    finally:
-        await close_all(sessions)
-    return Response(body, media_type="application/json")
+    call = build_call(gateway, req)
+    full_text_mode = gateway.cfg.server.full_text_enabled
+    return await lifecycle.respond(request, call, req.stream, lambda: collect(call, req),
+                                   lambda: stream_chunks(call, full_text_mode), error_chunk,
+                                   media_type="application/json")

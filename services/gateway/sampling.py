@@ -1,0 +1,154 @@
+"""One sampling parser per parameter dialect; the real differences between families are passed in.
+
+* MindIE's ``parameters`` object (TGI, native ``/infer``, Triton): seeds 002-004, reference §3.22,
+  §3.27, §3.29-§3.31 and §5. TGI and native take top_k in (0, 2^31-1] and top_p in (0, 1); Triton
+  takes top_k in [0, 2^31-1], top_p in (0, 1] and, as the KServe generate extension, ``max_tokens``
+  when ``max_new_tokens`` is absent (litellm's ``triton/`` client sends exactly that).
+* vLLM's top-level fields (OpenAI chat and completions, vLLM ``/generate``): reference §3.23b,
+  §3.25, §3.26. repetition_penalty is (0, 2] on the OpenAI routes and (0, FLT_MAX] on ``/generate``;
+  the max_tokens default is the family's.
+
+A temperature below ``GREEDY_BELOW`` means greedy decoding on every family (the engine applies the
+same threshold to whatever reaches it, so a tiny temperature can never overflow the sampler).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+
+from services.gateway.validation import FLT_MAX, INT32_MAX, UINT64_MAX, Fields
+from shared.errors import validation
+from shared.messages import Sampling
+
+GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS
+SEED_MAX = 2**63 - 1  # vLLM dialect: unsigned, at most 2^63-1 (reference §5)
+STOP_TOTAL = 32768
+
+
+# ---- MindIE's parameters object -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MindieDialect:
+    top_k_zero: bool  # top_k 0 (disabled) accepted
+    top_p_one: bool  # top_p 1.0 accepted
+    max_tokens_alias: bool  # KServe generate: parameters.max_tokens when max_new_tokens is absent
+
+
+TGI = MindieDialect(top_k_zero=False, top_p_one=False, max_tokens_alias=False)
+NATIVE = TGI
+TRITON = MindieDialect(top_k_zero=True, top_p_one=True, max_tokens_alias=True)
+MAX_NEW_TOKENS_DEFAULT = 20
+
+
+def mindie_sampling(p: Fields, dialect: MindieDialect, logprobs: int | None = None) -> Sampling:
+    """The ``parameters`` object of TGI, native and Triton bodies."""
+    p.boolean("watermark", False)
+    return Sampling(
+        do_sample=p.boolean("do_sample"),
+        temperature=p.number("temperature", 1.0, 0.0, FLT_MAX, lo_open=True, hi_open=False),
+        top_k=p.integer("top_k", 0, 0, INT32_MAX, lo_open=not dialect.top_k_zero),
+        top_p=p.number("top_p", 1.0, 0.0, 1.0, lo_open=True, hi_open=not dialect.top_p_one),
+        typical_p=p.number("typical_p", 1.0, 0.0, 1.0, lo_open=True, hi_open=False),
+        repetition_penalty=p.number("repetition_penalty", 1.0, 0.0, FLT_MAX, lo_open=True, hi_open=False),
+        seed=p.integer("seed", None, 0, UINT64_MAX, lo_open=True),  # (0, 2^64-1], seeds 003 and 004
+        max_new_tokens=_max_new_tokens(p, dialect),
+        stop=p.stop_list("stop"),
+        logprobs=logprobs,
+    )
+
+
+def _max_new_tokens(p: Fields, dialect: MindieDialect) -> int:
+    default = MAX_NEW_TOKENS_DEFAULT
+    if dialect.max_tokens_alias:
+        default = p.integer("max_tokens", default, 0, INT32_MAX, lo_open=True)
+    return p.integer("max_new_tokens", default, 0, INT32_MAX, lo_open=True)
+
+
+# ---- vLLM's top-level fields ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VllmDialect:
+    repetition_max: float  # OpenAI routes: 2.0; vLLM /generate: FLT_MAX
+    max_tokens_default: int
+
+
+def vllm_sampling(f: Fields, dialect: VllmDialect, logprobs: int | None = None) -> Sampling:
+    """The sampling fields of OpenAI chat/completions and vLLM ``/generate`` bodies."""
+    _refuse_unsupported(f)
+    temperature = f.number("temperature", 1.0, 0.0, FLT_MAX, lo_open=False, hi_open=False)
+    greedy = temperature < GREEDY_BELOW
+    return Sampling(
+        do_sample=not greedy,
+        temperature=1.0 if greedy else temperature,
+        top_k=_top_k(f),
+        top_p=f.number("top_p", 1.0, 0.0, 1.0, lo_open=True, hi_open=False),
+        repetition_penalty=f.number("repetition_penalty", 1.0, 0.0, dialect.repetition_max, lo_open=True,
+                                    hi_open=False),
+        presence_penalty=f.number("presence_penalty", 0.0, -2.0, 2.0, lo_open=False, hi_open=False),
+        frequency_penalty=f.number("frequency_penalty", 0.0, -2.0, 2.0, lo_open=False, hi_open=False),
+        seed=f.integer("seed", None, 0, SEED_MAX),
+        max_new_tokens=_max_tokens(f, dialect),
+        stop=_stop(f),
+        stop_token_ids=_stop_token_ids(f),
+        ignore_eos=bool(f.boolean("ignore_eos", False)),
+        include_stop_str_in_output=bool(f.boolean("include_stop_str_in_output", False)),
+        logprobs=logprobs,
+    )
+
+
+def choice_sampling(sampling: Sampling, j: int) -> Sampling:
+    """Choice ``j`` of a request with n choices: a given seed stays reproducible yet gives n different
+    choices (seed + j); without one the tokenizer draws a seed per choice."""
+    if j == 0 or sampling.seed is None:
+        return sampling
+    return msgspec.structs.replace(sampling, seed=(sampling.seed + j) % (SEED_MAX + 1))
+
+
+def _max_tokens(f: Fields, dialect: VllmDialect) -> int:
+    """``max_completion_tokens`` (OpenAI's newer name) wins over ``max_tokens``."""
+    value = f.integer("max_tokens", dialect.max_tokens_default, 0, INT32_MAX, lo_open=True)
+    return f.integer("max_completion_tokens", value, 0, INT32_MAX, lo_open=True)
+
+
+def _top_k(f: Fields) -> int:
+    top_k = f.integer("top_k", -1, -1, INT32_MAX)
+    if top_k == 0:
+        raise validation("top_k must be -1 (disabled) or in (0, 2147483647], got 0.", "top_k")
+    return max(top_k, 0)
+
+
+def _stop(f: Fields) -> list[str]:
+    """A string of 1..32768 characters, or a list of 1..1024-character items, 32768 in all (§3.23b)."""
+    value = f.data.get("stop")
+    if isinstance(value, str):
+        if not 1 <= len(value) <= STOP_TOTAL:
+            raise validation(f"stop must be 1 to {STOP_TOTAL} characters long, got {len(value)}.", "stop")
+        return [value]
+    return f.stop_list("stop", max_items=2**31)
+
+
+def _stop_token_ids(f: Fields) -> list[int]:
+    """Ints only; ids outside [0, 2^31-1] are dropped and duplicates removed, order kept (as MindIE)."""
+    value = f.data.get("stop_token_ids")
+    if value is None:
+        return []
+    if not isinstance(value, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in value):
+        raise validation("stop_token_ids must be array of integers type.", "stop_token_ids")
+    return list(dict.fromkeys(i for i in value if 0 <= i <= INT32_MAX))
+
+
+def _refuse_unsupported(f: Fields) -> None:
+    """Fields that would change the answer in ways this server cannot honour: a clear 4xx, not silence."""
+    if f.boolean("use_beam_search", False):
+        raise validation("use_beam_search is not supported.", "use_beam_search")
+    if f.boolean("skip_special_tokens", True) is False:
+        raise validation("skip_special_tokens=false is not supported: special tokens are always skipped.",
+                         "skip_special_tokens")
+    if f.data.get("logit_bias"):
+        raise validation("logit_bias is not supported.", "logit_bias")
+    if f.integer("min_tokens", 0, 0, INT32_MAX):
+        raise validation("min_tokens is not supported.", "min_tokens")
