@@ -72,14 +72,18 @@ async def post_then_leave(url: str, body: dict, after: float) -> None:
             await client.post(url, json=body)
 
 
-async def wait_idle(stack, within: float):
+async def wait_idle(stack, within: float) -> None:
+    """Within ``within`` s: /v1/status shows nothing running or waiting, and every KV block is free."""
     deadline = time.monotonic() + within
-    while True:
-        info = await stack.engine_info()
-        if info.running == 0 and info.waiting == 0 and info.free_blocks == info.total_blocks:
-            return info
-        assert time.monotonic() < deadline, f"still busy {within} s after the clients left: {info}"
-        await asyncio.sleep(0.05)
+    async with httpx.AsyncClient(timeout=5) as client:
+        while True:
+            status = (await client.get(stack.mgmt_url + "/v1/status")).json()["resource"]
+            info = await stack.engine_info()
+            if status["runningRequestNum"] == 0 and status["waitingRequestNum"] == 0 \
+                    and info.running == 0 and info.waiting == 0 and info.free_blocks == info.total_blocks:
+                return
+            assert time.monotonic() < deadline, f"still busy {within} s after the clients left: {status}, {info}"
+            await asyncio.sleep(0.05)
 
 
 async def serves_max_link_at_once(stack) -> None:
