@@ -2,6 +2,13 @@
 finish, answer 200, then tell every service to stop (the launcher then exits 0).
 
 ``?mode=Force`` answers at once and stops everything without waiting for the drain.
+
+``?scope=instance`` (ours, not MindIE's) drains this gateway only, for one pod of many (Kubernetes'
+preStop hook): it refuses new inference (503, so ``/v2/health/ready`` turns 503 and the pod leaves
+its Service), waits until its own in-flight sessions are done — other gateways' requests and the
+engines' queues are not its business — answers 200 and broadcasts nothing: every other service
+goes on serving, and the pod's SIGTERM then stops this process. ``scope=deployment`` (the default)
+is MindIE's whole-deployment stop.
 """
 
 from __future__ import annotations
@@ -11,16 +18,24 @@ import asyncio
 from litestar import Request, Response, get
 from litestar.params import FromQuery
 
+from services.gateway.errors import mindie_error
 from shared import subjects
+from shared.errors import ErrorKind
 
 POLL_S = 0.1
 BROADCAST_DELAY_S = 0.3  # let the 200 reach the client before the listeners close
+SCOPES = ("deployment", "instance")
 
 
 def drained(gateway) -> bool:
     engine = gateway.engine_info()
     idle_engine = engine is None or (engine.running == 0 and engine.waiting == 0)
     return not gateway.live and idle_engine
+
+
+def instance_drained(gateway) -> bool:
+    """This gateway has no session in flight (the engines may still serve other gateways)."""
+    return not gateway.live
 
 
 async def _broadcast_shutdown(gateway) -> None:
@@ -32,13 +47,19 @@ async def _broadcast_shutdown(gateway) -> None:
 @get("/stopService")
 async def stop_service(request: Request, mode: FromQuery[str | None] = None) -> Response:
     gateway = request.app.state.gateway
+    scope = request.query_params.get("scope")  # read by hand: Litestar reserves the kwarg `scope` (ASGI's)
+    if scope is not None and scope not in SCOPES:
+        return mindie_error(ErrorKind.VALIDATION, f"scope must be one of {', '.join(SCOPES)}, got {scope!r}")
     if gateway.stopping:
         return Response(b"", status_code=500)
     gateway.stopping = True
+    instance = scope == "instance"
     if mode != "Force":
-        while not drained(gateway):
+        done = instance_drained if instance else drained
+        while not done(gateway):
             await asyncio.sleep(POLL_S)
-    gateway.spawn(_broadcast_shutdown(gateway))
+    if not instance:
+        gateway.spawn(_broadcast_shutdown(gateway))
     return Response(b"", status_code=200)
 
 
