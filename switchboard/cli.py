@@ -25,7 +25,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         one = sub.add_parser(name, help=f"run the {name} service alone")
         one.add_argument("--config", default=DEFAULT_CONFIG)
         one.add_argument("--nats", default="", help="NATS URL (default: Switchboard.natsUrl from the config)")
+        one.add_argument("--name", default=name, help="this process's name in its logs, e.g. engine-1")
+    engine = sub.choices["engine"]
+    engine.add_argument("--torch-threads", type=_positive, default=0,
+                        help="intra-op torch threads, instead of Switchboard.torchThreads (serve splits the cores)")
+    engine.add_argument("--device-index", type=_natural, default=None,
+                        help="logical cuda/npu device id to run on (serve gives engine i npuDeviceIds[i][0])")
     return parser.parse_args(argv)
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return int(text)
+
+
+def _natural(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return int(text)
 
 
 def load(path: str, tls: bool = False) -> Config:
@@ -71,14 +89,34 @@ def main(argv: list[str] | None = None) -> int:
         from switchboard.launcher import launch
 
         ensure_model(cfg)
-        return asyncio.run(launch(Path(args.config).resolve(), cfg))
+        try:
+            return asyncio.run(launch(Path(args.config).resolve(), cfg))
+        except ConfigError as exc:
+            print(f"switchboard: {args.config}: {exc}", file=sys.stderr)
+            return 2
     url = args.nats or cfg.switchboard.nats_url
     if not url:
         print("switchboard: no NATS URL: pass --nats or set Switchboard.natsUrl", file=sys.stderr)
         return 2
+    if args.command == "engine":
+        place_engine(cfg, args)
     from switchboard.runner import run_service
 
-    return run_service(args.command, cfg, url)
+    return run_service(args.command, cfg, url, label=args.name)
+
+
+def place_engine(cfg: Config, args: argparse.Namespace) -> None:
+    """Apply ``--torch-threads`` and ``--device-index`` (before torch starts)."""
+    from switchboard.replicas import pin_device
+
+    if args.torch_threads:
+        cfg.switchboard.torch_threads = args.torch_threads
+    if args.device_index is not None:
+        try:
+            pin_device(args.device_index)
+        except ConfigError as exc:
+            print(f"switchboard: --device-index: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -1,4 +1,8 @@
-"""``switchboard serve``: embedded NATS plus the four services as supervised child processes."""
+"""``switchboard serve``: embedded NATS plus the four services as supervised child processes.
+
+``modelInstanceNumber`` engines and ``tokenizerProcessNumber`` tokenizers (``replicas.py``: names, each
+engine's threads or device); the ready line waits for every child, and stopping stops them all.
+"""
 
 from __future__ import annotations
 
@@ -12,9 +16,9 @@ from pathlib import Path
 
 from shared.config import Config
 from switchboard.natsd import EmbeddedNats, die_with_parent
+from switchboard.replicas import Replica, replicas
 from switchboard.runner import READY_LINE
 
-START_ORDER = ("metrics", "tokenizer", "engine", "gateway")
 READY_TIMEOUT_S = 900.0
 STOP_GRACE_S = 10.0
 
@@ -30,13 +34,14 @@ class Child:
         return "\n".join(self.last_lines) or "(no output)"
 
 
-async def spawn(name: str, config_path: Path, nats_url: str) -> Child:
+async def spawn(replica: Replica, config_path: Path, nats_url: str) -> Child:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "switchboard.cli", name, "--config", str(config_path), "--nats", nats_url,
+        sys.executable, "-m", "switchboard.cli", replica.service, "--config", str(config_path), "--nats", nats_url,
+        "--name", replica.name, *replica.flags,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         start_new_session=True, preexec_fn=die_with_parent,
     )
-    child = Child(name, proc)
+    child = Child(replica.name, proc)
     asyncio.create_task(_pump(child, proc.stdout, sys.stdout))
     asyncio.create_task(_pump(child, proc.stderr, sys.stderr))
     return child
@@ -53,6 +58,8 @@ async def _pump(child: Child, stream: asyncio.StreamReader, echo) -> None:
 
 
 async def launch(config_path: Path, cfg: Config) -> int:
+    """Run every child until a stop (SIGTERM, SIGINT, /stopService) or a death; the exit code."""
+    plan = replicas(cfg)  # before anything starts: a ConfigError here is the caller's exit 2
     nats = None if cfg.switchboard.nats_url else EmbeddedNats()
     url = cfg.switchboard.nats_url or nats.start()
     stop = asyncio.Event()
@@ -61,8 +68,8 @@ async def launch(config_path: Path, cfg: Config) -> int:
         loop.add_signal_handler(sig, stop.set)
     children: list[Child] = []
     try:
-        for name in START_ORDER:
-            children.append(await spawn(name, config_path, url))
+        for replica in plan:
+            children.append(await spawn(replica, config_path, url))
         return await _run(children, cfg, stop)
     finally:
         await shutdown(children)

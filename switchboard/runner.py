@@ -15,8 +15,9 @@ SERVICES = ("gateway", "tokenizer", "engine", "metrics")
 READY_LINE = "SWITCHBOARD-READY"
 
 
-def run_service(name: str, cfg: Config, nats_url: str) -> int:
-    setup_logging(name, cfg.switchboard.log_level)
+def run_service(name: str, cfg: Config, nats_url: str, label: str | None = None) -> int:
+    """Run service ``name``; ``label`` (e.g. engine-1, one of several) names it in its log lines."""
+    setup_logging(label or name, cfg.switchboard.log_level)
     setup_tracing(name, cfg.switchboard.otlp_endpoint)
     _quiet_transformers()
     module = importlib.import_module(f"services.{name}.service")

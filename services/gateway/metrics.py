@@ -1,6 +1,7 @@
 """``GET /metrics-json`` (management plane, reference §3.13) and ``GET /metrics`` (metrics plane, §3.14).
 
-Both read the metrics service over NATS; engine gauges come from the gateway's latest heartbeat.
+Both read the metrics service over NATS; ``/metrics-json``'s engine figures (waiting, processing, remaining
+blocks) are sums over the live engines' heartbeats.
 ``/metrics`` is served without MindIE's ``MIES_SERVICE_MONITOR_MODE`` switch: Prometheus scrapes it as is.
 """
 

@@ -3,6 +3,9 @@
 
 Roles are recorded and reported; the KV transfer between prefill and decode instances is not built
 yet, so a role change is ready at once and there are no peers links to report.
+
+Status covers every live engine (``modelInstanceNumber`` of them, or however many run): figures are sums,
+and an engine whose lease ran out (``Switchboard.leaseSeconds``) drops out at once.
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ from services.gateway.call import Call
 from services.gateway.errors import mindie_error
 from services.gateway.session import Session
 from services.gateway.validation import BodyError, read_json_object
+from shared.engines import combined
 from shared.errors import ErrorKind, SwitchboardError
-from shared.messages import Sampling
+from shared.messages import EngineInfo, Sampling
 
 TIMED = re.compile(r"^timed(?:-(\d+))?$")
 ROLE_422_TYPE = "Input validation error"  # the PD role endpoints' own casing (reference §4.2)
@@ -37,13 +41,15 @@ async def config(request: Request) -> Response:
     }, media_type="application/json")
 
 
-def _engine(request: Request):
-    if request.app.state.gateway.stopping:
+def _engines(request: Request) -> dict[str, EngineInfo]:
+    """Every live engine by instance; 503 while stopping or when none is live."""
+    gateway = request.app.state.gateway
+    if gateway.stopping:
         raise SwitchboardError(ErrorKind.UNAVAILABLE, "The service has been stopped.")
-    engine = request.app.state.gateway.engine_info()
-    if engine is None:
+    engines = gateway.live_engines()
+    if not engines:
         raise SwitchboardError(ErrorKind.UNAVAILABLE, "no engine is serving; status is unknown")
-    return engine
+    return engines
 
 
 def _service(gateway) -> dict[str, str]:
@@ -52,7 +58,8 @@ def _service(gateway) -> dict[str, str]:
 
 @get("/v1/status")
 async def status_v1(request: Request) -> Response:
-    e = _engine(request)
+    """Free slots and blocks, running and waiting requests, summed over every live engine."""
+    e = combined(_engines(request).values())
     resource = {"availSlotsNum": e.free_slots, "availBlockNum": e.free_blocks, "waitingRequestNum": e.waiting,
                 "runningRequestNum": e.running, "swappedRequestNum": 0, "freeNpuBlockNums": e.free_blocks,
                 "freeCpuBlockNums": 0, "totalNpuBlockNums": e.total_blocks, "totalCpuBlockNums": 0}
@@ -62,9 +69,13 @@ async def status_v1(request: Request) -> Response:
 
 @get("/v2/status")
 async def status_v2(request: Request) -> Response:
-    e = _engine(request)
+    """MindIE's DP-aware view with an engine per DP group: totals over the engines, the largest engine's free
+    blocks, and ``dpInstMap`` (as MindIE's source: group id -> free blocks) keyed by engine instance."""
+    engines = _engines(request)
+    e = combined(engines.values())
     resource = {"totalAvailNpuSlotsNum": e.free_slots, "totalAvailNpuBlockNum": e.free_blocks,
-                "maxAvailNpuBlockNum": e.free_blocks}
+                "maxAvailNpuBlockNum": max(x.free_blocks for x in engines.values()),
+                "dpInstMap": {instance: x.free_blocks for instance, x in sorted(engines.items())}}
     return Response({"service": _service(request.app.state.gateway), "resource": resource,
                      "linkStatus": {"peers": []}}, media_type="application/json")
 

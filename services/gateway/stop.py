@@ -28,6 +28,7 @@ SCOPES = ("deployment", "instance")
 
 
 def drained(gateway) -> bool:
+    """No session in flight here and no request running or waiting on any live engine."""
     engine = gateway.engine_info()
     idle_engine = engine is None or (engine.running == 0 and engine.waiting == 0)
     return not gateway.live and idle_engine

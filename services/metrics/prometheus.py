@@ -1,15 +1,37 @@
 """Prometheus exposition with MindIE's metric names (reference §3.14) and vLLM-style histograms.
 
 Request-level samples come from lifecycle events (gateway and engine); gauges and token counters
-from the engine's heartbeats. Every sample carries ``model_name``.
+from the engines' heartbeats. Every sample carries ``model_name``.
+
+Many engines: each engine instance (its id in ``EngineInfo.instance``, new for every process, so a
+restarted engine is a new instance) counts tokens and preemptions from 0. MindIE's unlabelled counters
+(``prompt_tokens_total``, ``generation_tokens_total``, ``num_preemptions_total``) are the sum over every
+instance ever heard of what that instance counted: each instance's growth is tracked apart, so one
+engine's smaller total is never read as another's restart, and an engine that leaves keeps its last totals
+in the sum (a counter never goes down). MindIE's gauges (``num_requests_running``, ``num_requests_waiting``,
+``npu_cache_usage_perc``) cover the engines live now (heard within ``Switchboard.leaseSeconds``); cache usage
+is blocks in use over blocks of all of them.
+
+Per-engine series live in families of their own, ``engine_*`` with an ``engine_instance`` label
+(``engine_prompt_tokens_total``, ``engine_generation_tokens_total``, ``engine_preemptions_total``,
+``engine_requests_running``, ``engine_requests_waiting``, ``engine_cache_usage_perc``), live engines only.
+Adding the label to MindIE's families instead would put the total and its parts under one name, and
+``sum(generation_tokens_total)`` would count every token twice (prometheus_client also wants one label
+set per family). The per-engine counters are the engines' own counters: a departed engine's series ends,
+as a restarted process's would, so chart them with ``rate()`` (``sum by (engine_instance)
+(rate(engine_generation_tokens_total[1m]))``) and read totals from the unlabelled families.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from shared.engines import cache_usage, combined
+from shared.leases import Leases
 from shared.messages import EngineInfo, Finished, FirstToken, MetricsEvent, Queued, Received
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10)
@@ -22,8 +44,11 @@ RATE_WINDOW_S = 10.0
 
 
 class PrometheusMetrics:
-    def __init__(self, model: str):
+    def __init__(self, model: str, lease_s: float = 2.0, clock: Callable[[], float] = time.monotonic):
         self.model = model
+        self.clock = clock
+        self.engines: Leases[EngineInfo] = Leases(lease_s, clock)  # the live engines: gauges
+        self._last: dict[str, EngineInfo] = {}  # every engine instance ever heard, as last heard: counters
         self.registry = r = CollectorRegistry()
         label = ["model_name"]
         self.received = Counter("request_received", "Number of requests received so far.", label, registry=r)
@@ -58,9 +83,12 @@ class PrometheusMetrics:
                                  label, registry=r)
         self.cpu_cache_usage = Gauge("cpu_cache_usage_perc", "KV-cache usage of swap space (1 = 100%).", label, registry=r)
         self.prefix_hit = Gauge("npu_prefix_cache_hit_rate", "Prefix-cache block hit rate.", label, registry=r)
+        self._counted = ((self.prompt_total, "prompt_tokens_total"), (self.gen_total, "generation_tokens_total"),
+                         (self.preemptions, "preemptions_total"))  # counter, the EngineInfo field it sums
+        self._sums = {field: 0 for _, field in self._counted}  # what every instance counted, together
         self._samples: list[tuple[float, int, int]] = []  # (time, prompt total, generation total)
-        self._engine_totals: dict[str, int] = {}  # the engine's counters as last seen
         self._succeeded = self._failed = 0
+        r.register(PerEngine(self))
 
     def observe(self, event: MetricsEvent) -> None:
         m = self.model
@@ -93,33 +121,75 @@ class PrometheusMetrics:
         self.failed_perc.labels(m).set(self._failed / done if done else 0.0)
 
     def heartbeat(self, info: EngineInfo) -> None:
-        m = self.model
-        self.running.labels(m).set(info.running)
-        self.waiting.labels(m).set(info.waiting)
-        self.swapped.labels(m).set(0)
-        self._advance(self.preemptions, "preemptions", info.preemptions_total)
-        self._advance(self.prompt_total, "prompt", info.prompt_tokens_total)
-        self._advance(self.gen_total, "generation", info.generation_tokens_total)
-        self.cache_usage.labels(m).set(1.0 - info.free_blocks / info.total_blocks if info.total_blocks else 0.0)
-        self.cpu_cache_usage.labels(m).set(0.0)
-        self.prefix_hit.labels(m).set(0.0)
-        self._rates(time.monotonic(), info)
+        """One engine's heartbeat: its counters' growth since its previous one goes into the sums."""
+        before = self._last.get(info.instance)
+        self._last[info.instance] = info
+        self.engines.beat(info.instance, info)
+        for counter, field in self._counted:
+            self._advance(counter, field, getattr(before, field, 0), getattr(info, field))
+        self._rates(self.clock())
 
-    def _advance(self, counter: Counter, key: str, total: int) -> None:
-        """Move a counter by what an engine counter grew since the last heartbeat (a restarted engine restarts at 0)."""
-        last = self._engine_totals.get(key, 0)
-        counter.labels(self.model).inc(total - last if total >= last else total)
-        self._engine_totals[key] = total
+    def _advance(self, counter: Counter, field: str, last: int, total: int) -> None:
+        """Add what one instance's counter grew by (an instance without an id that restarted restarts at 0)."""
+        grown = total - last if total >= last else total
+        counter.labels(self.model).inc(grown)
+        self._sums[field] += grown
 
-    def _rates(self, now: float, info: EngineInfo) -> None:
-        """Token throughput over the last RATE_WINDOW_S seconds of heartbeats."""
-        self._samples.append((now, info.prompt_tokens_total, info.generation_tokens_total))
+    def _rates(self, now: float) -> None:
+        """Token throughput of all engines together over the last RATE_WINDOW_S seconds of heartbeats."""
+        prompt, generation = self._sums["prompt_tokens_total"], self._sums["generation_tokens_total"]
+        self._samples.append((now, prompt, generation))
         while len(self._samples) > 2 and now - self._samples[0][0] > RATE_WINDOW_S:
             self._samples.pop(0)
         t0, p0, g0 = self._samples[0]
         if now - t0 > 0:
-            self.prompt_rate.labels(self.model).set((info.prompt_tokens_total - p0) / (now - t0))
-            self.gen_rate.labels(self.model).set((info.generation_tokens_total - g0) / (now - t0))
+            self.prompt_rate.labels(self.model).set((prompt - p0) / (now - t0))
+            self.gen_rate.labels(self.model).set((generation - g0) / (now - t0))
+
+    def live_engines(self) -> dict[str, EngineInfo]:
+        """The engines heard within their lease, by instance."""
+        self.engines.expire()
+        return self.engines.live()
+
+    def _set_gauges(self) -> None:
+        """Running, waiting and cache usage of the live engines together (0 with none)."""
+        m, live = self.model, combined(self.live_engines().values())
+        self.running.labels(m).set(live.running if live else 0)
+        self.waiting.labels(m).set(live.waiting if live else 0)
+        self.cache_usage.labels(m).set(cache_usage(live))
+        self.swapped.labels(m).set(0)
+        self.cpu_cache_usage.labels(m).set(0.0)
+        self.prefix_hit.labels(m).set(0.0)
 
     def render(self) -> bytes:
+        self._set_gauges()
         return generate_latest(self.registry)
+
+
+class PerEngine:
+    """The ``engine_*`` families: one series per live engine, labelled ``engine_instance`` (collected at scrape)."""
+
+    COUNTERS = (("engine_prompt_tokens", "Prefill tokens processed by this engine instance.", "prompt_tokens_total"),
+                ("engine_generation_tokens", "Tokens generated by this engine instance.", "generation_tokens_total"),
+                ("engine_preemptions", "Preemptions in this engine instance.", "preemptions_total"))
+    GAUGES = (("engine_requests_running", "Requests running in this engine instance.", lambda e: e.running),
+              ("engine_requests_waiting", "Requests waiting in this engine instance.", lambda e: e.waiting),
+              ("engine_cache_usage_perc", "KV-cache block usage of this engine instance (1 = 100%).", cache_usage))
+    LABELS = ["model_name", "engine_instance"]
+
+    def __init__(self, metrics: PrometheusMetrics):
+        self.metrics = metrics
+
+    def collect(self):
+        engines = sorted(self.metrics.live_engines().items())
+        model = self.metrics.model
+        for name, doc, field in self.COUNTERS:
+            family = CounterMetricFamily(name, doc, labels=self.LABELS)
+            for instance, info in engines:
+                family.add_metric([model, instance], getattr(info, field))
+            yield family
+        for name, doc, value in self.GAUGES:
+            family = GaugeMetricFamily(name, doc, labels=self.LABELS)
+            for instance, info in engines:
+                family.add_metric([model, instance], value(info))
+            yield family

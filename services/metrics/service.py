@@ -1,4 +1,4 @@
-"""The metrics service: lifecycle events and engine heartbeats in; snapshots and Prometheus text out."""
+"""The metrics service: lifecycle events and every engine's heartbeats in; snapshots and Prometheus text out."""
 
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ log = logging.getLogger("switchboard.metrics")
 
 
 class MetricsService:
-    def __init__(self, nc, model: str):
+    def __init__(self, nc, model: str, lease_s: float = 2.0):
         self.nc = nc
         self.model = model
         self.aggregator = Aggregator()
-        self.prometheus = PrometheusMetrics(model)
+        self.prometheus = PrometheusMetrics(model, lease_s)  # engines by instance, each under a lease
         self.events = decoder(MetricsEvent)
         self.heartbeats = decoder(EngineInfo)
 
@@ -48,7 +48,7 @@ class MetricsService:
 
 async def serve(cfg: Config, nats_url: str, stop: asyncio.Event, ready=lambda: None) -> None:
     nc = await bus.connect(nats_url, "switchboard-metrics")
-    await MetricsService(nc, cfg.model.model_name).start()
+    await MetricsService(nc, cfg.model.model_name, cfg.switchboard.lease_seconds).start()
     ready()
     log.info("metrics ready")
     try:

@@ -45,7 +45,7 @@ async def test_status_reports_the_engine_state(tiny_stack):
     v2 = get(tiny_stack, "/v2/status").json()
     assert set(v2) == {"service", "resource", "linkStatus"}
     assert v2["resource"] == {"totalAvailNpuSlotsNum": info.max_batch_size, "totalAvailNpuBlockNum": info.total_blocks,
-                              "maxAvailNpuBlockNum": info.total_blocks}
+                              "maxAvailNpuBlockNum": info.total_blocks, "dpInstMap": {info.instance: info.total_blocks}}
 
 
 def test_roles_are_set_validated_and_reported(tiny_stack):

@@ -51,6 +51,8 @@ def model_config(cfg: Config) -> dict[str, Any]:
 
 
 def slot_count(cfg: Config, engine: EngineInfo) -> dict[str, int]:
+    """getSlotCount (reference §3.5) of ``engine``: every live engine combined (``Gateway.engine_info``), so
+    slots and KV tokens are sums over the engines."""
     return {
         "total_slots": engine.max_batch_size,
         "free_slots": max(0, engine.free_slots),

@@ -1,0 +1,31 @@
+"""Many engines seen as one: the sums behind status, slot counts, metrics and the stop drain."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from shared.messages import EngineInfo
+
+SUMMED = ("max_batch_size", "total_blocks", "free_blocks", "running", "waiting", "free_slots",
+          "prompt_tokens_total", "generation_tokens_total", "preemptions_total")
+
+
+def combined(engines: Iterable[EngineInfo]) -> EngineInfo | None:
+    """One EngineInfo for several engines: capacities, loads and counters summed; loaded when any is, stopping
+    when all are; model, device and dtype of the first (one model per deployment). None for no engine."""
+    engines = list(engines)
+    if not engines:
+        return None
+    first = engines[0]
+    return EngineInfo(
+        model=first.model, device=first.device, dtype=first.dtype,
+        loaded=any(e.loaded for e in engines), stopping=all(e.stopping for e in engines),
+        **{name: sum(getattr(e, name) for e in engines) for name in SUMMED},
+    )
+
+
+def cache_usage(engine: EngineInfo | None) -> float:
+    """Share of KV blocks in use (1 = 100%); 0 with no engine or no blocks."""
+    if engine is None or not engine.total_blocks:
+        return 0.0
+    return 1.0 - engine.free_blocks / engine.total_blocks

@@ -1,0 +1,77 @@
+"""shared/leases.py on a fake clock: an instance lives while heard within its lease, for every watcher alike."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.leases import Leases
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def leases(clock) -> Leases[str]:
+    return Leases(2.0, clock)
+
+
+def test_a_beat_makes_an_instance_live_until_its_lease_runs_out(leases, clock):
+    assert leases.beat("a", "first") is True
+    assert leases.is_live("a") and leases.get("a") == "first"
+    clock.now += 2.0  # exactly one lease: still live
+    assert leases.is_live("a")
+    clock.now += 0.001
+    assert not leases.is_live("a") and leases.get("a") is None and leases.live() == {}
+
+
+def test_each_beat_renews_the_lease_and_keeps_the_last_word(leases, clock):
+    leases.beat("a", "first")
+    for word in ("second", "third"):
+        clock.now += 1.5
+        assert leases.beat("a", word) is False  # already live: not news
+    clock.now += 1.9
+    assert leases.get("a") == "third"
+
+
+def test_an_instance_back_after_its_lease_ran_out_is_news_again(leases, clock):
+    leases.beat("a", "first")
+    clock.now += 5
+    assert leases.beat("a", "back") is True
+    assert leases.get("a") == "back"
+
+
+def test_live_lists_only_instances_within_their_lease(leases, clock):
+    leases.beat("old", 1)
+    clock.now += 1.5
+    leases.beat("new", 2)
+    assert leases.live() == {"old": 1, "new": 2}
+    clock.now += 1.0
+    assert leases.live() == {"new": 2}
+
+
+def test_expire_forgets_the_dead_and_names_each_once(leases, clock):
+    leases.beat("a", 1)
+    leases.beat("b", 2)
+    clock.now += 1.5
+    leases.beat("b", 3)
+    clock.now += 1.0
+    assert leases.expire() == ["a"]
+    assert leases.expire() == []
+    assert leases.live() == {"b": 3}
+
+
+def test_drop_forgets_an_instance_at_once(leases):
+    leases.beat("a", 1)
+    leases.drop("a")
+    leases.drop("never-seen")
+    assert not leases.is_live("a") and leases.live() == {}
