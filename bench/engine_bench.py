@@ -46,7 +46,6 @@ os.environ.update(OFFLINE_ENV)
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct"
 CONFIG = ROOT / "config" / "config.json"
-SWITCHBOARD = ROOT / ".venv" / "bin" / "switchboard"
 WORK = ROOT / ".cache" / "bench"
 TF_VENV = WORK / "tf-serve-venv"
 TF_REQUIREMENTS = ["torch==2.13.0", "transformers[serving]==5.23.0"]
@@ -196,15 +195,14 @@ def switchboard_config(folder: Path) -> tuple[Path, str]:
 
 def bench_switchboard(prompts: list[str], tokens: int, levels: list[int], checkout: Path | None = None,
                       name: str = "switchboard") -> list[Run]:
-    """This tree's Switchboard, or the one of another ``checkout`` (run from there with this venv)."""
+    """The Switchboard of this script's tree, or of another ``checkout``, run from its own folder with
+    this interpreter (so a worktree of another commit runs its own code)."""
     log = WORK / f"{name.replace(' ', '-')}.log"
+    checkout = checkout or ROOT
     with tempfile.TemporaryDirectory(prefix="sb-bench-") as tmp:
         config, url = switchboard_config(Path(tmp))
-        cmd = [str(SWITCHBOARD), "serve", "--config", str(config)]
-        env = None
-        if checkout is not None:
-            cmd = [sys.executable, "-m", "switchboard.cli", "serve", "--config", str(config)]
-            env = {"PYTHONPATH": str(checkout)}
+        cmd = [sys.executable, "-m", "switchboard.cli", "serve", "--config", str(config)]
+        env = {"PYTHONPATH": str(checkout)}
         with server(name, cmd, log, lambda: SWITCHBOARD_READY in log_tail(log, 200), cwd=checkout, env=env):
             api = Api("/generate_stream", tgi_body, tgi_tokens)
             return bench_server(name, url, api, prompts, tokens, levels)

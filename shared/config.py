@@ -185,6 +185,13 @@ class SwitchboardConfig(Struct, kw_only=True):
     # 429 in the family's shape, while a flood of idle or slow sockets cannot exhaust file descriptors.
     max_connections: Annotated[int, Meta(ge=1, le=65536)] = 4096
     """open connections per listener; beyond it a new connection gets 503 (and is closed) on its request."""
+    lease_seconds: Annotated[float, Meta(ge=0.5, le=60.0)] = 2.0
+    """an engine, tokenizer or gateway instance not heard from this long is dead for every other one;
+    heartbeats go out four times per lease."""
+
+    @property
+    def heartbeat_s(self) -> float:
+        return self.lease_seconds / 4
 
 
 class Config(msgspec.Struct, kw_only=True):

@@ -64,6 +64,8 @@ class GenerateRequest(Msg):
     priority: int = 3
     timeout_s: float | None = None
     arrival: float = 0.0  # unix time the gateway received it
+    gateway: str = ""  # the owning gateway instance: when its lease runs out, its requests are cancelled
+    resume_ids: list[int] = []  # a resumed request: the tokens its client already has (seed pinned)
 
 
 # ---- to the engine ----------------------------------------------------------------------------
@@ -77,6 +79,8 @@ class EngineRequest(Msg):
     arrival: float = 0.0
     deadline: float | None = None  # unix time after which the request ends with a timeout
     deadline_reason: str = "server e2eTimeout"  # or "client timeout": said in the timeout error
+    generated_ids: list[int] = []  # a resumed request: tokens generated before (the cache is recomputed)
+    tokenizer: str = ""  # the tokenizer instance it reports to: when its lease runs out, the request ends
 
 
 class Cancel(Msg):
@@ -108,6 +112,7 @@ class TokenEvent(msgspec.Struct, omit_defaults=True):
     finish_reason: str | None = None  # length | eos_token | cancelled | error
     error: ErrorInfo | None = None
     logprobs: list[TokenLogprob] = []  # one per token id when the request asked for them
+    position: int = 0  # how many tokens the request had generated before these
 
 
 class TokenBatch(msgspec.Struct, omit_defaults=True):
@@ -139,9 +144,12 @@ class Started(Msg, tag="started"):
     seed: int
     prompt_ids: list[int] = []
     prompt_texts: list[str] = []
+    tokenizer: str = ""  # the instances that own the request now: the gateway watches their leases
+    engine: str = ""
 
 
 class Output(Msg, tag="output"):
+    position: int = 0  # how many tokens the request had generated before these (gaps are noticed)
     tokens: list[TokenOut] = []
     finish_reason: str | None = None  # set on the last event: length | eos_token | stop_sequence
     generated_tokens: int = 0
@@ -149,6 +157,7 @@ class Output(Msg, tag="output"):
 
 class Failed(Msg, tag="failed"):
     error: ErrorInfo
+    retryable: bool = False  # lost on the way (not the request's fault): the gateway resumes it
 
 
 GatewayEvent = Union[Started, Output, Failed]
@@ -194,6 +203,8 @@ class Ping(msgspec.Struct, omit_defaults=True):
 
 
 class EngineInfo(msgspec.Struct, omit_defaults=True):
+    """An engine's heartbeat (and health answer); ``instance`` is its id, stable for its life."""
+
     model: str
     loaded: bool
     device: str
@@ -207,6 +218,17 @@ class EngineInfo(msgspec.Struct, omit_defaults=True):
     prompt_tokens_total: int = 0  # counters since start: tokens prefilled (recomputes included) ...
     generation_tokens_total: int = 0  # ... tokens sampled
     preemptions_total: int = 0
+    instance: str = ""
+    stopping: bool = False  # draining: it takes no new request
+
+
+class Heartbeat(msgspec.Struct, omit_defaults=True):
+    """A gateway's or tokenizer's heartbeat on ``subjects.heartbeat(service)``."""
+
+    service: str  # gateway | tokenizer
+    instance: str
+    model: str = ""
+    stopping: bool = False
 
 
 class Tokenize(msgspec.Struct, omit_defaults=True):

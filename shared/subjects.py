@@ -31,6 +31,16 @@ def engine_heartbeat(model: str) -> str:
     return f"{PREFIX}.engine.{model}.heartbeat"
 
 
+def engine_instance(model: str, instance: str) -> str:
+    """tokenizer -> one engine instance, chosen by load from the engines' heartbeats."""
+    return f"{PREFIX}.engine.{model}.{instance}.generate"
+
+
+def heartbeat(service: str) -> str:
+    """Every instance of ``service`` (gateway, tokenizer) says it is alive here (engines: engine_heartbeat)."""
+    return f"{PREFIX}.{service}.heartbeat"
+
+
 def engine_queue(model: str) -> str:
     return f"engine.{model}"
 

@@ -115,7 +115,7 @@ class Engine:
         for seq, drawn in results:
             seq.last_event_at = now
             done = finished.get(seq.id)
-            event = TokenEvent(seq.id, [drawn.token_id], done.reason if done else None)
+            event = TokenEvent(seq.id, [drawn.token_id], done.reason if done else None, position=seq.num_generated - 1)
             if drawn.logprob is not None:
                 event.logprobs = [drawn.logprob]
             events.append(event)
@@ -166,6 +166,7 @@ class Engine:
             return [TokenEvent(req.id, [], "error", error)]
         seq = Sequence(req.id, req.prompt_ids, req.sampling, priority=req.priority, deadline=req.deadline,
                        deadline_reason=req.deadline_reason, last_event_at=time.time(), arrival=req.arrival)
+        seq.token_ids.extend(req.generated_ids)  # resumed: its first prefill recomputes their cache too
         self.seqs[req.id] = seq
         self.scheduler.add(seq)
         return []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from typing import Any
 from concurrent.futures import ThreadPoolExecutor
 from collections import defaultdict
@@ -18,9 +19,11 @@ from services.engine.model_runner import ModelRunner
 from services.engine.scheduler import Limits
 from shared import bus, subjects, telemetry
 from shared.config import Config
-from shared.messages import Cancel, EngineInfo, EngineRequest, Queued, TokenBatch, TokenEvent, decoder
+from shared.leases import Leases
+from shared.messages import Cancel, EngineInfo, EngineRequest, Heartbeat, Queued, TokenBatch, TokenEvent, decoder
 
 log = logging.getLogger("switchboard.engine")
+DRAIN_MAX_S = 30.0
 
 
 def build_engine(cfg: Config) -> tuple[Engine, str]:
@@ -55,9 +58,6 @@ def eos_token_ids(runner: ModelRunner) -> set[int]:
     return ids
 
 
-HEARTBEAT_S = 0.5
-
-
 class EngineService:
     def __init__(self, cfg: Config, nc, engine: Engine, device_label: str):
         self.cfg = cfg
@@ -65,7 +65,12 @@ class EngineService:
         self.engine = engine
         self.device_label = device_label
         self.model = cfg.model.model_name
+        self.instance = uuid.uuid4().hex[:12]  # this engine's id: in its heartbeats, its own subject
+        self.stopping = False
         self.routes: dict[str, str] = {}  # request id -> tokenizer inbox
+        self.owners: dict[str, str] = {}  # request id -> the tokenizer instance it reports to
+        self.tokenizers: Leases[Heartbeat] = Leases(cfg.switchboard.lease_seconds)
+        self.beats = decoder(Heartbeat)
         self.spans: dict[str, Any] = {}  # request id -> its engine span
         self.wake = asyncio.Event()
         # Always the same thread: torch's OpenMP team belongs to the calling thread, and teams left
@@ -77,21 +82,38 @@ class EngineService:
     async def start(self) -> None:
         await bus.subscribe(self.nc, subjects.engine_generate(self.model), self.on_request,
                             queue=subjects.engine_queue(self.model))
+        await bus.subscribe(self.nc, subjects.engine_instance(self.model, self.instance), self.on_request)
         await bus.subscribe(self.nc, subjects.CANCEL, self.on_cancel)
         await bus.subscribe(self.nc, subjects.engine_health(self.model), self.on_health)
+        await bus.subscribe(self.nc, subjects.heartbeat("tokenizer"), self.on_tokenizer_heartbeat)
 
     async def heartbeat(self, stop: asyncio.Event) -> None:
-        """Publish running/waiting requests and free/total blocks twice a second."""
+        """Publish running/waiting requests and free/total blocks four times per lease."""
         while not stop.is_set():
             await bus.publish(self.nc, subjects.engine_heartbeat(self.model), self.info())
+            self.abort_orphans()
             try:
-                await asyncio.wait_for(stop.wait(), HEARTBEAT_S)
+                await asyncio.wait_for(stop.wait(), self.cfg.switchboard.heartbeat_s)
             except asyncio.TimeoutError:
                 pass
+
+    async def on_tokenizer_heartbeat(self, msg: NatsMsg) -> None:
+        beat = self.beats.decode(msg.data)
+        self.tokenizers.beat(beat.instance, beat)
+
+    def abort_orphans(self) -> None:
+        """End the requests whose tokenizer's lease ran out: nobody would read their tokens (the
+        gateway that owns each resumes it through a live tokenizer)."""
+        dead = set(self.tokenizers.expire())
+        for request_id in [r for r, owner in self.owners.items() if owner in dead]:
+            self.engine.abort(request_id, "tokenizer gone")
+            self.wake.set()
 
     async def on_request(self, msg: NatsMsg) -> None:
         req = self.requests.decode(msg.data)
         self.routes[req.id] = req.reply_to
+        if req.tokenizer:
+            self.owners[req.id] = req.tokenizer
         self.spans[req.id] = telemetry.start_span("engine.generate", req.trace, **{
             "switchboard.request_id": req.id, "switchboard.prompt_tokens": len(req.prompt_ids),
             "switchboard.priority": req.priority})
@@ -117,6 +139,7 @@ class EngineService:
             prompt_tokens_total=self.engine.stats.prompt_tokens,
             generation_tokens_total=self.engine.stats.generation_tokens,
             preemptions_total=self.engine.scheduler.num_preemptions,
+            instance=self.instance, stopping=self.stopping,
         )
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -130,6 +153,17 @@ class EngineService:
             if self.engine.held_until is not None:  # a small first batch waits for company
                 self.wake.clear()
                 await self._wait(stop, timeout=max(0.0, self.engine.held_until - time.time()))
+
+    async def drain(self) -> None:
+        """Stopping (SIGTERM, a rolling update): heartbeats say so, so no new request is routed here, and the
+        running ones finish for up to DRAIN_MAX_S; what is left then resumes on another engine."""
+        self.stopping = True
+        await bus.publish(self.nc, subjects.engine_heartbeat(self.model), self.info())
+        deadline = time.monotonic() + DRAIN_MAX_S
+        while self.engine.has_work and time.monotonic() < deadline:
+            await self.publish(await self._step())
+            if self.engine.held_until is not None:
+                await asyncio.sleep(0.005)
 
     async def _step(self) -> list[TokenEvent]:
         try:
@@ -153,6 +187,7 @@ class EngineService:
             by_inbox[inbox].append(event)
             if event.finish_reason:
                 del self.routes[event.id]
+                self.owners.pop(event.id, None)
                 telemetry.end_span(self.spans.pop(event.id, None), event.error and event.error.message,
                                    **{"switchboard.finish_reason": event.finish_reason})
         for inbox, batch in by_inbox.items():
@@ -169,10 +204,13 @@ async def serve(cfg: Config, nats_url: str, stop: asyncio.Event, ready=lambda: N
     await service.start()
     ready()
     log.info("engine ready", extra={"model": service.model, "blocks": engine.runner.num_blocks})
-    heartbeat = asyncio.create_task(service.heartbeat(stop))
+    done = asyncio.Event()
+    heartbeat = asyncio.create_task(service.heartbeat(done))
     try:
         await service.run(stop)
+        await service.drain()
     finally:
+        done.set()
         heartbeat.cancel()
         await bus.close(nc)
 

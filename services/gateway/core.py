@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
+import uuid
 
 import msgspec
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 
+from services.gateway.failover import Failover
 from services.gateway.mailbox import Mailboxes
 from services.gateway.slots import Slots
 from shared import bus, subjects
 from shared.config import Config
+from shared.engines import combined
 from shared.errors import ErrorKind, SwitchboardError
+from shared.leases import Leases
 from shared.messages import (
     Cancel, EngineInfo, MetricsEvent, Ping, StopInfer, Tokenize, Tokenized, TokenizerInfo, decoder,
     encode,
@@ -22,7 +25,6 @@ from shared.messages import (
 log = logging.getLogger("switchboard.gateway")
 PROBE_TIMEOUT_S = 1.0
 STOP_INFER_TIMEOUT_S = 0.5  # how long other gateways get to claim a stopInfer id
-HEARTBEAT_STALE_S = 2.0  # an engine silent this long is taken as gone
 
 
 class Gateway:
@@ -30,10 +32,11 @@ class Gateway:
         self.cfg = cfg
         self.nc = nc
         self.model = cfg.model.model_name
+        self.instance = uuid.uuid4().hex[:12]  # this gateway's id: in its heartbeats and its requests
         self.mailboxes = Mailboxes(nc)
         self._tasks: set[asyncio.Task] = set()
-        self.engine: EngineInfo | None = None
-        self.engine_seen = 0.0
+        self.engines: Leases[EngineInfo] = Leases(cfg.switchboard.lease_seconds)  # engines by instance
+        self.failover = Failover(self)
         self._heartbeats = decoder(EngineInfo)
         self._stops = decoder(StopInfer)
         self.live: dict[str, object] = {}  # session id -> every in-flight Session (the stop drain waits on it)
@@ -46,6 +49,12 @@ class Gateway:
         await self.mailboxes.start()
         await bus.subscribe(self.nc, subjects.engine_heartbeat(self.model), self.on_heartbeat)
         await bus.subscribe(self.nc, subjects.STOP_INFER, self.on_stop_infer)
+        await self.failover.start()
+
+    @property
+    def resume_timeout_s(self) -> float:
+        """How long a resumed request waits for a tokenizer's answer before trying again."""
+        return max(3.0, 2 * self.cfg.switchboard.lease_seconds)
 
     # ---- in-flight requests by the id their client gave (Triton stopInfer) -------------------
 
@@ -76,25 +85,40 @@ class Gateway:
         session = self.by_user.get(user_id)
         if session is None:
             return False
-        await bus.publish(self.nc, subjects.CANCEL, Cancel(id=session.id, reason="stopInfer"))
+        await bus.publish(self.nc, subjects.CANCEL, Cancel(id=session.current_id, reason="stopInfer"))
         return True
 
     async def on_heartbeat(self, msg) -> None:
-        self.engine = self._heartbeats.decode(msg.data)
-        self.engine_seen = time.monotonic()
+        info = self._heartbeats.decode(msg.data)
+        self.engines.expire()  # forget the departed, so the table holds only engines heard within a lease
+        self.engines.beat(info.instance, info)
+
+    def live_engines(self) -> dict[str, EngineInfo]:
+        """Every engine heard within its lease, by instance id (an engine whose lease ran out is gone at once)."""
+        return self.engines.live()
+
+    def serving_engines(self) -> dict[str, EngineInfo]:
+        """The live engines that take new requests (not draining)."""
+        return {i: e for i, e in self.live_engines().items() if not e.stopping}
 
     def engine_info(self) -> EngineInfo | None:
-        """The latest engine heartbeat, or None when no engine has been heard lately."""
-        if time.monotonic() - self.engine_seen > HEARTBEAT_STALE_S:
-            return None
-        return self.engine
+        """All live engines as one (``shared.engines.combined``: loads and capacities summed), or None when
+        no engine is live."""
+        return combined(self.live_engines().values())
 
     def require_engine(self) -> None:
-        """Refuse new inference at once (503) while stopping or when no engine has sent a heartbeat lately."""
+        """Refuse new inference at once (503) while stopping or when no engine or tokenizer is live."""
         if self.stopping:
             raise SwitchboardError(ErrorKind.UNAVAILABLE, "The service has been stopped")
-        if self.engine_info() is None:
-            raise SwitchboardError(ErrorKind.UNAVAILABLE, f"no engine is serving model {self.model}")
+        self.require_serving()
+
+    def require_serving(self, context: str = "") -> None:
+        """503 unless a live engine and a live tokenizer can take the request (``context`` prefixes the message)."""
+        prefix = f"{context} " if context else ""
+        if not self.serving_engines():
+            raise SwitchboardError(ErrorKind.UNAVAILABLE, f"{prefix}no engine is serving model {self.model}")
+        if not self.failover.tokenizer_live():
+            raise SwitchboardError(ErrorKind.UNAVAILABLE, f"{prefix}no tokenizer is serving model {self.model}")
 
     def emit(self, event: MetricsEvent) -> None:
         """Fire-and-forget a lifecycle event to the metrics service."""
@@ -119,8 +143,8 @@ class Gateway:
     async def is_ready(self) -> bool:
         if self.stopping:
             return False
-        engine = self.engine_info()
-        return engine is not None and engine.loaded and await self.tokenizer_info() is not None
+        loaded = any(e.loaded for e in self.serving_engines().values())
+        return loaded and await self.tokenizer_info() is not None
 
     async def _probe(self, subject: str, reply_type, message=None, timeout: float = PROBE_TIMEOUT_S):
         try:

@@ -44,8 +44,8 @@ async def serve(cfg: Config, nats_url: str, stop: asyncio.Event, ready=lambda: N
 
 
 async def _announce_when_started(gateway: Gateway, servers: list[uvicorn.Server], ready) -> None:
-    """Ready once every listener is up and an engine heartbeat has been heard."""
-    while not all(s.started for s in servers) or not gateway.engine_seen:
+    """Ready once every listener is up and an engine's and a tokenizer's heartbeats have been heard."""
+    while not all(s.started for s in servers) or not gateway.live_engines() or not gateway.failover.tokenizer_live():
         await asyncio.sleep(0.02)
     ready()
 

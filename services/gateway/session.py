@@ -8,16 +8,29 @@ closes it. Its events reach the family builders as :class:`Step` items; the last
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+import msgspec
+
 from shared import bus, subjects, telemetry
-from shared.errors import ErrorKind, SwitchboardError
+from shared.errors import ErrorInfo, ErrorKind, SwitchboardError
 from shared.messages import Cancel, Failed, Finished, FirstToken, GenerateRequest, Output, Received, Sampling, Started, TokenOut
 
+log = logging.getLogger("switchboard.gateway")
 START_TIMEOUT_S = 30.0
+MAX_RESUMES = 8  # attempts after the first; beyond them the request ends with an error
+
+
+class Resume:
+    """Put into a session's queue by the failover watch: an owner of the request died or messages may
+    have been lost (a NATS reconnect); the session's reader resumes it."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -56,8 +69,10 @@ class Session:
         self.span = telemetry.start_span("gateway.request", None, **{"switchboard.request_id": self.id})
         self.request = GenerateRequest(
             id=self.id, trace=telemetry.inject(self.span), model=gateway.model, reply_to=self.reply_to,
-            prompt=prompt, sampling=sampling, arrival=self.arrival, **fields,
+            prompt=prompt, sampling=sampling, arrival=self.arrival, gateway=gateway.instance, **fields,
         )
+        self.attempt = 0  # resumes so far; the request's id on the bus is ``current_id``
+        self.resume_asked = False
         self.index = 0  # the choice number within its call
         self.started: Started | None = None
         self.published = False
@@ -79,14 +94,89 @@ class Session:
             return event
         raise self._error(event)
 
+    @property
+    def current_id(self) -> str:
+        """The id of the current attempt: events of superseded attempts are ignored."""
+        return self.id if self.attempt == 0 else f"{self.id}-r{self.attempt}"
+
+    @property
+    def owners(self) -> tuple[str, str]:
+        """(tokenizer, engine) instances serving the current attempt ("" before it started)."""
+        return (self.started.tokenizer, self.started.engine) if self.started else ("", "")
+
+    def ask_resume(self, reason: str) -> None:
+        """From the failover watch: resume this request at the reader's next event (once per ask)."""
+        if not self.resume_asked and self.started is not None and self.finish_reason is None:
+            self.resume_asked = True
+            self.queue.put_nowait(Resume(reason))
+
     async def steps(self) -> AsyncIterator[Step]:
-        """Steps until the one carrying the end; raises SwitchboardError on a failure event."""
+        """Steps until the one carrying the end; raises SwitchboardError on a failure event.
+
+        Exactly once: each output carries its position; a gap (a lost event), a retryable failure or
+        a dead owner resumes the request from the tokens already delivered, and anything delivered
+        twice is dropped."""
         timeout = float(self.gw.cfg.server.token_timeout) + 5.0
         while self.finish_reason is None:
             event = await self._next(timeout, "no token arrived within tokenTimeout")
-            if not isinstance(event, Output):
+            if isinstance(event, Resume):
+                await self._resume(event.reason)
+            elif event.id != self.current_id:
+                continue  # from a superseded attempt
+            elif isinstance(event, Failed) and event.retryable:
+                await self._resume(event.error.message)
+            elif not isinstance(event, Output):
                 raise self._error(event)
-            yield self._observe(event)
+            elif event.position > len(self.tokens):
+                await self._resume(f"token events {len(self.tokens)}..{event.position - 1} were lost")
+            elif step := self._observe(self._unseen(event)):
+                yield step
+
+    def _unseen(self, event: Output) -> Output:
+        """The part of ``event`` not delivered yet (all of it, unless it overlaps what was)."""
+        seen = len(self.tokens) - event.position
+        return event if seen <= 0 else msgspec.structs.replace(event, tokens=event.tokens[seen:], position=len(self.tokens))
+
+    async def _resume(self, reason: str) -> None:
+        """Supersede the current attempt with one that starts from the tokens delivered so far, through any
+        live tokenizer and engine (greedy and seeded requests give exactly the tokens of an unbroken run)."""
+        self.resume_asked = False
+        while True:
+            if self.attempt >= MAX_RESUMES:
+                raise self._fail(ErrorKind.UNAVAILABLE, f"the request was lost {self.attempt + 1} times ({reason})")
+            await self.gw.failover.wait_serving(f"the request was interrupted ({reason}) and")
+            self.gw.spawn(bus.publish(self.gw.nc, subjects.CANCEL, Cancel(id=self.current_id, reason="superseded")))
+            self.attempt += 1
+            log.info("resuming request", extra={"request_id": self.id, "attempt": self.attempt, "reason": reason,
+                                                "position": len(self.tokens)})
+            event = await self._publish_attempt()
+            if isinstance(event, Started):
+                self.started = msgspec.structs.replace(self.started, tokenizer=event.tokenizer, engine=event.engine)
+                return
+            if not (isinstance(event, Failed) and event.retryable):
+                raise self._error(event)
+            reason = event.error.message
+
+    async def _publish_attempt(self):
+        """Publish the current attempt; its Started or Failed (a timeout reads as a retryable failure)."""
+        sampling = msgspec.structs.replace(self.request.sampling, seed=self.started.seed)
+        request = msgspec.structs.replace(self.request, id=self.current_id, sampling=sampling,
+                                          resume_ids=[t.id for t in self.tokens])
+        await bus.publish(self.gw.nc, subjects.TOKENIZER_GENERATE, request)
+        deadline = time.monotonic() + self.gw.resume_timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                event = await asyncio.wait_for(self.queue.get(), left)
+            except asyncio.TimeoutError:
+                break
+            if not isinstance(event, Resume) and event.id == self.current_id:
+                return event
+        return Failed(id=self.current_id, error=ErrorInfo(ErrorKind.UNAVAILABLE, "no tokenizer answered"),
+                      retryable=True)
+
+    def _fail(self, kind: ErrorKind, message: str) -> SwitchboardError:
+        self.finish_reason = "error"
+        return SwitchboardError(kind, message)
 
     async def result(self) -> End:
         """Run to the end and return it."""
@@ -107,7 +197,10 @@ class Session:
             return SwitchboardError(event.error.kind, event.error.message, event.error.param)
         return SwitchboardError(ErrorKind.INTERNAL, f"unexpected event {type(event).__name__}")
 
-    def _observe(self, event: Output) -> Step:
+    def _observe(self, event: Output) -> Step | None:
+        """The step an output makes (None when it brings nothing new)."""
+        if not event.tokens and event.finish_reason is None:
+            return None
         if event.tokens and self.first_token_at is None:
             self.first_token_at = time.time()
             self.gw.emit(FirstToken(id=self.id, model=self.gw.model, ttft_s=self.first_token_at - self.arrival))
@@ -133,7 +226,8 @@ class Session:
             return
         if self.finish_reason is None:
             self.finish_reason = "cancelled"
-            self.gw.spawn(bus.publish(self.gw.nc, subjects.CANCEL, Cancel(id=self.id, reason="client_disconnected")))
+            self.gw.spawn(bus.publish(self.gw.nc, subjects.CANCEL, Cancel(id=self.current_id,
+                                                                          reason="client_disconnected")))
         self._report()
 
     def _report(self) -> None:

@@ -1,7 +1,11 @@
 """The tokenizer service: encode requests for the engine, turn token events into text events.
 
 Scales out as a queue group on the generate subject; each instance owns the requests it encoded
-and receives their token events on its own inbox.
+and receives their token events on its own inbox. It routes each request to the least loaded live
+engine (``routing.py``), says it is alive in heartbeats, and drops (and cancels) the requests of a
+gateway whose lease ran out. A request may arrive resumed (``resume_ids``: the tokens its client
+already has, after an engine, a tokenizer or a message was lost): the detokenizer state is rebuilt
+from them, and the engine recomputes their cache.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ import asyncio
 import logging
 import math
 import random
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -21,10 +26,12 @@ from services.tokenizer.detokenizer import IncrementalDecoder, StopMatcher, toke
 from services.tokenizer.encoder import check_token_ids, encode_prompt
 from shared import bus, subjects, telemetry
 from shared.config import Config
-from shared.errors import SwitchboardError
+from services.tokenizer.routing import EngineRouter
+from shared.errors import ErrorInfo, ErrorKind, SwitchboardError
+from shared.leases import Leases
 from shared.messages import (
-    Cancel, EngineRequest, Failed, GenerateRequest, Output, Started, TokenBatch, TokenEvent,
-    Tokenize, Tokenized, TokenizerInfo, TokenLogprob, TokenOut, TopToken, decoder,
+    Cancel, EngineInfo, EngineRequest, Failed, GenerateRequest, Heartbeat, Output, Started, TokenBatch,
+    TokenEvent, Tokenize, Tokenized, TokenizerInfo, TokenLogprob, TokenOut, TopToken, decoder,
 )
 
 log = logging.getLogger("switchboard.tokenizer")
@@ -53,7 +60,10 @@ class TokenizerService:
         self.nc = nc
         self.tok = tokenizer
         self.model = cfg.model.model_name
-        self.inbox = subjects.tokens_inbox(uuid.uuid4().hex[:12])
+        self.instance = uuid.uuid4().hex[:12]
+        self.inbox = subjects.tokens_inbox(self.instance)
+        self.router = EngineRouter(cfg.switchboard.lease_seconds)
+        self.gateways: Leases[Heartbeat] = Leases(cfg.switchboard.lease_seconds)
         self.pending: dict[str, Pending] = {}
         self.special_ids = set(tokenizer.all_special_ids)
         self.vocab_size = len(tokenizer)
@@ -61,6 +71,8 @@ class TokenizerService:
         self.batches = decoder(TokenBatch)
         self.cancels = decoder(Cancel)
         self.tokenizes = decoder(Tokenize)
+        self.engine_beats = decoder(EngineInfo)
+        self.beats = decoder(Heartbeat)
 
     async def start(self) -> None:
         await bus.subscribe(self.nc, subjects.TOKENIZER_GENERATE, self.on_request, queue=subjects.TOKENIZER_QUEUE)
@@ -68,6 +80,36 @@ class TokenizerService:
         await bus.subscribe(self.nc, subjects.TOKENIZER_TOKENIZE, self.on_tokenize, queue=subjects.TOKENIZER_QUEUE)
         await bus.subscribe(self.nc, self.inbox, self.on_tokens)
         await bus.subscribe(self.nc, subjects.CANCEL, self.on_cancel)
+        await bus.subscribe(self.nc, subjects.engine_heartbeat(self.model), self.on_engine_heartbeat)
+        await bus.subscribe(self.nc, subjects.heartbeat("gateway"), self.on_gateway_heartbeat)
+
+    # ---- liveness ---------------------------------------------------------------------------
+
+    async def heartbeat(self, stop: asyncio.Event) -> None:
+        """Say this instance is alive four times per lease; drop the requests of dead gateways."""
+        beat = Heartbeat(service="tokenizer", instance=self.instance, model=self.model)
+        while not stop.is_set():
+            await bus.publish(self.nc, subjects.heartbeat("tokenizer"), beat)
+            await self.drop_orphans()
+            try:
+                await asyncio.wait_for(stop.wait(), self.cfg.switchboard.heartbeat_s)
+            except asyncio.TimeoutError:
+                pass
+
+    async def on_engine_heartbeat(self, msg: NatsMsg) -> None:
+        self.router.heartbeat(self.engine_beats.decode(msg.data))
+
+    async def on_gateway_heartbeat(self, msg: NatsMsg) -> None:
+        beat = self.beats.decode(msg.data)
+        self.gateways.beat(beat.instance, beat)
+
+    async def drop_orphans(self) -> None:
+        """A gateway whose lease ran out has no client to answer: end its requests here and in the engine."""
+        dead = set(self.gateways.expire())
+        for request_id in [i for i, state in self.pending.items() if state.request.gateway in dead]:
+            state = self.pending.pop(request_id)
+            telemetry.end_span(state.span, **{"switchboard.finish_reason": "gateway gone"})
+            await bus.publish(self.nc, subjects.CANCEL, Cancel(id=request_id, reason="gateway gone"))
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -81,13 +123,35 @@ class TokenizerService:
             await bus.publish(self.nc, req.reply_to, Failed(id=req.id, error=exc.info))
             return
         span.set_attribute("switchboard.prompt_tokens", len(ids))
+        engine = await self.choose_engine()
+        if engine is None:
+            telemetry.end_span(span, "no engine")
+            error = SwitchboardError(ErrorKind.UNAVAILABLE, f"no engine is serving model {self.model}")
+            await bus.publish(self.nc, req.reply_to, Failed(id=req.id, error=error.info))
+            return
         seed = req.sampling.seed if req.sampling.seed is not None else random.randint(1, 2**31 - 1)
-        stops = StopMatcher(req.sampling.stop, req.sampling.include_stop_str_in_output)
-        self.pending[req.id] = Pending(req, IncrementalDecoder(self.tok, ids), stops, span)
-        await bus.publish(self.nc, req.reply_to, self.started(req, ids, seed))
+        self.pending[req.id] = self.pending_state(req, ids, span)
+        await bus.publish(self.nc, req.reply_to, self.started(req, ids, seed, engine))
         engine_request = self.engine_request(req, ids, seed)
         engine_request.trace = telemetry.inject(span)
-        await bus.publish(self.nc, subjects.engine_generate(req.model), engine_request)
+        await bus.publish(self.nc, subjects.engine_instance(req.model, engine), engine_request)
+
+    async def choose_engine(self) -> str | None:
+        """The least loaded live engine; when none is live, wait up to a lease for one to be heard (after a
+        bus outage every lease may have run out while the engines were in fact fine)."""
+        deadline = time.monotonic() + self.cfg.switchboard.lease_seconds
+        while (engine := self.router.choose()) is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return engine
+
+    def pending_state(self, req: GenerateRequest, ids: list[int], span) -> Pending:
+        """A new request's detokenizer state; a resumed one's rebuilt from the tokens its client has."""
+        stops = StopMatcher(req.sampling.stop, req.sampling.include_stop_str_in_output)
+        state = Pending(req, IncrementalDecoder(self.tok, ids), stops, span)
+        for token_id in req.resume_ids:
+            state.stops.feed(state.decoder.add(token_id), False)
+        state.generated = len(req.resume_ids)
+        return state
 
     async def encode(self, req: GenerateRequest) -> list[int]:
         if req.prompt_ids is not None:
@@ -96,11 +160,12 @@ class TokenizerService:
             return await asyncio.to_thread(encode_prompt, self.tok, req, self.cfg.deploy)
         return encode_prompt(self.tok, req, self.cfg.deploy)
 
-    def started(self, req: GenerateRequest, ids: list[int], seed: int) -> Started:
-        if not req.return_prompt_ids:
-            return Started(id=req.id, prompt_tokens=len(ids), seed=seed)
-        texts = [self.tok.decode([i], skip_special_tokens=False) for i in ids]
-        return Started(id=req.id, prompt_tokens=len(ids), seed=seed, prompt_ids=ids, prompt_texts=texts)
+    def started(self, req: GenerateRequest, ids: list[int], seed: int, engine: str) -> Started:
+        started = Started(id=req.id, prompt_tokens=len(ids), seed=seed, tokenizer=self.instance, engine=engine)
+        if req.return_prompt_ids:
+            started.prompt_ids = ids
+            started.prompt_texts = [self.tok.decode([i], skip_special_tokens=False) for i in ids]
+        return started
 
     def engine_request(self, req: GenerateRequest, ids: list[int], seed: int) -> EngineRequest:
         sampling = req.sampling
@@ -112,6 +177,7 @@ class TokenizerService:
             arrival=req.arrival, deadline=req.arrival + limit if req.arrival else None,
             deadline_reason="client timeout" if limit < e2e else "server e2eTimeout",
             sampling=msgspec.structs.replace(sampling, seed=seed, max_new_tokens=max_new),
+            generated_ids=req.resume_ids, tokenizer=self.instance,
         )
 
     # ---- token events -----------------------------------------------------------------------
@@ -124,11 +190,15 @@ class TokenizerService:
 
     async def forward(self, state: Pending, event: TokenEvent) -> None:
         req = state.request
+        if event.token_ids and event.position != state.generated:
+            await self.lost(state, event)
+            return
         if event.error is not None:
             del self.pending[req.id]
             telemetry.end_span(state.span, event.error.message)
             await bus.publish(self.nc, req.reply_to, Failed(id=req.id, error=event.error))
             return
+        position = state.generated
         tokens, stopped = self.detokenize(state, event)
         finish = "stop_sequence" if stopped else event.finish_reason
         if finish:
@@ -137,8 +207,21 @@ class TokenizerService:
                                               "switchboard.generated_tokens": state.generated})
         if stopped and not event.finish_reason:
             await bus.publish(self.nc, subjects.CANCEL, Cancel(id=req.id, reason="stop_sequence"))
-        out = Output(id=req.id, tokens=tokens, finish_reason=finish, generated_tokens=state.generated)
+        out = Output(id=req.id, position=position, tokens=tokens, finish_reason=finish,
+                     generated_tokens=state.generated)
         await bus.publish(self.nc, req.reply_to, out)
+
+    async def lost(self, state: Pending, event: TokenEvent) -> None:
+        """Token events went missing between engine and here (or came twice): this attempt cannot go on
+        exactly. End it here and in the engine; the gateway resumes from what its client has."""
+        if event.position < state.generated:
+            return  # a duplicate: already forwarded
+        req = state.request
+        del self.pending[req.id]
+        telemetry.end_span(state.span, "token events lost")
+        await bus.publish(self.nc, subjects.CANCEL, Cancel(id=req.id, reason="token events lost"))
+        error = ErrorInfo(ErrorKind.INTERNAL, f"token events {state.generated}..{event.position - 1} were lost")
+        await bus.publish(self.nc, req.reply_to, Failed(id=req.id, error=error, retryable=True))
 
     def detokenize(self, state: Pending, event: TokenEvent) -> tuple[list[TokenOut], bool]:
         tokens: list[TokenOut] = []
@@ -161,7 +244,7 @@ class TokenizerService:
 
     async def on_cancel(self, msg: NatsMsg) -> None:
         cancel = self.cancels.decode(msg.data)
-        if cancel.reason == "client_disconnected":
+        if cancel.reason in ("client_disconnected", "superseded"):
             state = self.pending.pop(cancel.id, None)
             telemetry.end_span(state and state.span, **{"switchboard.finish_reason": "cancelled"})
 
@@ -181,11 +264,13 @@ async def serve(cfg: Config, nats_url: str, stop: asyncio.Event, ready=lambda: N
     nc = await bus.connect(nats_url, "switchboard-tokenizer")
     service = TokenizerService(cfg, nc, tokenizer)
     await service.start()
+    heartbeat = asyncio.create_task(service.heartbeat(stop))
     ready()
-    log.info("tokenizer ready", extra={"model": service.model})
+    log.info("tokenizer ready", extra={"model": service.model, "instance": service.instance})
     try:
         await stop.wait()
     finally:
+        heartbeat.cancel()
         await bus.close(nc)
 
 

@@ -1,0 +1,84 @@
+"""The gateway's watch over the instances its requests depend on.
+
+Every request has one owner at each step: the gateway's session owns it end to end (its client is
+here), and for each attempt a tokenizer and an engine serve it (named in ``Started``). Four times
+per lease this watch publishes the gateway's own heartbeat (tokenizers cancel the requests of a dead
+gateway) and asks a session to resume when the tokenizer or engine of its attempt is no longer live,
+or when the gateway's NATS connection came back (messages in flight may have been lost; resuming from
+the delivered position repairs that, and positions drop whatever arrives twice).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from shared import bus, subjects
+from shared.errors import SwitchboardError
+from shared.leases import Leases
+from shared.messages import Heartbeat, decoder
+
+log = logging.getLogger("switchboard.gateway")
+
+
+class Failover:
+    def __init__(self, gateway):
+        self.gw = gateway
+        self.tokenizers: Leases[Heartbeat] = Leases(gateway.cfg.switchboard.lease_seconds)
+        self.beats = decoder(Heartbeat)
+        self.reconnects = 0
+        self.reconnected_at = -1e9  # monotonic time the bus came back (leases may have run out meanwhile)
+
+    async def start(self) -> None:
+        await bus.subscribe(self.gw.nc, subjects.heartbeat("tokenizer"), self.on_tokenizer_heartbeat)
+        self.gw.spawn(self.run())
+
+    async def on_tokenizer_heartbeat(self, msg) -> None:
+        beat = self.beats.decode(msg.data)
+        if beat.model in ("", self.gw.model):
+            self.tokenizers.beat(beat.instance, beat)
+
+    def tokenizer_live(self) -> bool:
+        return bool(self.tokenizers.live())
+
+    async def run(self) -> None:
+        beat = Heartbeat(service="gateway", instance=self.gw.instance, model=self.gw.model)
+        while not self.gw.nc.is_closed:
+            try:
+                await bus.publish(self.gw.nc, subjects.heartbeat("gateway"), beat)
+                self.check()
+            except Exception:  # noqa: BLE001 - the watch must outlive any one failure
+                log.exception("failover watch failed")
+            await asyncio.sleep(self.gw.cfg.switchboard.heartbeat_s)
+
+    def check(self) -> None:
+        """Ask each in-flight session whose owners died (or whose messages may be lost) to resume."""
+        reconnects = self.gw.nc.stats.get("reconnects", 0)
+        reconnected, self.reconnects = reconnects != self.reconnects, reconnects
+        if reconnected:
+            self.reconnected_at = time.monotonic()
+        for session in list(self.gw.live.values()):
+            reason = "the message bus reconnected" if reconnected else self.dead_owner(session)
+            if reason:
+                session.ask_resume(reason)
+
+    async def wait_serving(self, context: str) -> None:
+        """Raise 503 unless a live engine and tokenizer can take a resumed request. Right after the bus came
+        back, every lease may have run out during the outage: give the instances one lease to be heard again."""
+        deadline = max(time.monotonic(), self.reconnected_at + 2 * self.gw.cfg.switchboard.lease_seconds)
+        while not self.gw.nc.is_closed:
+            try:
+                return self.gw.require_serving(context)
+            except SwitchboardError:
+                if time.monotonic() >= deadline:
+                    raise
+            await asyncio.sleep(0.05)
+
+    def dead_owner(self, session) -> str | None:
+        tokenizer, engine = session.owners
+        if tokenizer and not self.tokenizers.is_live(tokenizer):
+            return f"tokenizer {tokenizer} died"
+        if engine and not self.gw.engines.is_live(engine):
+            return f"engine {engine} died"
+        return None

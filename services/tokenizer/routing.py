@@ -1,0 +1,41 @@
+"""Routing by load: each request goes to one live engine of its model, on that engine's own subject.
+
+The engines' heartbeats (``EngineInfo``: running, waiting, free KV blocks, stopping) are kept under
+leases; a request goes to the least loaded live engine that is not stopping, counting the requests
+sent to it since its last heartbeat so a burst is spread instead of piling onto one engine. A new
+engine takes load from its first heartbeat; a dead one (lease run out) or a stopping one gets none.
+"""
+
+from __future__ import annotations
+
+from shared.leases import Leases
+from shared.messages import EngineInfo
+
+
+class EngineRouter:
+    def __init__(self, lease_s: float):
+        self.engines: Leases[EngineInfo] = Leases(lease_s)
+        self.sent: dict[str, int] = {}  # engine -> requests sent since its last heartbeat
+
+    def heartbeat(self, info: EngineInfo) -> None:
+        if info.instance:
+            self.engines.beat(info.instance, info)
+            self.sent[info.instance] = 0
+
+    def choose(self) -> str | None:
+        """The least loaded live engine (None when there is none)."""
+        candidates = {i: e for i, e in self.engines.live().items() if e.loaded and not e.stopping}
+        if not candidates:
+            return None
+        best = min(candidates, key=lambda i: self._load(i, candidates[i]))
+        self.sent[best] = self.sent.get(best, 0) + 1
+        return best
+
+    def _load(self, instance: str, info: EngineInfo) -> tuple[float, float]:
+        """Requests per batch slot (running, waiting and just sent), then the share of KV blocks in use."""
+        queued = info.running + info.waiting + self.sent.get(instance, 0)
+        used = 1.0 - info.free_blocks / info.total_blocks if info.total_blocks else 1.0
+        return queued / max(1, info.max_batch_size), used
+
+    def is_live(self, instance: str) -> bool:
+        return self.engines.is_live(instance)

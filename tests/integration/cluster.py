@@ -1,0 +1,88 @@
+"""Services as separate processes on one real nats-server, as containers run them, each killable by its pid."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from switchboard.natsd import EmbeddedNats, die_with_parent, wait_for_port
+from switchboard.runner import READY_LINE
+from tests.conftest import write_config
+
+
+class Cluster:
+    def __init__(self, folder: Path, model_dir: Path, engines: int = 2, tokenizers: int = 2, **sections):
+        self.nats = EmbeddedNats()
+        self.url = self.nats.start()
+        sections["Switchboard"] = {"natsUrl": self.url, "kvCacheMemoryMb": 64, **sections.get("Switchboard", {})}
+        self.config = write_config(folder, model_dir, **sections)
+        server = json.loads(self.config.read_text())["ServerConfig"]
+        self.base = f"http://127.0.0.1:{server['port']}"
+        self.mgmt = f"http://127.0.0.1:{server['managementPort']}"
+        self.logs = folder
+        self.procs: dict[str, subprocess.Popen] = {}
+        for name in ["metrics", *[f"tokenizer-{i}" for i in range(tokenizers)],
+                     *[f"engine-{i}" for i in range(engines)], "gateway"]:
+            self.start(name)
+
+    def start(self, name: str) -> subprocess.Popen:
+        service = name.split("-")[0]
+        log = open(self.logs / f"{name}.log", "ab")
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "switchboard.cli", service, "--config", str(self.config), "--nats", self.url],
+            stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+        return self.procs[name]
+
+    def wait_ready(self, timeout: float = 120.0) -> "Cluster":
+        wait_for_port("127.0.0.1", int(self.mgmt.rsplit(":", 1)[1]), timeout)
+        deadline = time.monotonic() + timeout
+        while httpx.get(self.mgmt + "/v2/health/ready", timeout=10).status_code != 200:
+            assert time.monotonic() < deadline, f"not ready after {timeout} s:\n{self.log_tails()}"
+            time.sleep(0.2)
+        return self
+
+    def wait_started(self, name: str, times: int, timeout: float = 120.0) -> None:
+        """Until ``name`` has announced itself ready ``times`` times (once per start), plus a lease so that
+        every other instance has heard its heartbeat."""
+        deadline = time.monotonic() + timeout
+        while (self.logs / f"{name}.log").read_text(errors="replace").count(READY_LINE) < times:
+            assert time.monotonic() < deadline, f"{name} not started after {timeout} s:\n{self.log_tails()}"
+            time.sleep(0.1)
+        time.sleep(2.5)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL, by the process's own pid: no goodbye, no drain."""
+        proc = self.procs[name]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+    def restart_nats(self, down_s: float = 0.5) -> None:
+        """Stop the real nats-server and start a new one on the same port."""
+        self.nats.stop()
+        time.sleep(down_s)
+        self.nats.start()
+
+    def log_tails(self, lines: int = 15) -> str:
+        out = []
+        for path in sorted(self.logs.glob("*.log")):
+            out.append(f"--- {path.name}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-lines:]))
+        return "\n".join(out)
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.nats.stop()

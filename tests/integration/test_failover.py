@@ -1,0 +1,142 @@
+"""Failover with nothing lost: killed engines and tokenizers, a restarted nats-server.
+
+Each service runs as its own process on a real nats-server (tests/integration/cluster.py); faults
+are real: SIGKILL by the process's own pid, a nats-server stopped and started again. Every stream
+must end exactly as an uninterrupted run of the same request (greedy or seeded), or with an
+explicit error event — never a silently shortened or altered text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from tests.integration.cluster import Cluster
+
+TOKENS = 160
+STREAMS = 8
+
+
+def body(i: int, seeded: bool) -> dict:
+    params = {"max_new_tokens": TOKENS}
+    if seeded:
+        params.update(do_sample=True, temperature=0.9, top_k=50, seed=1000 + i)
+    return {"inputs": f"Request number {i}: once upon a time", "parameters": params}
+
+
+class Streams:
+    """STREAMS concurrent TGI streams; what each received, and when."""
+
+    def __init__(self, base: str, seeded: bool):
+        self.base = base
+        self.seeded = seeded
+        self.tokens: list[list[int]] = [[] for _ in range(STREAMS)]
+        self.errors: list[list[dict]] = [[] for _ in range(STREAMS)]
+        self.ended_at: list[float | None] = [None] * STREAMS
+
+    async def one(self, i: int) -> None:
+        async with httpx.AsyncClient(timeout=120) as client:
+            async with client.stream("POST", self.base + "/generate_stream", json=body(i, self.seeded)) as r:
+                assert r.status_code == 200, await r.aread()
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        event = json.loads(line[len("data: "):])
+                        if "error" in event:
+                            self.errors[i].append(event)
+                        else:
+                            self.tokens[i].append(event["token"]["id"])
+        self.ended_at[i] = time.monotonic()
+
+    async def run(self, fault=None, after_tokens: int = 15) -> None:
+        """Run all streams; once each has ``after_tokens`` tokens, call ``fault()`` (on this thread: a process it
+        starts dies with the thread that started it, see switchboard.natsd.die_with_parent)."""
+        tasks = [asyncio.create_task(self.one(i)) for i in range(STREAMS)]
+        if fault is not None:
+            deadline = time.monotonic() + 60
+            while min(len(t) for t in self.tokens) < after_tokens and not all(t.done() for t in tasks):
+                assert time.monotonic() < deadline, "the streams never got going"
+                await asyncio.sleep(0.01)
+            fault()
+        await asyncio.wait_for(asyncio.gather(*tasks), 120)
+
+
+def reference(cluster: Cluster, seeded: bool) -> list[list[int]]:
+    streams = Streams(cluster.base, seeded)
+    asyncio.run(streams.run())
+    assert not any(streams.errors), streams.errors
+    return streams.tokens
+
+
+@pytest.fixture
+def cluster(tmp_path, tiny_model_dir):
+    c = Cluster(tmp_path, tiny_model_dir, engines=2, tokenizers=2)
+    try:
+        yield c.wait_ready()
+    finally:
+        c.stop()
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
+def test_an_engine_killed_mid_stream_loses_nothing(cluster, seeded):
+    expected = reference(cluster, seeded)
+    streams = Streams(cluster.base, seeded)
+    asyncio.run(streams.run(fault=lambda: cluster.kill("engine-0")))
+    assert not any(streams.errors), (streams.errors, cluster.log_tails())
+    assert streams.tokens == expected, cluster.log_tails()
+
+
+def test_a_tokenizer_killed_mid_stream_loses_nothing(cluster):
+    expected = reference(cluster, seeded=False)
+    streams = Streams(cluster.base, seeded=False)
+    asyncio.run(streams.run(fault=lambda: cluster.kill("tokenizer-0")))
+    assert not any(streams.errors), (streams.errors, cluster.log_tails())
+    assert streams.tokens == expected, cluster.log_tails()
+
+
+def test_a_rolling_engine_restart_loses_nothing(cluster):
+    """Each engine in turn gets SIGTERM (it drains: no new request is routed to it, its running ones finish)
+    and is started again, while streams run; every stream is exact."""
+    expected = reference(cluster, seeded=False)
+    for round_no, name in enumerate(("engine-0", "engine-1")):
+        streams = Streams(cluster.base, seeded=False)
+        asyncio.run(streams.run(fault=lambda: cluster.procs[name].terminate()))
+        assert cluster.procs[name].wait(60) == 0
+        assert not any(streams.errors), (streams.errors, cluster.log_tails())
+        assert streams.tokens == expected, cluster.log_tails()
+        cluster.start(name)
+        cluster.wait_started(name, times=2)
+
+
+def test_nats_restarted_mid_stream_every_stream_exact_or_an_explicit_error(cluster):
+    expected = reference(cluster, seeded=False)
+    streams = Streams(cluster.base, seeded=False)
+    asyncio.run(streams.run(fault=lambda: cluster.restart_nats()))
+    for got, errors, want in zip(streams.tokens, streams.errors, expected):
+        if errors:  # ended explicitly; what came before the error is an exact prefix
+            assert got == want[: len(got)]
+        else:
+            assert got == want, cluster.log_tails()
+    assert sum(not e for e in streams.errors) >= STREAMS // 2, (streams.errors, cluster.log_tails())
+    ok = httpx.post(cluster.base + "/generate", json=body(0, False), timeout=60)
+    assert ok.status_code == 200 and ok.json()["generated_text"], ok.text  # every service is back
+
+
+def test_the_last_engine_killed_errors_within_3s_and_new_requests_503_at_once(tmp_path, tiny_model_dir):
+    cluster = Cluster(tmp_path, tiny_model_dir, engines=1, tokenizers=1)
+    try:
+        cluster.wait_ready()
+        streams = Streams(cluster.base, seeded=False)
+        killed = []
+        asyncio.run(streams.run(fault=lambda: (cluster.kill("engine-0"), killed.append(time.monotonic()))))
+        assert all(errors for errors in streams.errors), streams.errors
+        assert all(e[-1]["error_type"] == "unavailable" for e in streams.errors), streams.errors
+        assert max(streams.ended_at) - killed[0] < 3.0, [t - killed[0] for t in streams.ended_at]
+        started = time.monotonic()
+        r = httpx.post(cluster.base + "/generate", json=body(0, False), timeout=10)
+        assert r.status_code == 503 and time.monotonic() - started < 0.1, r.text
+    finally:
+        cluster.stop()
