@@ -20,6 +20,7 @@ from services.engine.scheduler import Limits
 from shared import bus, subjects, telemetry
 from shared.config import Config
 from shared.leases import Leases
+from shared.tombstones import Tombstones
 from shared.messages import Cancel, EngineInfo, EngineRequest, Heartbeat, Queued, TokenBatch, TokenEvent, decoder
 
 log = logging.getLogger("switchboard.engine")
@@ -69,6 +70,7 @@ class EngineService:
         self.stopping = False
         self.routes: dict[str, str] = {}  # request id -> tokenizer inbox
         self.owners: dict[str, str] = {}  # request id -> the tokenizer instance it reports to
+        self.cancelled = Tombstones()  # cancels that came before their request
         self.tokenizers: Leases[Heartbeat] = Leases(cfg.switchboard.lease_seconds)
         self.beats = decoder(Heartbeat)
         self.spans: dict[str, Any] = {}  # request id -> its engine span
@@ -111,6 +113,8 @@ class EngineService:
 
     async def on_request(self, msg: NatsMsg) -> None:
         req = self.requests.decode(msg.data)
+        if req.id in self.cancelled:
+            return  # its client is gone already
         self.routes[req.id] = req.reply_to
         if req.tokenizer:
             self.owners[req.id] = req.tokenizer
@@ -125,6 +129,8 @@ class EngineService:
         if cancel.id in self.routes:
             self.engine.abort(cancel.id, cancel.reason)
             self.wake.set()
+        else:
+            self.cancelled.add(cancel.id)
 
     async def on_health(self, msg: NatsMsg) -> None:
         await bus.respond(msg, self.info())

@@ -29,6 +29,7 @@ from shared.config import Config
 from services.tokenizer.routing import EngineRouter
 from shared.errors import ErrorInfo, ErrorKind, SwitchboardError
 from shared.leases import Leases
+from shared.tombstones import Tombstones
 from shared.messages import (
     Cancel, EngineInfo, EngineRequest, Failed, GenerateRequest, Heartbeat, Output, Started, TokenBatch,
     TokenEvent, Tokenize, Tokenized, TokenizerInfo, TokenLogprob, TokenOut, TopToken, decoder,
@@ -65,6 +66,7 @@ class TokenizerService:
         self.router = EngineRouter(cfg.switchboard.lease_seconds)
         self.gateways: Leases[Heartbeat] = Leases(cfg.switchboard.lease_seconds)
         self.pending: dict[str, Pending] = {}
+        self.cancelled = Tombstones()  # cancels that came before their request
         self.special_ids = set(tokenizer.all_special_ids)
         self.vocab_size = len(tokenizer)
         self.requests = decoder(GenerateRequest)
@@ -115,6 +117,8 @@ class TokenizerService:
 
     async def on_request(self, msg: NatsMsg) -> None:
         req = self.requests.decode(msg.data)
+        if req.id in self.cancelled:
+            return  # its client is gone already
         span = telemetry.start_span("tokenizer.request", req.trace, **{"switchboard.request_id": req.id})
         try:
             ids = await self.encode(req)
@@ -244,6 +248,8 @@ class TokenizerService:
 
     async def on_cancel(self, msg: NatsMsg) -> None:
         cancel = self.cancels.decode(msg.data)
+        if cancel.id not in self.pending:
+            self.cancelled.add(cancel.id)
         if cancel.reason in ("client_disconnected", "superseded"):
             state = self.pending.pop(cancel.id, None)
             telemetry.end_span(state and state.span, **{"switchboard.finish_reason": "cancelled"})

@@ -140,3 +140,58 @@ def test_the_last_engine_killed_errors_within_3s_and_new_requests_503_at_once(tm
         assert r.status_code == 503 and time.monotonic() - started < 0.1, r.text
     finally:
         cluster.stop()
+
+
+async def engines_idle_within(nats_url: str, model: str, seconds: float) -> float:
+    """Seconds until every engine's heartbeat shows nothing running or waiting (fails after ``seconds``)."""
+    import nats
+    import msgspec
+
+    from shared import subjects
+    from shared.messages import EngineInfo
+
+    latest: dict[str, EngineInfo] = {}
+    nc = await nats.connect(nats_url)
+
+    async def on_beat(msg) -> None:
+        info = msgspec.msgpack.decode(msg.data, type=EngineInfo)
+        latest[info.instance] = info
+
+    await nc.subscribe(subjects.engine_heartbeat(model), cb=on_beat)
+    started = time.monotonic()
+    try:
+        while time.monotonic() - started < seconds:
+            await asyncio.sleep(0.1)
+            if latest and all(i.running == 0 and i.waiting == 0 for i in latest.values()):
+                return time.monotonic() - started
+        raise AssertionError(f"engines still busy {seconds} s after the gateway died: {latest}")
+    finally:
+        await nc.close()
+
+
+def test_a_dead_gateways_requests_are_cancelled(tmp_path, tiny_model_dir):
+    cluster = Cluster(tmp_path, tiny_model_dir, engines=1, tokenizers=1,
+                      **{"BackendConfig.ScheduleConfig": {"maxIterTimes": 20000}})
+    try:
+        cluster.wait_ready()
+        model = json.loads(cluster.config.read_text())["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0][
+            "modelName"]
+
+        async def scenario() -> float:
+            long = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 20000}}
+
+            async def one() -> None:
+                async with httpx.AsyncClient(timeout=60) as client:
+                    async with client.stream("POST", cluster.base + "/generate_stream", json=long) as r:
+                        async for _ in r.aiter_lines():
+                            pass
+
+            streams = [asyncio.create_task(one()) for _ in range(4)]
+            await asyncio.sleep(1.0)  # all four are generating
+            cluster.kill("gateway")
+            await asyncio.gather(*streams, return_exceptions=True)  # their connections are gone
+            return await engines_idle_within(cluster.url, model, seconds=6.0)
+
+        assert asyncio.run(scenario()) < 6.0
+    finally:
+        cluster.stop()
