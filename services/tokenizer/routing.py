@@ -8,19 +8,24 @@ engine takes load from its first heartbeat; a dead one (lease run out) or a stop
 
 from __future__ import annotations
 
+import time
+
 from shared.leases import Leases
 from shared.messages import EngineInfo
 
+IN_TRANSIT_S = 0.05  # a request sent this recently may not be counted in the heartbeat that just came
+
 
 class EngineRouter:
-    def __init__(self, lease_s: float):
-        self.engines: Leases[EngineInfo] = Leases(lease_s)
-        self.sent: dict[str, int] = {}  # engine -> requests sent since its last heartbeat
+    def __init__(self, lease_s: float, clock=time.monotonic):
+        self.engines: Leases[EngineInfo] = Leases(lease_s, clock)
+        self.sent: dict[str, list[float]] = {}  # engine -> when requests were sent that its heartbeat may lack
 
     def heartbeat(self, info: EngineInfo) -> None:
         if info.instance:
             self.engines.beat(info.instance, info)
-            self.sent[info.instance] = 0
+            recent = time.monotonic() - IN_TRANSIT_S
+            self.sent[info.instance] = [t for t in self.sent.get(info.instance, []) if t > recent]
 
     def choose(self) -> str | None:
         """The least loaded live engine (None when there is none)."""
@@ -28,12 +33,12 @@ class EngineRouter:
         if not candidates:
             return None
         best = min(candidates, key=lambda i: self._load(i, candidates[i]))
-        self.sent[best] = self.sent.get(best, 0) + 1
+        self.sent.setdefault(best, []).append(time.monotonic())
         return best
 
     def _load(self, instance: str, info: EngineInfo) -> tuple[float, float]:
         """Requests per batch slot (running, waiting and just sent), then the share of KV blocks in use."""
-        queued = info.running + info.waiting + self.sent.get(instance, 0)
+        queued = info.running + info.waiting + len(self.sent.get(instance, []))
         used = 1.0 - info.free_blocks / info.total_blocks if info.total_blocks else 1.0
         return queued / max(1, info.max_batch_size), used
 

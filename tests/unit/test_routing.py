@@ -1,0 +1,55 @@
+"""Routing by load: the least loaded live engine that is not stopping; a burst is spread."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from services.tokenizer.routing import EngineRouter
+from shared.messages import EngineInfo
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def info(instance: str, running: int = 0, waiting: int = 0, free: int = 100, stopping: bool = False) -> EngineInfo:
+    return EngineInfo(model="m", loaded=True, device="cpu", dtype="float32", max_batch_size=8, total_blocks=100,
+                      free_blocks=free, running=running, waiting=waiting, instance=instance, stopping=stopping)
+
+
+def test_the_least_loaded_engine_gets_the_request():
+    router = EngineRouter(2.0)
+    router.heartbeat(info("a", running=6))
+    router.heartbeat(info("b", running=1))
+    assert router.choose() == "b"
+
+
+def test_a_burst_between_heartbeats_is_spread_evenly():
+    router = EngineRouter(2.0)
+    router.heartbeat(info("a"))
+    router.heartbeat(info("b"))
+    assert Counter(router.choose() for _ in range(8)) == {"a": 4, "b": 4}
+
+
+def test_ties_on_requests_go_to_the_engine_with_more_free_blocks():
+    router = EngineRouter(2.0)
+    router.heartbeat(info("a", free=10))
+    router.heartbeat(info("b", free=90))
+    assert router.choose() == "b"
+
+
+def test_stopping_and_dead_engines_get_nothing():
+    clock = Clock()
+    router = EngineRouter(2.0, clock)
+    router.heartbeat(info("a", stopping=True))
+    assert router.choose() is None
+    router.heartbeat(info("b"))
+    assert router.choose() == "b"
+    clock.now += 2.5  # b's lease runs out
+    assert router.choose() is None
+    router.heartbeat(info("c"))  # a new engine takes load from its first heartbeat
+    assert router.choose() == "c"
