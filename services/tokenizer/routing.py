@@ -13,18 +13,20 @@ import time
 from shared.leases import Leases
 from shared.messages import EngineInfo
 
-IN_TRANSIT_S = 0.05  # a request sent this recently may not be counted in the heartbeat that just came
 
 
 class EngineRouter:
     def __init__(self, lease_s: float, clock=time.monotonic):
         self.engines: Leases[EngineInfo] = Leases(lease_s, clock)
+        # A request sent this recently may not be counted yet in the heartbeat that just came (a busy
+        # engine's loop answers late): two heartbeat intervals. Counting one twice only spreads a burst more.
+        self.in_transit_s = lease_s / 2
         self.sent: dict[str, list[float]] = {}  # engine -> when requests were sent that its heartbeat may lack
 
     def heartbeat(self, info: EngineInfo) -> None:
         if info.instance:
             self.engines.beat(info.instance, info)
-            recent = time.monotonic() - IN_TRANSIT_S
+            recent = time.monotonic() - self.in_transit_s
             self.sent[info.instance] = [t for t in self.sent.get(info.instance, []) if t > recent]
 
     def choose(self) -> str | None:
