@@ -36,6 +36,11 @@ def engine_instance(model: str, instance: str) -> str:
     return f"{PREFIX}.engine.{model}.{instance}.generate"
 
 
+def tokenizer_instance(instance: str) -> str:
+    """gateway -> one tokenizer instance: a retried or resumed request goes to one known to be live."""
+    return f"{PREFIX}.tokenizer.{instance}.generate"
+
+
 def heartbeat(service: str) -> str:
     """Every instance of ``service`` (gateway, tokenizer) says it is alive here (engines: engine_heartbeat)."""
     return f"{PREFIX}.{service}.heartbeat"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 
 from shared import bus, subjects
@@ -28,6 +29,7 @@ class Failover:
         self.tokenizers: Leases[Heartbeat] = Leases(gateway.cfg.switchboard.lease_seconds)
         self.beats = decoder(Heartbeat)
         self.reconnects = 0
+        self.tokenizer_deaths = 0  # leases run out so far: a request published meanwhile may be lost with one
         self.reconnected_at = -1e9  # monotonic time the bus came back (leases may have run out meanwhile)
 
     async def start(self) -> None:
@@ -41,6 +43,12 @@ class Failover:
 
     def tokenizer_live(self) -> bool:
         return bool(self.tokenizers.live())
+
+    def tokenizer_subject(self) -> str:
+        """Where a retried or resumed request goes: a live tokenizer's own subject (the queue group could hand
+        it to a member that is connected but dead, e.g. frozen), else the queue group."""
+        live = list(self.tokenizers.live())
+        return subjects.tokenizer_instance(random.choice(live)) if live else subjects.TOKENIZER_GENERATE
 
     async def run(self) -> None:
         beat = Heartbeat(service="gateway", instance=self.gw.instance, model=self.gw.model)
@@ -58,6 +66,7 @@ class Failover:
         reconnected, self.reconnects = reconnects != self.reconnects, reconnects
         if reconnected:
             self.reconnected_at = time.monotonic()
+        self.tokenizer_deaths += len(self.tokenizers.expire())
         for session in list(self.gw.live.values()):
             reason = "the message bus reconnected" if reconnected else self.dead_owner(session)
             if reason:

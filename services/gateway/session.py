@@ -87,12 +87,44 @@ class Session:
         self.gw.register(self)
         self.gw.emit(Received(id=self.id, model=self.gw.model))
         self.published = True
-        await bus.publish(self.gw.nc, subjects.TOKENIZER_GENERATE, self.request)
-        event = await self._next(START_TIMEOUT_S, "the tokenizer service did not answer")
-        if isinstance(event, Started):
-            self.started = event
-            return event
-        raise self._error(event)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        deaths, patience = self.gw.failover.tokenizer_deaths, 0.0
+        while True:
+            subject = subjects.TOKENIZER_GENERATE if self.attempt == 0 else self.gw.failover.tokenizer_subject()
+            await bus.publish(self.gw.nc, subject, msgspec.structs.replace(self.request, id=self.current_id))
+            event = await self._started_or_failed(deadline, deaths, patience)
+            if isinstance(event, Started):
+                self.started = event
+                return event
+            if event is not None:
+                raise self._error(event)
+            self._supersede("a tokenizer died before it answered")  # it may have held this request
+            patience = self.gw.resume_timeout_s  # NATS may hand the next try to a dead member again
+
+    async def _started_or_failed(self, deadline: float, deaths: int, patience: float):
+        """The answer to the current attempt; None (ask again) once a tokenizer has died since the first
+        try and this one has waited ``patience`` seconds."""
+        tick = self.gw.cfg.switchboard.heartbeat_s
+        asked = time.monotonic()
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                event = await asyncio.wait_for(self.queue.get(), min(left, tick))
+            except asyncio.TimeoutError:
+                if self.gw.failover.tokenizer_deaths != deaths and time.monotonic() - asked >= patience:
+                    return None
+                continue
+            if not isinstance(event, Resume) and event.id == self.current_id:
+                return event
+        raise SwitchboardError(ErrorKind.UNAVAILABLE, "the tokenizer service did not answer")
+
+    def _supersede(self, reason: str) -> None:
+        """Cancel the current attempt and move on to the next id (at most MAX_RESUMES times)."""
+        if self.attempt >= MAX_RESUMES:
+            raise self._fail(ErrorKind.UNAVAILABLE, f"the request was lost {self.attempt + 1} times ({reason})")
+        self.gw.spawn(bus.publish(self.gw.nc, subjects.CANCEL, Cancel(id=self.current_id, reason="superseded")))
+        self.attempt += 1
+        log.info("resuming request", extra={"request_id": self.id, "attempt": self.attempt, "reason": reason,
+                                            "position": len(self.tokens)})
 
     @property
     def current_id(self) -> str:
@@ -142,13 +174,8 @@ class Session:
         live tokenizer and engine (greedy and seeded requests give exactly the tokens of an unbroken run)."""
         self.resume_asked = False
         while True:
-            if self.attempt >= MAX_RESUMES:
-                raise self._fail(ErrorKind.UNAVAILABLE, f"the request was lost {self.attempt + 1} times ({reason})")
             await self.gw.failover.wait_serving(f"the request was interrupted ({reason}) and")
-            self.gw.spawn(bus.publish(self.gw.nc, subjects.CANCEL, Cancel(id=self.current_id, reason="superseded")))
-            self.attempt += 1
-            log.info("resuming request", extra={"request_id": self.id, "attempt": self.attempt, "reason": reason,
-                                                "position": len(self.tokens)})
+            self._supersede(reason)
             event = await self._publish_attempt()
             if isinstance(event, Started):
                 self.started = msgspec.structs.replace(self.started, tokenizer=event.tokenizer, engine=event.engine)
@@ -162,7 +189,7 @@ class Session:
         sampling = msgspec.structs.replace(self.request.sampling, seed=self.started.seed)
         request = msgspec.structs.replace(self.request, id=self.current_id, sampling=sampling,
                                           resume_ids=[t.id for t in self.tokens])
-        await bus.publish(self.gw.nc, subjects.TOKENIZER_GENERATE, request)
+        await bus.publish(self.gw.nc, self.gw.failover.tokenizer_subject(), request)
         deadline = time.monotonic() + self.gw.resume_timeout_s
         while (left := deadline - time.monotonic()) > 0:
             try:

@@ -80,6 +80,7 @@ class TokenizerService:
         await bus.subscribe(self.nc, subjects.TOKENIZER_GENERATE, self.on_request, queue=subjects.TOKENIZER_QUEUE)
         await bus.subscribe(self.nc, subjects.TOKENIZER_HEALTH, self.on_health, queue=subjects.TOKENIZER_QUEUE)
         await bus.subscribe(self.nc, subjects.TOKENIZER_TOKENIZE, self.on_tokenize, queue=subjects.TOKENIZER_QUEUE)
+        await bus.subscribe(self.nc, subjects.tokenizer_instance(self.instance), self.on_request)
         await bus.subscribe(self.nc, self.inbox, self.on_tokens)
         await bus.subscribe(self.nc, subjects.CANCEL, self.on_cancel)
         await bus.subscribe(self.nc, subjects.engine_heartbeat(self.model), self.on_engine_heartbeat)

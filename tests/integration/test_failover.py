@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import time
 
 import httpx
@@ -194,4 +196,29 @@ def test_a_dead_gateways_requests_are_cancelled(tmp_path, tiny_model_dir):
 
         assert asyncio.run(scenario()) < 6.0
     finally:
+        cluster.stop()
+
+
+def test_a_tokenizer_frozen_before_it_answers_does_not_hold_requests(tmp_path, tiny_model_dir):
+    """SIGSTOP one of two tokenizers: the requests NATS hands it are asked again once its lease runs out,
+    and every request is answered long before the 30 s start timeout."""
+    cluster = Cluster(tmp_path, tiny_model_dir, engines=1, tokenizers=2)
+    frozen = None
+    try:
+        cluster.wait_ready()
+        frozen = cluster.procs["tokenizer-0"]
+        os.kill(frozen.pid, signal.SIGSTOP)
+
+        async def scenario() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=60) as client:
+                return await asyncio.gather(*(client.post(cluster.base + "/generate", json={
+                    "inputs": f"Request {i}", "parameters": {"max_new_tokens": 4}}) for i in range(6)))
+
+        started = time.monotonic()
+        replies = asyncio.run(scenario())
+        assert [r.status_code for r in replies] == [200] * 6, [r.text for r in replies]
+        assert time.monotonic() - started < 15.0
+    finally:
+        if frozen is not None:
+            os.kill(frozen.pid, signal.SIGKILL)
         cluster.stop()
