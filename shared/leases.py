@@ -45,7 +45,3 @@ class Leases(Generic[T]):
         for instance in dead:
             del self._seen[instance]
         return dead
-
-    def drop(self, instance: str) -> None:
-        """Forget an instance that said goodbye."""
-        self._seen.pop(instance, None)

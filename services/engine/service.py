@@ -107,6 +107,8 @@ class EngineService:
         """End the requests whose tokenizer's lease ran out: nobody would read their tokens (the
         gateway that owns each resumes it through a live tokenizer)."""
         dead = set(self.tokenizers.expire())
+        if not dead:
+            return
         for request_id in [r for r, owner in self.owners.items() if owner in dead]:
             self.engine.abort(request_id, "tokenizer gone")
             self.wake.set()

@@ -92,30 +92,35 @@ class Session:
         while True:
             subject = subjects.TOKENIZER_GENERATE if self.attempt == 0 else self.gw.failover.tokenizer_subject()
             await bus.publish(self.gw.nc, subject, msgspec.structs.replace(self.request, id=self.current_id))
-            event = await self._started_or_failed(deadline, deaths, patience)
+            asked = time.monotonic()
+            event = await self._answer(deadline, lambda: self.gw.failover.tokenizer_deaths != deaths
+                                       and time.monotonic() - asked >= patience)
             if isinstance(event, Started):
                 self.started = event
                 return event
             if event is not None:
                 raise self._error(event)
-            self._supersede("a tokenizer died before it answered")  # it may have held this request
-            patience = self.gw.resume_timeout_s  # NATS may hand the next try to a dead member again
+            if time.monotonic() >= deadline:
+                raise SwitchboardError(ErrorKind.UNAVAILABLE, "the tokenizer service did not answer")
+            # A tokenizer died since the first try: it may have held this request.
+            self._supersede("a tokenizer died before it answered")
+            patience = self.gw.resume_timeout_s  # the next try goes to a live tokenizer: give it time
 
-    async def _started_or_failed(self, deadline: float, deaths: int, patience: float):
-        """The answer to the current attempt; None (ask again) once a tokenizer has died since the first
-        try and this one has waited ``patience`` seconds."""
+    async def _answer(self, deadline: float, ask_again=lambda: False):
+        """The current attempt's Started or Failed; None at the deadline, or once ``ask_again()`` (checked
+        every heartbeat interval) says to give up on this attempt. Resume markers that come meanwhile are
+        dropped: the attempt being awaited supersedes them."""
         tick = self.gw.cfg.switchboard.heartbeat_s
-        asked = time.monotonic()
         while (left := deadline - time.monotonic()) > 0:
             try:
                 event = await asyncio.wait_for(self.queue.get(), min(left, tick))
             except asyncio.TimeoutError:
-                if self.gw.failover.tokenizer_deaths != deaths and time.monotonic() - asked >= patience:
+                if ask_again():
                     return None
                 continue
             if not isinstance(event, Resume) and event.id == self.current_id:
                 return event
-        raise SwitchboardError(ErrorKind.UNAVAILABLE, "the tokenizer service did not answer")
+        return None
 
     def _supersede(self, reason: str) -> None:
         """Cancel the current attempt and move on to the next id (at most MAX_RESUMES times)."""
@@ -172,13 +177,13 @@ class Session:
     async def _resume(self, reason: str) -> None:
         """Supersede the current attempt with one that starts from the tokens delivered so far, through any
         live tokenizer and engine (greedy and seeded requests give exactly the tokens of an unbroken run)."""
-        self.resume_asked = False
         while True:
             await self.gw.failover.wait_serving(f"the request was interrupted ({reason}) and")
             self._supersede(reason)
             event = await self._publish_attempt()
             if isinstance(event, Started):
                 self.started = msgspec.structs.replace(self.started, tokenizer=event.tokenizer, engine=event.engine)
+                self.resume_asked = False  # asks about the old owners were dropped while waiting; new ones count
                 return
             if not (isinstance(event, Failed) and event.retryable):
                 raise self._error(event)
@@ -190,15 +195,8 @@ class Session:
         request = msgspec.structs.replace(self.request, id=self.current_id, sampling=sampling,
                                           resume_ids=[t.id for t in self.tokens])
         await bus.publish(self.gw.nc, self.gw.failover.tokenizer_subject(), request)
-        deadline = time.monotonic() + self.gw.resume_timeout_s
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                event = await asyncio.wait_for(self.queue.get(), left)
-            except asyncio.TimeoutError:
-                break
-            if not isinstance(event, Resume) and event.id == self.current_id:
-                return event
-        return Failed(id=self.current_id, error=ErrorInfo(ErrorKind.UNAVAILABLE, "no tokenizer answered"),
+        event = await self._answer(time.monotonic() + self.gw.resume_timeout_s)
+        return event or Failed(id=self.current_id, error=ErrorInfo(ErrorKind.UNAVAILABLE, "no tokenizer answered"),
                       retryable=True)
 
     def _fail(self, kind: ErrorKind, message: str) -> SwitchboardError:

@@ -43,6 +43,3 @@ class EngineRouter:
         queued = info.running + info.waiting + len(self.sent.get(instance, []))
         used = 1.0 - info.free_blocks / info.total_blocks if info.total_blocks else 1.0
         return queued / max(1, info.max_batch_size), used
-
-    def is_live(self, instance: str) -> bool:
-        return self.engines.is_live(instance)

@@ -5,28 +5,18 @@ engine among them, goes on running. What a Kubernetes preStop hook relies on (de
 from __future__ import annotations
 
 import asyncio
-import json
 
 import httpx
 import pytest
 
 from tests.integration.stack import running_stack
-
-STREAM = {"prompt": "My name is Olivier and I", "max_tokens": 300, "temperature": 0, "ignore_eos": True,
-          "stream": True}
+from tests.integration.test_stop_service import read_stream
 
 
 @pytest.fixture
 def own_stack(tmp_path, tiny_model_dir):
     with running_stack(tmp_path, tiny_model_dir) as stack:
         yield stack
-
-
-async def read_stream(client: httpx.AsyncClient, url: str) -> int:
-    async with client.stream("POST", url + "/generate", json=STREAM) as r:
-        assert r.status_code == 200
-        body = b"".join([chunk async for chunk in r.aiter_bytes()])
-    return len([c for c in body.split(b"\0") if c and json.loads(c)["text"][0]])
 
 
 async def test_instance_drain_finishes_its_stream_and_stops_nothing_else(own_stack):

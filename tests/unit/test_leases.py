@@ -69,9 +69,3 @@ def test_expire_forgets_the_dead_and_names_each_once(leases, clock):
     assert leases.expire() == []
     assert leases.live() == {"b": 3}
 
-
-def test_drop_forgets_an_instance_at_once(leases):
-    leases.beat("a", 1)
-    leases.drop("a")
-    leases.drop("never-seen")
-    assert not leases.is_live("a") and leases.live() == {}
