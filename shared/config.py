@@ -138,6 +138,10 @@ class ScheduleConfig(Struct, kw_only=True):
     max_queue_delay_microseconds: Annotated[int, Meta(ge=500, le=1000000)] = 5000
     max_first_token_wait_time: Annotated[int, Meta(ge=0, le=3600000)] = 2500
     max_n: Annotated[int, Meta(ge=1, le=8192)] = 128
+    prefill_chunk_size: Annotated[int, Meta(ge=1, le=4194304)] = 512
+    """templateType Mix: prompt tokens computed per step beside the decoding sequences' tokens."""
+    enable_prefix_cache: bool = False
+    """reuse the KV cache of prompt prefixes (whole blocks) computed for earlier requests."""
 
     @property
     def prefill_batch_size(self) -> int:

@@ -1,8 +1,21 @@
-"""KV-cache blocks: a pool of fixed-size blocks and one block table per sequence."""
+"""KV-cache blocks: a pool of fixed-size blocks, one block table per sequence, and a prefix cache.
+
+With the prefix cache on, every full block a sequence has computed is keyed by a hash of its
+tokens chained to the hash of the block before it, so one key names a whole prefix. A new sequence
+starts from the longest chain of cached blocks matching its first tokens and shares those blocks
+(reference-counted) instead of computing them again. A block nobody holds keeps its content and
+its key until its space is needed: such *evictable* blocks are reused least recently used first,
+after the blocks that never held a cached prefix.
+
+A shared block is never written: matches are whole blocks and a sequence writes only positions at
+or past ``seq.num_computed``, which lie in blocks it took fresh.
+"""
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from collections import Counter, OrderedDict, deque
+from collections.abc import Iterable
 
 from services.engine.sequence import Sequence
 
@@ -11,23 +24,86 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return (num_tokens + block_size - 1) // block_size
 
 
+def block_hash(parent: bytes, token_ids: list[int]) -> bytes:
+    """The key of a full block after the block keyed ``parent`` (b"" for the first block).
+
+    A cryptographic hash: Python's ``hash()`` collides on purpose-made inputs, and a collision
+    would hand one request another's cached K/V."""
+    return hashlib.blake2b(parent + repr(token_ids).encode(), digest_size=16).digest()
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = False):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.enable_prefix_cache = enable_prefix_cache
+        self._pool: deque[int] = deque(range(num_blocks))  # free, holding no cached prefix
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # free but cached; oldest use first
+        self._refs = [0] * num_blocks  # sequences holding each block
+        self._hash_of: dict[int, bytes] = {}  # block -> key, for blocks in the cache
+        self._cached: dict[bytes, int] = {}  # key -> block
+        self.prefix_queried_tokens = 0  # tokens of admitted sequences that were looked up
+        self.prefix_hit_tokens = 0  # of those, tokens found cached
 
     @property
     def num_free(self) -> int:
-        return len(self.free_blocks)
+        """Blocks no sequence holds, cached ones included (they are taken when needed)."""
+        return len(self._pool) + len(self._evictable)
 
-    def can_allocate(self, num_tokens: int) -> bool:
-        return self.num_free >= blocks_for(num_tokens, self.block_size)
+    @property
+    def free_blocks(self) -> list[int]:
+        """Ids of the blocks no sequence holds."""
+        return [*self._pool, *self._evictable]
+
+    # ---- admission --------------------------------------------------------------------------
+
+    def cached_tokens(self, seq: Sequence) -> int:
+        """How many leading tokens of ``seq`` the cache holds now: what ``allocate`` would skip."""
+        return len(self._match(seq)) * self.block_size
+
+    def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether ``allocate(seq, num_tokens)`` would find its blocks. Matched blocks that are
+        evictable count as free now but stop being free once taken, so they are spent too."""
+        hits = self._match(seq)
+        revived = sum(1 for block in hits if self._refs[block] == 0)
+        return self.num_free - revived >= blocks_for(num_tokens, self.block_size) - len(hits)
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
-        """Blocks for ``num_tokens`` positions: the prompt, or its whole reserved length."""
+        """Blocks for ``num_tokens`` positions (the prompt, or its whole reserved length): the
+        cached prefix shared, the rest fresh. Sets ``seq.num_computed`` to the shared tokens."""
         assert not seq.block_table, "sequence already holds blocks"
-        seq.block_table = [self.free_blocks.popleft() for _ in range(blocks_for(num_tokens, self.block_size))]
+        hits = self._match(seq)
+        for block in hits:
+            self._take(block)
+        fresh = [self._take(self._pop_free()) for _ in range(blocks_for(num_tokens, self.block_size) - len(hits))]
+        seq.block_table = hits + fresh
+        seq.num_computed = len(hits) * self.block_size
+        if self.enable_prefix_cache:
+            self.prefix_queried_tokens += len(seq)
+            self.prefix_hit_tokens += seq.num_computed
+
+    def _match(self, seq: Sequence) -> list[int]:
+        """The cached blocks holding the longest prefix of ``seq``, at most ``len(seq) - 1``
+        tokens: the last token is always computed, since sampling needs its logits."""
+        if not self.enable_prefix_cache:
+            return []
+        hits = []
+        for key in self._hashes(seq, (len(seq) - 1) // self.block_size):
+            block = self._cached.get(key)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def _hashes(self, seq: Sequence, count: int) -> list[bytes]:
+        """Keys of the first ``count`` (full) blocks of ``seq``, computed once per sequence."""
+        size = self.block_size
+        for i in range(len(seq.block_hashes), count):
+            parent = seq.block_hashes[i - 1] if i else b""
+            seq.block_hashes.append(block_hash(parent, seq.token_ids[i * size:(i + 1) * size]))
+        return seq.block_hashes[:count]
+
+    # ---- growth -----------------------------------------------------------------------------
 
     def can_append(self, seq: Sequence) -> bool:
         return self._needs_block(seq) <= self.num_free
@@ -35,11 +111,74 @@ class BlockManager:
     def may_append(self, seq: Sequence) -> None:
         """Make room for the token the next decode step writes (position len-1)."""
         if self._needs_block(seq):
-            seq.block_table.append(self.free_blocks.popleft())
-
-    def free(self, seq: Sequence) -> None:
-        self.free_blocks.extend(seq.block_table)
-        seq.block_table = []
+            seq.block_table.append(self._take(self._pop_free()))
 
     def _needs_block(self, seq: Sequence) -> int:
         return int(len(seq.block_table) < blocks_for(len(seq), self.block_size))
+
+    def cache_computed(self, seq: Sequence, start: int) -> None:
+        """``seq.num_computed`` grew from ``start``: put the blocks that became full into the
+        cache. A block whose key another block already holds stays out (and is freed uncached)."""
+        if not self.enable_prefix_cache:
+            return
+        first, end = start // self.block_size, seq.num_computed // self.block_size
+        if first == end:
+            return  # no block became full (most decode steps)
+        keys = self._hashes(seq, end)
+        for i in range(first, end):
+            block = seq.block_table[i]
+            if keys[i] not in self._cached and block not in self._hash_of:
+                self._cached[keys[i]] = block
+                self._hash_of[block] = keys[i]
+
+    # ---- release ----------------------------------------------------------------------------
+
+    def free(self, seq: Sequence) -> None:
+        """Give back the sequence's blocks; its K/V now lives at most in the cache.
+
+        Last block first, so a prefix's later blocks (shared less often) are evicted earlier."""
+        for block in reversed(seq.block_table):
+            self._release(block)
+        seq.block_table = []
+        seq.num_computed = 0
+
+    def _take(self, block: int) -> int:
+        self._refs[block] += 1
+        self._evictable.pop(block, None)
+        return block
+
+    def _release(self, block: int) -> None:
+        self._refs[block] -= 1
+        if self._refs[block] > 0:
+            return
+        if block in self._hash_of:
+            self._evictable[block] = None
+        else:
+            self._pool.append(block)
+
+    def _pop_free(self) -> int:
+        """A free block: one holding no cached prefix if any, else the least recently used cached one."""
+        if self._pool:
+            return self._pool.popleft()
+        block, _ = self._evictable.popitem(last=False)
+        del self._cached[self._hash_of.pop(block)]
+        return block
+
+    # ---- for tests --------------------------------------------------------------------------
+
+    def check(self, seqs: Iterable[Sequence] | None = None) -> None:
+        """Assert the invariants: every block is exactly one of held, free or evictable; cached
+        keys and blocks map one to one; with ``seqs`` (every sequence holding blocks), each block's
+        count is the number of their block tables it appears in."""
+        pool, evictable = set(self._pool), set(self._evictable)
+        held = {b for b, refs in enumerate(self._refs) if refs > 0}
+        assert min(self._refs, default=0) >= 0, "negative reference count"
+        assert len(pool) == len(self._pool), "a block is twice in the free pool"
+        assert len(pool) + len(evictable) + len(held) == self.num_blocks, "a block is in two states"
+        assert pool | evictable | held == set(range(self.num_blocks)), "a block is lost"
+        assert not pool & self._hash_of.keys(), "a pool block is still cached"
+        assert evictable <= self._hash_of.keys(), "an evictable block is not cached"
+        assert {b: k for k, b in self._cached.items()} == self._hash_of, "cache maps disagree"
+        if seqs is not None:
+            counts = Counter(b for seq in seqs for b in seq.block_table)
+            assert all(counts[b] == refs for b, refs in enumerate(self._refs)), "reference counts are off"

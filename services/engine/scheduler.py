@@ -1,4 +1,10 @@
-"""Iteration-level scheduling: who runs in the next step, and what finishing means."""
+"""Iteration-level scheduling: who runs in the next step and how many of its tokens, and what
+finishing means.
+
+Standard: a step either prefills newly admitted prompts whole or decodes every running sequence.
+Mix (SplitFuse): every step decodes every running sequence and also computes up to
+prefillChunkSize prompt tokens, so a long prompt is spread over steps and never stalls decoding.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +24,23 @@ class Limits:
     token_timeout_s: float = float("inf")
     max_preempt_count: int = 0  # preemptions allowed per step; 0 = off: admission reserves whole sequences
     max_queue_delay_s: float = 0.0  # an idle engine waits this long for a fuller first prefill batch
+    prefill_chunk_size: int = 512  # Mix: prompt tokens per step, next to one token per decoding sequence
+    mix: bool = False  # templateType Mix: prefill in chunks inside decode steps; else Standard
+
+
+@dataclass(frozen=True)
+class Scheduled:
+    """One sequence's work in a step: ``num_tokens`` tokens from ``seq.num_computed`` on, at those
+    positions, attending to every earlier position."""
+
+    seq: Sequence
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """This step computes the sequence's last token, so it samples the next one. Read it before
+        ``Scheduler.computed`` advances ``num_computed``."""
+        return self.seq.num_computed + self.num_tokens == len(self.seq)
 
 
 @dataclass
@@ -54,33 +77,66 @@ class Scheduler:
         launch = min(s.last_event_at for s in self.waiting) + lim.max_queue_delay_s
         return launch if launch > now else None
 
-    def schedule(self) -> tuple[list[Sequence], bool]:
-        """New prompts first (prefill); otherwise one decode step for every running sequence."""
-        prefill = self._schedule_prefill()
-        if prefill:
-            return prefill, True
-        return self._schedule_decode(), False
+    def schedule(self) -> list[Scheduled]:
+        """The work of the next step: decoding sequences first (one token each), then prefill."""
+        if self.limits.mix:
+            return self._schedule_mix()
+        prefill = self._admit_whole_prompts()
+        return prefill or self._schedule_decode()
 
-    def _schedule_prefill(self) -> list[Sequence]:
-        scheduled: list[Sequence] = []
+    def _admit_whole_prompts(self) -> list[Scheduled]:
+        """Standard: new prompts, each computed whole (less its cached prefix) in this one step."""
+        scheduled: list[Scheduled] = []
         num_tokens = 0
         lim = self.limits
         while self.waiting and len(scheduled) < lim.max_prefill_batch_size:
-            if len(self.running) >= lim.max_batch_size:
-                break
             seq = self.waiting[0]
-            if scheduled and num_tokens + len(seq) > lim.max_prefill_tokens:
+            new_tokens = len(seq) - self.blocks.cached_tokens(seq)
+            if scheduled and num_tokens + new_tokens > lim.max_prefill_tokens:
                 break
-            reserve = self._tokens_to_reserve(seq)
-            if not self.blocks.can_allocate(reserve):
+            if not self._admit(seq):
                 break
-            self.waiting.pop(0)
-            self.blocks.allocate(seq, reserve)
-            seq.status = Status.RUNNING
-            self.running.append(seq)
-            scheduled.append(seq)
-            num_tokens += len(seq)
+            scheduled.append(Scheduled(seq, seq.num_uncomputed))
+            num_tokens += seq.num_uncomputed
         return scheduled
+
+    def _schedule_mix(self) -> list[Scheduled]:
+        """Mix (SplitFuse): every decoding sequence, plus up to prefillChunkSize prompt tokens,
+        continuing half-computed prompts before admitting new ones. A step that had to preempt
+        admits nothing: the blocks it freed are for the sequences already running."""
+        preemptions = self.num_preemptions
+        decode = self._schedule_decode()
+        budget = self.limits.prefill_chunk_size
+        prefill: list[Scheduled] = []
+
+        def room() -> bool:
+            return budget > 0 and len(prefill) < self.limits.max_prefill_batch_size
+
+        for seq in [s for s in self.running if s.is_prefilling]:
+            if not room():
+                break
+            prefill.append(Scheduled(seq, min(seq.num_uncomputed, budget)))
+            budget -= prefill[-1].num_tokens
+        while room() and self.waiting and self.num_preemptions == preemptions:
+            seq = self.waiting[0]
+            if not self._admit(seq):
+                break
+            prefill.append(Scheduled(seq, min(seq.num_uncomputed, budget)))
+            budget -= prefill[-1].num_tokens
+        return decode + prefill
+
+    def _admit(self, seq: Sequence) -> bool:
+        """Move the first waiting sequence to running with its blocks, if a slot and blocks allow."""
+        if len(self.running) >= self.limits.max_batch_size:
+            return False
+        reserve = self._tokens_to_reserve(seq)
+        if not self.blocks.can_allocate(seq, reserve):
+            return False
+        self.waiting.pop(0)
+        self.blocks.allocate(seq, reserve)
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        return True
 
     def _tokens_to_reserve(self, seq: Sequence) -> int:
         """With preemption on, blocks for the prompt; off, for the longest the sequence may grow."""
@@ -89,10 +145,11 @@ class Scheduler:
         longest = seq.num_prompt_tokens + seq.sampling.max_new_tokens
         return max(len(seq), min(longest, self.limits.max_seq_len))
 
-    def _schedule_decode(self) -> list[Sequence]:
-        scheduled: list[Sequence] = []
+    def _schedule_decode(self) -> list[Scheduled]:
+        """One token for each decoding sequence, preempting (up to maxPreemptCount) for blocks."""
+        scheduled: list[Scheduled] = []
         budget = self.limits.max_preempt_count
-        for seq in list(self.running):
+        for seq in [s for s in self.running if not s.is_prefilling]:
             if seq.status is not Status.RUNNING:
                 continue  # preempted while making room for an earlier one
             while not self.blocks.can_append(seq):
@@ -101,21 +158,31 @@ class Scheduler:
                 budget -= 1
                 victim = self._pick_victim()
                 self.preempt(victim)
-                if victim in scheduled:
-                    scheduled.remove(victim)
+                scheduled = [item for item in scheduled if item.seq is not victim]
                 if victim is seq:
                     break
             else:
                 self.blocks.may_append(seq)
-                scheduled.append(seq)
+                scheduled.append(Scheduled(seq, 1))
         return scheduled
+
+    def computed(self, items: list[Scheduled]) -> None:
+        """The model ran ``items``: their tokens' K/V are in the cache now, and full blocks are
+        cached for later prompts. Call before ``postprocess`` (which appends sampled tokens).
+        A sequence ended meanwhile (its step failed for it) holds no blocks and is skipped."""
+        for item in items:
+            if item.seq.status is Status.RUNNING:
+                start = item.seq.num_computed
+                item.seq.num_computed += item.num_tokens
+                self.blocks.cache_computed(item.seq, start)
 
     def _pick_victim(self) -> Sequence:
         """The lowest-priority, newest running sequence."""
         return max(self.running, key=lambda s: s.sort_key)
 
     def preempt(self, seq: Sequence) -> None:
-        """Free the sequence's blocks; it waits and is recomputed from its tokens later."""
+        """Free the sequence's blocks (num_computed back to 0); it waits and is recomputed from its
+        tokens later, less whatever prefix the cache still holds then."""
         self.running.remove(seq)
         self.blocks.free(seq)
         seq.num_preemptions += 1

@@ -1,6 +1,7 @@
 """One request inside the engine: its tokens, its blocks, its scheduling state.
 
 Sampling keeps no state here: each draw is seeded from (seed, len(token_ids)) by the sampler.
+token_ids only ever grow, so hashes of its full blocks, once computed, stay valid.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ class Sequence:
     scheduled_at: float | None = None  # first time it ran (queue time = scheduled_at - arrival)
     token_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0  # leading token_ids whose K/V are in block_table's blocks
+    block_hashes: list[bytes] = field(default_factory=list, repr=False)  # prefix-cache keys of its first full blocks
     status: Status = Status.WAITING
     num_preemptions: int = 0
     order: int = field(default_factory=lambda: next(_counter))
@@ -50,6 +53,15 @@ class Sequence:
     @property
     def num_generated(self) -> int:
         return len(self.token_ids) - len(self.prompt_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens the model has still to compute: 1 while decoding, more while prefilling."""
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_uncomputed > 1
 
     @property
     def last_token(self) -> int:
