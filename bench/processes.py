@@ -50,8 +50,10 @@ def stop(proc: subprocess.Popen) -> None:
 
 @contextmanager
 def server(name: str, cmd: list[str], log: Path, ready: Callable[[], bool], cwd: Path | None = None,
-           env: dict[str, str] | None = None) -> Iterator[None]:
-    """Start ``cmd`` (output to ``log``), wait until ``ready()``, and always stop it afterwards."""
+           env: dict[str, str] | None = None, start_timeout: float | None = None) -> Iterator[None]:
+    """Start ``cmd`` (output to ``log``), wait until ``ready()`` (at most ``start_timeout`` seconds,
+    SERVER_START_TIMEOUT_S by default), and always stop it afterwards."""
+    limit = start_timeout or SERVER_START_TIMEOUT_S
     print(f"[{name}] starting: {' '.join(cmd)}  (log: {log})", flush=True)
     started = time.monotonic()
     with open(log, "wb") as out:
@@ -61,8 +63,8 @@ def server(name: str, cmd: list[str], log: Path, ready: Callable[[], bool], cwd:
         while not ready():
             if proc.poll() is not None:
                 raise Blocked(f"{name} exited with code {proc.returncode} before it was ready:\n{log_tail(log)}")
-            if time.monotonic() - started > SERVER_START_TIMEOUT_S:
-                raise Blocked(f"{name} not ready after {SERVER_START_TIMEOUT_S:.0f}s:\n{log_tail(log)}")
+            if time.monotonic() - started > limit:
+                raise Blocked(f"{name} not ready after {limit:.0f}s:\n{log_tail(log)}")
             time.sleep(0.5)
         print(f"[{name}] ready after {time.monotonic() - started:.1f}s", flush=True)
         yield

