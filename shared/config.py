@@ -167,6 +167,9 @@ class SwitchboardConfig(Struct, kw_only=True):
     device: Literal["cpu", "cuda", "npu", "auto"] = "cpu"
     """torch device of the engine; npu imports torch_npu only when chosen."""
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "float32"
+    cpu_kernels: bool = True
+    """on cpu, the engine's fused C++ kernels (built for this CPU on first use); false runs the same
+    operations as PyTorch calls."""
     torch_threads: Annotated[int, Meta(ge=0, le=1024)] = 0
     """intra-op threads of the engine's torch; 0 = torch's default (one per core)."""
     kv_cache_memory_mb: Annotated[int, Meta(ge=16, le=1048576)] = 1024

@@ -74,6 +74,17 @@ def ensure_model(cfg: Config) -> None:
     raise SystemExit(2)
 
 
+def ensure_kernels(cfg: Config) -> None:
+    """Build the engine's CPU kernels for this machine ahead of the first engine start (once per
+    kernel source and torch version; the engine falls back to PyTorch operations if this fails)."""
+    if cfg.switchboard.device != "cpu" or not cfg.switchboard.cpu_kernels:
+        return
+    import subprocess
+
+    print("[kernels] building the engine's CPU kernels for this machine (once; ~1 min)", flush=True)
+    subprocess.run([sys.executable, "-m", "services.engine.kernels"], check=False)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["certs"]:
@@ -84,11 +95,13 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load(args.config, tls=args.command in ("serve", "gateway"))
     if args.command == "prepare-model":
         ensure_model(cfg)
+        ensure_kernels(cfg)
         return 0
     if args.command == "serve":
         from switchboard.launcher import launch
 
         ensure_model(cfg)
+        ensure_kernels(cfg)
         try:
             return asyncio.run(launch(Path(args.config).resolve(), cfg))
         except ConfigError as exc:

@@ -20,7 +20,7 @@ from services.engine.block_manager import BlockManager, blocks_for
 from services.engine.isolation import Outcome, run_isolated
 from services.engine.model_runner import ModelRunner
 from services.engine.sampler import raw_logprobs, sample, token_logprob
-from services.engine.scheduler import Finish, Limits, Scheduler
+from services.engine.scheduler import Finish, Limits, Scheduled, Scheduler
 from services.engine.sequence import Sequence
 from shared.errors import ErrorInfo, ErrorKind
 from shared.messages import EngineRequest, TokenEvent, TokenLogprob
@@ -56,9 +56,9 @@ class _Abort:
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, limits: Limits, eos_token_ids: set[int]):
+    def __init__(self, runner: ModelRunner, limits: Limits, eos_token_ids: set[int], prefix_cache: bool = False):
         self.runner = runner
-        self.blocks = BlockManager(runner.num_blocks, runner.block_size)
+        self.blocks = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_cache=prefix_cache)
         self.scheduler = Scheduler(limits, self.blocks, eos_token_ids)
         self.inbox: queue.SimpleQueue[EngineRequest | _Abort] = queue.SimpleQueue()
         self.seqs: dict[str, Sequence] = {}
@@ -86,20 +86,30 @@ class Engine:
         self.held_until = self.scheduler.hold_until(now)
         if self.held_until is not None:
             return events
-        seqs, is_prefill = self.scheduler.schedule()
-        if not seqs:
+        items = self.scheduler.schedule()
+        if not items:
             return events
         started = time.time()
-        outcome = run_isolated(lambda part: self.forward(part, is_prefill), seqs)
-        events += self._end_failed(outcome, is_prefill)
-        if outcome.results:
-            self._count([seq for seq, _ in outcome.results], is_prefill, started)
-            events += self._advance(outcome.results)
+        outcome = run_isolated(self.forward, items)
+        events += self._end_failed(outcome)
+        ran = [item for item, _ in outcome.results]
+        self._count(ran, started)
+        self.scheduler.computed(ran)
+        drawn = [(item.seq, result) for item, result in outcome.results if result is not None]
+        if drawn:
+            events += self._advance(drawn)
         return events
 
-    def forward(self, seqs: list[Sequence], is_prefill: bool) -> list[Drawn]:
-        """The model pass and sampling for ``seqs``: no side effect on them, safe to run again."""
-        logits = self.runner.run(seqs, is_prefill)
+    def forward(self, items: list[Scheduled]) -> list[Drawn | None]:
+        """The model pass and sampling for ``items``: a token for each item that completes its
+        sequence's known tokens, None for a prompt chunk. No side effect on the sequences, so it is
+        safe to run again."""
+        sampling = [item.seq for item in items if item.samples]
+        logits = self.runner.run(items)
+        drawn = iter(self._draw(logits, sampling)) if sampling else iter(())
+        return [next(drawn) if item.samples else None for item in items]
+
+    def _draw(self, logits, seqs: list[Sequence]) -> list[Drawn]:
         logprob_rows = raw_logprobs(logits, seqs)
         token_ids = sample(logits, seqs)
         return [Drawn(token_id, token_logprob(logprob_rows[i], token_id, seq.sampling.logprobs)
@@ -123,25 +133,28 @@ class Engine:
                 self.seqs.pop(seq.id, None)
         return events
 
-    def _end_failed(self, outcome: Outcome[Drawn], is_prefill: bool) -> list[TokenEvent]:
+    def _end_failed(self, outcome: Outcome[Drawn | None]) -> list[TokenEvent]:
         """End each request the step fails for, alone, with an internal error; free its blocks."""
         events = []
-        for seq, exc in outcome.failures:
+        for item, exc in outcome.failures:
+            seq = item.seq
             log.warning("request ended: the engine step fails for it", exc_info=exc, extra={
-                "request_id": seq.id, "phase": "prefill" if is_prefill else "decode", "error": repr(exc)})
+                "request_id": seq.id, "phase": "decode" if seq.num_computed == len(seq) - 1 else "prefill",
+                "error": repr(exc)})
             self.scheduler.finish(seq, "error")
             self.seqs.pop(seq.id, None)
             error = ErrorInfo(ErrorKind.INTERNAL, f"engine failure for this request: {type(exc).__name__}: {exc}")
             events.append(TokenEvent(seq.id, [], "error", error))
         return events
 
-    def _count(self, seqs: list[Sequence], is_prefill: bool, started: float) -> None:
-        """Tokens produced, and for a first run the queue time up to ``started``."""
-        self.stats.generation_tokens += len(seqs)
-        if not is_prefill:
-            return
-        for seq in seqs:
-            self.stats.prompt_tokens += len(seq)
+    def _count(self, items: list[Scheduled], started: float) -> None:
+        """Tokens computed and sampled, and for a first run the queue time up to ``started``."""
+        for item in items:
+            seq = item.seq
+            if item.samples:
+                self.stats.generation_tokens += 1
+            if seq.num_computed < len(seq) - 1:  # prompt work (a resumed request's tokens included)
+                self.stats.prompt_tokens += item.num_tokens
             if seq.scheduled_at is None:
                 seq.scheduled_at = started
                 if seq.arrival:

@@ -10,19 +10,19 @@ were allocated by the scheduler before the first try, and sampling is a function
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Generic, TypeVar
-
-from services.engine.sequence import Sequence
+from typing import Any, Callable, Generic, TypeVar
 
 T = TypeVar("T")
+Item = TypeVar("Item")
 
 
 @dataclass
 class Outcome(Generic[T]):
-    """Each sequence either with its result or with the exception it raises alone (batch order kept)."""
+    """Each item (a sequence's work in the step) either with its result or with the exception it
+    raises alone (batch order kept)."""
 
-    results: list[tuple[Sequence, T]] = field(default_factory=list)
-    failures: list[tuple[Sequence, Exception]] = field(default_factory=list)
+    results: list[tuple[Any, T]] = field(default_factory=list)
+    failures: list[tuple[Any, Exception]] = field(default_factory=list)
 
     def extend(self, other: "Outcome[T]") -> "Outcome[T]":
         self.results += other.results
@@ -30,7 +30,7 @@ class Outcome(Generic[T]):
         return self
 
 
-def run_isolated(fn: Callable[[list[Sequence]], list[T]], seqs: list[Sequence]) -> Outcome[T]:
+def run_isolated(fn: Callable[[list[Item]], list[T]], seqs: list[Item]) -> Outcome[T]:
     """``fn(seqs)``, one result per sequence; on an exception, bisect until only the culprits fail.
 
     A batch of n sequences with one culprit costs about 2·log2(n) extra runs; the healthy case

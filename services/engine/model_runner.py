@@ -1,8 +1,20 @@
-"""Runs a Hugging Face decoder on our own block-based KV cache.
+"""Runs a Hugging Face decoder on our own paged KV cache, one flat batch per step.
 
-The weights and modules (projections, norms, rotary embedding, MLP) are transformers'; the
-attention over the paged cache and the batching are ours, so prefill of several prompts and
-decode of many sequences each run as one pass of the linear layers.
+The weights are transformers'; the step is ours. Every scheduled item computes ``num_tokens``
+tokens of one sequence from ``seq.num_computed`` on, so a step may mix decoding sequences (one token
+each), whole prompts, prompt chunks and prompts whose prefix the cache already holds. All of the
+step's tokens go through each linear layer as one matrix product; attention is per kind of row:
+
+- decode rows (the step's first rows, one token each) attend over their cached positions through
+  their block tables in one ``paged_decode`` call, with nothing gathered;
+- a prompt computed from position 0 attends to its own fresh keys (causal SDPA);
+- a chunk or a prompt after a cached prefix gathers its earlier positions from the cache and
+  attends to them plus its own keys (SDPA with the offset causal mask).
+
+The cache is ``[layers, kv_heads, slots, head_dim]`` for K and for V: slot = block * block_size +
+offset, so one head's block of positions is contiguous. The small per-layer operations (norms,
+rotary embedding + cache write, SiLU * up, residuals) are ``kernels`` ops: fused C++ on the CPU, the
+same math in PyTorch on cuda and npu.
 """
 
 from __future__ import annotations
@@ -13,9 +25,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from services.engine import linears
+from services.engine import kernels, linears
 from services.engine.devices import Device
-from services.engine.sequence import Sequence
+from services.engine.scheduler import Scheduled
 
 log = logging.getLogger("switchboard.engine")
 
@@ -32,22 +44,30 @@ class UnsupportedModel(RuntimeError):
 
 
 @dataclass
-class Batch:
-    """Flat token batch of one step, plus what attention needs to find each sequence's cache."""
+class Chunk:
+    """A prefill item's rows [start, end) in the step, and where its earlier positions are."""
 
+    start: int
+    end: int
+    context: int  # positions already in the cache before this chunk
+    context_slots: torch.Tensor | None  # slots of positions [0, context + n) when context > 0
+
+
+@dataclass
+class Batch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
-    slot_mapping: torch.Tensor  # [T] cache slot each new token is written to
-    last_index: torch.Tensor  # [B] index in T of each sequence's last token
-    is_prefill: bool
-    spans: list[tuple[int, int]]  # prefill: each sequence's [start, end) in T
-    context_slots: torch.Tensor | None = None  # decode: [B, Lmax] cache slots to attend to
-    context_mask: torch.Tensor | None = None  # decode: [B, 1, 1, Lmax] valid positions
+    slots: torch.Tensor  # [T] cache slot each token's K/V is written to
+    num_decode: int  # rows [0, num_decode) are decode rows, one per sequence
+    decode_tables: torch.Tensor | None  # [num_decode, max blocks] block tables, zero-padded
+    decode_lens: torch.Tensor | None  # [num_decode] positions each decode row attends to
+    chunks: list[Chunk]
+    sample_rows: torch.Tensor  # [S] rows whose logits are sampled, in item order
 
 
 class ModelRunner:
     def __init__(self, path: str, device: Device, block_size: int, kv_budget_bytes: int, max_blocks: int,
-                 batch_hint: int = 16):
+                 batch_hint: int = 16, cpu_kernels: bool = True):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         config = AutoConfig.from_pretrained(path)
@@ -57,14 +77,19 @@ class ModelRunner:
         self.dtype = device.dtype
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).to(self.device).eval()
         self.linears = linears.build(self.model, self.device, self.dtype, batch_hint)
+        self.ops = kernels.for_device(self.device, cpu_kernels)
         self.block_size = block_size
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.scale = self.model.model.layers[0].self_attn.scaling
         self.num_blocks = min(max_blocks, kv_budget_bytes // self.block_bytes)
         if self.num_blocks < 1:
             raise RuntimeError(f"KV-cache budget of {kv_budget_bytes} bytes holds no block of {self.block_bytes} bytes")
         self.k_cache, self.v_cache = self._allocate_cache()
+        self.cos = self.sin = torch.empty(0, self.head_dim // 2)
+        self._rope_tables(1024)
+        log.info("model runner ready", extra={"dtype": str(self.dtype), "fused_ops": self.ops.fused})
 
     @property
     def block_bytes(self) -> int:
@@ -76,28 +101,65 @@ class ModelRunner:
         return self.config.vocab_size
 
     def _allocate_cache(self) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = (self.config.num_hidden_layers, self.num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
+        shape = (self.config.num_hidden_layers, self.num_kv_heads, self.num_blocks * self.block_size, self.head_dim)
         log.info("kv cache", extra={"blocks": self.num_blocks, "block_size": self.block_size})
         return (torch.zeros(shape, dtype=self.dtype, device=self.device),
                 torch.zeros(shape, dtype=self.dtype, device=self.device))
 
+    def _rope_tables(self, positions: int) -> None:
+        """cos and sin [P, head_dim / 2] (float32) of the model's own rotary embedding for positions
+        [0, P); grown by doubling when a longer sequence comes."""
+        if positions <= self.cos.shape[0]:
+            return
+        size = max(positions, 2 * self.cos.shape[0])
+        probe = torch.zeros(1, 1, self.head_dim, dtype=torch.float32, device=self.device)
+        with torch.inference_mode():
+            cos, sin = self.model.model.rotary_emb(probe, torch.arange(size, device=self.device)[None])
+        half = self.head_dim // 2
+        if not torch.equal(cos[0, :, :half], cos[0, :, half:]):
+            raise UnsupportedModel("the model's rotary embedding does not rotate the two halves of each head alike")
+        self.cos, self.sin = cos[0, :, :half].float().contiguous(), sin[0, :, :half].float().contiguous()
+
     # ---- batch preparation ------------------------------------------------------------------
 
-    def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
-        bs, table = self.block_size, seq.block_table
-        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+    def _slot(self, table: list[int], position: int) -> int:
+        return table[position // self.block_size] * self.block_size + position % self.block_size
 
-    def prepare_prefill(self, seqs: list[Sequence]) -> Batch:
-        ids, positions, slots, spans, last = [], [], [], [], []
-        for seq in seqs:
-            self._check_ids(seq.token_ids)
-            start = len(ids)
-            ids.extend(seq.token_ids)
-            positions.extend(range(len(seq)))
-            slots.extend(self._slots(seq, 0, len(seq)))
-            spans.append((start, len(ids)))
-            last.append(len(ids) - 1)
-        return Batch(self._long(ids), self._long(positions), self._long(slots), self._long(last), True, spans)
+    def prepare(self, items: list[Scheduled]) -> Batch:
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        tables: list[list[int]] = []
+        lens: list[int] = []
+        chunks: list[Chunk] = []
+        sample_rows: list[int] = []
+        num_decode = 0
+        for item in items:
+            seq, start, n = item.seq, item.seq.num_computed, item.num_tokens
+            self._check_ids(seq.token_ids[start:start + n])
+            row = len(ids)
+            ids.extend(seq.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            slots.extend(self._slot(seq.block_table, p) for p in range(start, start + n))
+            if n == 1 and start > 0 and not chunks:
+                num_decode += 1
+                tables.append(seq.block_table[: (start + self.block_size) // self.block_size])
+                lens.append(start + 1)
+            else:
+                context = None
+                if start > 0:
+                    context = self._long(self._slot(seq.block_table, p) for p in range(start + n))
+                chunks.append(Chunk(row, row + n, start, context))
+            if item.samples:
+                sample_rows.append(len(ids) - 1)
+        self._rope_tables(max(positions) + 1)
+        decode_tables = decode_lens = None
+        if tables:
+            width = max(len(t) for t in tables)
+            decode_tables = self._long(b for t in tables for b in t + [0] * (width - len(t))).view(len(tables), width)
+            decode_lens = self._long(lens)
+        return Batch(self._long(ids), self._long(positions), self._long(slots), num_decode, decode_tables,
+                     decode_lens, chunks, self._long(sample_rows))
 
     def _check_ids(self, ids: list[int]) -> None:
         """Raise for an id the embedding has no row for (on a GPU the lookup would abort the device)."""
@@ -106,75 +168,83 @@ class ModelRunner:
             bad = next(i for i in ids if not 0 <= i < size)
             raise ValueError(f"token id {bad} is outside the model's vocabulary of {size}")
 
-    def prepare_decode(self, seqs: list[Sequence]) -> Batch:
-        lmax = max(len(s) for s in seqs)
-        context = torch.zeros((len(seqs), lmax), dtype=torch.long)
-        mask = torch.zeros((len(seqs), 1, 1, lmax), dtype=torch.bool)
-        for i, seq in enumerate(seqs):
-            context[i, : len(seq)] = torch.tensor(self._slots(seq, 0, len(seq)))
-            mask[i, ..., : len(seq)] = True
-        ids = [s.last_token for s in seqs]
-        positions = [len(s) - 1 for s in seqs]
-        new_slots = context[torch.arange(len(seqs)), torch.tensor(positions)]
-        return Batch(self._long(ids), self._long(positions), new_slots.to(self.device),
-                     self._long(range(len(seqs))), False, [],
-                     context.to(self.device), mask.to(self.device))
-
     def _long(self, values) -> torch.Tensor:
         return torch.tensor(list(values), dtype=torch.long, device=self.device)
 
     # ---- forward ----------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
-        """Logits [B, vocab] (float32) for the next token of each sequence."""
-        batch = self.prepare_prefill(seqs) if is_prefill else self.prepare_decode(seqs)
+    def run(self, items: list[Scheduled]) -> torch.Tensor:
+        """Logits [S, vocab] (float32) for the next token of each item that samples, in item order."""
+        batch = self.prepare(items)
         inner = self.model.model
-        h = inner.embed_tokens(batch.input_ids)
-        cos, sin = inner.rotary_emb(h[None], batch.positions[None])
-        cos, sin = cos[0, :, None, :], sin[0, :, None, :]
-        for index, layer in enumerate(inner.layers):
-            h = self._layer(index, layer, self.linears[index], h, cos, sin, batch)
-        h = inner.norm(h[batch.last_index])
-        return self.model.lm_head(h).float()
+        residual = inner.embed_tokens(batch.input_ids)
+        layers = inner.layers
+        x = self.ops.rms_norm(residual, *_norm(layers[0].input_layernorm))
+        for index, layer in enumerate(layers):
+            after = layers[index + 1].input_layernorm if index + 1 < len(layers) else inner.norm
+            x = self._layer(index, layer, self.linears[index], x, residual, after, batch)
+        return self.model.lm_head(x[batch.sample_rows]).float()
 
-    def _layer(self, index: int, layer, lin: linears.LayerLinears, h, cos, sin, batch: Batch) -> torch.Tensor:
+    def _layer(self, index: int, layer, lin: linears.LayerLinears, x, residual, after, batch: Batch) -> torch.Tensor:
+        """One decoder layer on the normed input ``x``; ``residual`` is updated in place. Returns the
+        residual normed by ``after`` (the next layer's input norm, or the final norm)."""
+        qkv = lin.qkv(x)
         attn = layer.self_attn
-        x = layer.input_layernorm(h)
-        n = x.shape[0]
-        q, k, v = (t.view(n, -1, self.head_dim) for t in lin.qkv(x).split(lin.qkv_sizes, dim=-1))
-        if hasattr(attn, "q_norm"):  # Qwen3
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        self.k_cache[index].index_copy_(0, batch.slot_mapping, k)
-        self.v_cache[index].index_copy_(0, batch.slot_mapping, v)
-        if batch.is_prefill:
-            o = self._attend_prefill(q, k, v, batch, attn.scaling)
-        else:
-            o = self._attend_decode(q, index, batch, attn.scaling)
-        h = h + lin.o(o.reshape(n, -1))
-        return h + lin.mlp(layer.post_attention_layernorm(h))
+        if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm of each head's q and k before the rotation
+            self._qk_norm(qkv, attn)
+        self.ops.rope_store(qkv, self.cos, self.sin, batch.positions, self.k_cache[index], self.v_cache[index],
+                            batch.slots, self.num_heads, self.num_kv_heads, self.head_dim)
+        o = self._attend(index, qkv, batch)
+        x = self.ops.add_rms_norm(lin.o(o), residual, *_norm(layer.post_attention_layernorm))
+        x = self.ops.add_rms_norm(lin.down(lin.act_mul(self.ops, lin.gate_up(x))), residual, *_norm(after))
+        return x
 
-    def _attend_prefill(self, q, k, v, batch: Batch, scale: float) -> torch.Tensor:
-        out = torch.empty_like(q)
-        for start, end in batch.spans:
-            qs, ks, vs = (t[start:end].transpose(0, 1)[None] for t in (q, k, v))
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
-            out[start:end] = o[0].transpose(0, 1)
+    def _qk_norm(self, qkv: torch.Tensor, attn) -> None:
+        n, q_width = qkv.shape[0], self.num_heads * self.head_dim
+        k_width = self.num_kv_heads * self.head_dim
+        q = qkv[:, :q_width].view(n, self.num_heads, self.head_dim)
+        k = qkv[:, q_width:q_width + k_width].view(n, self.num_kv_heads, self.head_dim)
+        q.copy_(attn.q_norm(q))
+        k.copy_(attn.k_norm(k))
+
+    def _attend(self, index: int, qkv: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """[T, heads * head_dim]: each row's attention output."""
+        width = self.num_heads * self.head_dim
+        q = qkv[:, :width]
+        if not batch.chunks:
+            return self.ops.paged_decode(q, self.k_cache[index], self.v_cache[index], batch.decode_tables,
+                                         batch.decode_lens, self.block_size, self.num_heads, self.num_kv_heads,
+                                         self.head_dim, self.scale)
+        out = torch.empty(qkv.shape[0], width, dtype=qkv.dtype, device=qkv.device)
+        if batch.num_decode:
+            out[: batch.num_decode] = self.ops.paged_decode(
+                q[: batch.num_decode], self.k_cache[index], self.v_cache[index], batch.decode_tables,
+                batch.decode_lens, self.block_size, self.num_heads, self.num_kv_heads, self.head_dim, self.scale)
+        for chunk in batch.chunks:
+            out[chunk.start:chunk.end] = self._attend_chunk(index, qkv[chunk.start:chunk.end], chunk)
         return out
 
-    def _attend_decode(self, q, index: int, batch: Batch, scale: float) -> torch.Tensor:
-        keys = self.k_cache[index][batch.context_slots].transpose(1, 2)  # [B, kvh, L, d]
-        values = self.v_cache[index][batch.context_slots].transpose(1, 2)
-        o = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=batch.context_mask,
-                                           scale=scale, enable_gqa=True)
-        return o[:, :, 0, :]
+    def _attend_chunk(self, index: int, qkv: torch.Tensor, chunk: Chunk) -> torch.Tensor:
+        n, h, kvh, d = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        q = qkv[:, : h * d].view(n, h, d).transpose(0, 1)[None]
+        if chunk.context_slots is None:  # from position 0: its own keys, causal
+            kv = qkv[:, h * d:].view(n, 2, kvh, d)
+            k, v = kv[:, 0].transpose(0, 1)[None], kv[:, 1].transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+        else:  # after cached positions: query i (position context + i) sees keys [0, context + i]
+            k = self.k_cache[index].index_select(1, chunk.context_slots)[None]
+            v = self.v_cache[index].index_select(1, chunk.context_slots)[None]
+            keys = torch.arange(chunk.context + n, device=qkv.device)
+            mask = keys[None, :] <= (chunk.context + torch.arange(n, device=qkv.device))[:, None]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
+        return o[0].transpose(0, 1).reshape(n, h * d)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def _norm(module) -> tuple[torch.Tensor, float]:
+    """An RMSNorm module's weight and epsilon."""
+    eps = getattr(module, "variance_epsilon", None) or getattr(module, "eps")
+    return module.weight, float(eps)
 
 
 def check_architecture(config) -> None:

@@ -41,11 +41,13 @@ def build_engine(cfg: Config) -> tuple[Engine, str]:
         kv_budget_bytes=kv_budget_bytes(device, cfg.switchboard.kv_cache_memory_mb, cfg.model.npu_mem_size),
         max_blocks=sc.max_batch_size * blocks_per_seq,
         batch_hint=sc.max_batch_size,
+        cpu_kernels=cfg.switchboard.cpu_kernels,
     )
     limits = Limits(sc.max_batch_size, sc.prefill_batch_size, sc.max_prefill_tokens, deploy.max_seq_len,
                     token_timeout_s=float(cfg.server.token_timeout), max_preempt_count=sc.max_preempt_count,
-                    max_queue_delay_s=sc.max_queue_delay_microseconds / 1e6)
-    return Engine(runner, limits, eos_token_ids(runner)), device.kind
+                    max_queue_delay_s=sc.max_queue_delay_microseconds / 1e6,
+                    prefill_chunk_size=sc.prefill_chunk_size, mix=sc.template_type == "Mix")
+    return Engine(runner, limits, eos_token_ids(runner), prefix_cache=sc.enable_prefix_cache), device.kind
 
 
 def eos_token_ids(runner: ModelRunner) -> set[int]:

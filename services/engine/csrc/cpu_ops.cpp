@@ -1,0 +1,252 @@
+// CPU kernels for the engine's decoder step (services/engine/kernels.py builds and loads them).
+//
+// Each replaces a chain of small PyTorch operations whose cost on a CPU is dispatch and an OpenMP
+// barrier per operation rather than arithmetic: RMSNorm (8 ops), residual add + RMSNorm, SiLU(gate) * up
+// (3 ops), rotary embedding of q and k plus the K/V cache write (14 ops), and attention of one new token
+// per sequence over its paged KV cache (a gather of every cached position, a mask and SDPA). Arithmetic
+// is in float32 whatever the storage type, as transformers' own RMSNorm does.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline float f32(T x) { return static_cast<float>(x); }
+
+// Rows split across threads; each row of `cols` values handled by `fn(row)`.
+template <typename Fn>
+void rows(int64_t n, int64_t cols, Fn fn) {
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(cols, 1));
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) fn(r);
+  });
+}
+
+template <typename T>
+void rms_row(const T* x, const T* w, T* out, int64_t h, float eps) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < h; ++i) sum += f32(x[i]) * f32(x[i]);
+  const float scale = 1.f / std::sqrt(sum / static_cast<float>(h) + eps);
+  for (int64_t i = 0; i < h; ++i) {
+    const T normed = static_cast<T>(f32(x[i]) * scale);  // transformers rounds to the storage type here
+    out[i] = static_cast<T>(f32(w[i]) * f32(normed));
+  }
+}
+
+// exp(x) to ~2 ulp (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, 2^n from the exponent
+// bits); unlike std::exp it vectorizes, and softmax and SiLU spend most of their time in it.
+inline float fast_exp(float x) {
+  x = std::min(88.3762626647949f, std::max(-87.3365447504019f, x));
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  int32_t bits;
+  std::memcpy(&bits, &p, sizeof bits);
+  bits += static_cast<int32_t>(n) << 23;
+  std::memcpy(&p, &bits, sizeof p);
+  return p;
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+inline void axpy(float p, const float* x, float* y, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += p * x[i];
+}
+
+// The row as float32: itself when stored as float32, else converted into `buffer`.
+template <typename T>
+inline const float* as_float(const T* x, float* buffer, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) buffer[i] = f32(x[i]);
+    return buffer;
+  }
+}
+
+template <typename T>
+void silu_mul_row(const T* gate, const T* up, T* out, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = f32(gate[i]);
+    const T act = static_cast<T>(g / (1.f + fast_exp(-g)));  // rounded like torch's silu output
+    out[i] = static_cast<T>(f32(act) * f32(up[i]));
+  }
+}
+
+// s[j] = exp(s[j] - peak) in place; returns their sum.
+inline float exp_sum(float* s, int64_t n, float peak) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < n; ++j) {
+    s[j] = fast_exp(s[j] - peak);
+    sum += s[j];
+  }
+  return sum;
+}
+
+}  // namespace
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.is_contiguous(), "rms_norm: x [T, H] contiguous");
+  auto out = torch::empty_like(x);
+  const int64_t n = x.size(0), h = x.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    const auto *px = x.data_ptr<scalar_t>(), *pw = weight.data_ptr<scalar_t>();
+    auto* po = out.data_ptr<scalar_t>();
+    rows(n, h, [&](int64_t r) { rms_row(px + r * h, pw, po + r * h, h, static_cast<float>(eps)); });
+  });
+  return out;
+}
+
+// residual += x (rounded to the storage type, as `h = h + x` is), then RMSNorm of the new residual.
+torch::Tensor add_rms_norm(const torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && residual.is_contiguous() && x.sizes() == residual.sizes(),
+              "add_rms_norm: x and residual [T, H] contiguous");
+  auto out = torch::empty_like(x);
+  const int64_t n = x.size(0), h = x.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+    const auto *px = x.data_ptr<scalar_t>(), *pw = weight.data_ptr<scalar_t>();
+    auto *pr = residual.data_ptr<scalar_t>(), *po = out.data_ptr<scalar_t>();
+    rows(n, h, [&](int64_t r) {
+      scalar_t* res = pr + r * h;
+      const scalar_t* xr = px + r * h;
+      for (int64_t i = 0; i < h; ++i) res[i] = static_cast<scalar_t>(f32(res[i]) + f32(xr[i]));
+      rms_row(res, pw, po + r * h, h, static_cast<float>(eps));
+    });
+  });
+  return out;
+}
+
+// [T, 2I] (gate then up) -> [T, I]: silu(gate) * up.
+torch::Tensor silu_mul(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0, "silu_mul: x [T, 2I] contiguous");
+  const int64_t n = x.size(0), inter = x.size(1) / 2;
+  auto out = torch::empty({n, inter}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_mul", [&] {
+    const auto* px = x.data_ptr<scalar_t>();
+    auto* po = out.data_ptr<scalar_t>();
+    rows(n, inter, [&](int64_t r) {
+      const scalar_t *gate = px + r * 2 * inter, *up = gate + inter;
+      scalar_t* o = po + r * inter;
+      silu_mul_row(gate, up, o, inter);
+    });
+  });
+  return out;
+}
+
+// qkv [T, (Hq + 2 Hkv) * D], rows possibly strided: rotates each q and k head in place with the
+// rotary table (cos, sin [P, D/2] float32, the first half of transformers' duplicated cos/sin), then
+// copies k and v into the caches [Hkv, S, D] at `slots` [T].
+void rope_store(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& positions,
+                torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slots, int64_t num_heads,
+                int64_t num_kv_heads, int64_t head_dim) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "rope_store: qkv [T, width] with unit column stride");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous(), "rope_store: cos/sin");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "rope_store: caches contiguous");
+  const int64_t n = qkv.size(0), half = head_dim / 2, row_stride = qkv.stride(0);
+  const int64_t kv_width = num_kv_heads * head_dim, rotated = num_heads + num_kv_heads, num_slots = k_cache.size(1);
+  const auto* pos = positions.data_ptr<int64_t>();
+  const auto* slot = slots.data_ptr<int64_t>();
+  const float *pc = cos.data_ptr<float>(), *ps = sin.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_store", [&] {
+    auto* base = qkv.data_ptr<scalar_t>();
+    auto *kc = k_cache.data_ptr<scalar_t>(), *vc = v_cache.data_ptr<scalar_t>();
+    rows(n, rotated * head_dim, [&](int64_t r) {
+      scalar_t* row = base + r * row_stride;
+      const float *c = pc + pos[r] * half, *s = ps + pos[r] * half;
+      for (int64_t head = 0; head < rotated; ++head) {
+        scalar_t* x = row + head * head_dim;
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = f32(x[i]), b = f32(x[i + half]);
+          x[i] = static_cast<scalar_t>(a * c[i] - b * s[i]);
+          x[i + half] = static_cast<scalar_t>(b * c[i] + a * s[i]);
+        }
+      }
+      const scalar_t *k = row + num_heads * head_dim, *v = k + kv_width;
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        std::copy(k + h * head_dim, k + (h + 1) * head_dim, kc + (h * num_slots + slot[r]) * head_dim);
+        std::copy(v + h * head_dim, v + (h + 1) * head_dim, vc + (h * num_slots + slot[r]) * head_dim);
+      }
+    });
+  });
+}
+
+// One new token per sequence attends to its cached positions [0, lens[b]) through its block table.
+// q [N, Hq * D] (rows possibly strided), caches [Hkv, S, D] (so one head's block of positions is
+// contiguous), block_tables [N, NB] int64, lens [N].
+torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                           const torch::Tensor& block_tables, const torch::Tensor& lens, int64_t block_size,
+                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale) {
+  TORCH_CHECK(q.dim() == 2 && q.stride(1) == 1, "paged_decode: q [N, Hq*D] with unit column stride");
+  TORCH_CHECK(block_tables.is_contiguous() && lens.is_contiguous(), "paged_decode: tables and lens contiguous");
+  const int64_t n = q.size(0), nb = block_tables.size(1), group = num_heads / num_kv_heads, d = head_dim;
+  const int64_t q_stride = q.stride(0), num_slots = k_cache.size(1);
+  auto out = torch::empty({n, num_heads * d}, q.options());
+  const auto *tables = block_tables.data_ptr<int64_t>(), *len = lens.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
+    const auto* pq = q.data_ptr<scalar_t>();
+    const auto *kc = k_cache.data_ptr<scalar_t>(), *vc = v_cache.data_ptr<scalar_t>();
+    auto* po = out.data_ptr<scalar_t>();
+    at::parallel_for(0, n * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> qf(group * d), acc(group * d), row(d), scores;
+      for (int64_t w = begin; w < end; ++w) {
+        const int64_t b = w / num_kv_heads, kh = w % num_kv_heads, L = len[b];
+        const int64_t* table = tables + b * nb;
+        const scalar_t* qrow = pq + b * q_stride + kh * group * d;
+        for (int64_t i = 0; i < group * d; ++i) qf[i] = f32(qrow[i]) * static_cast<float>(scale);
+        scores.assign(group * L, 0.f);
+        for (int64_t j = 0; j < L; ++j) {
+          const scalar_t* k = kc + (kh * num_slots + table[j / block_size] * block_size + j % block_size) * d;
+          const float* kf = as_float(k, row.data(), d);
+          for (int64_t g = 0; g < group; ++g) scores[g * L + j] = dot(qf.data() + g * d, kf, d);
+        }
+        std::vector<float> total(group, 0.f);
+        for (int64_t g = 0; g < group; ++g) {
+          float* sg = scores.data() + g * L;
+          float peak = -INFINITY;
+          for (int64_t j = 0; j < L; ++j) peak = std::max(peak, sg[j]);
+          total[g] = exp_sum(sg, L, peak);
+        }
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t j = 0; j < L; ++j) {
+          const scalar_t* v = vc + (kh * num_slots + table[j / block_size] * block_size + j % block_size) * d;
+          const float* vf = as_float(v, row.data(), d);
+          for (int64_t g = 0; g < group; ++g) axpy(scores[g * L + j], vf, acc.data() + g * d, d);
+        }
+        scalar_t* orow = po + b * num_heads * d + kh * group * d;
+        for (int64_t g = 0; g < group; ++g)
+          for (int64_t i = 0; i < d; ++i) orow[g * d + i] = static_cast<scalar_t>(acc[g * d + i] / total[g]);
+      }
+    });
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm);
+  m.def("add_rms_norm", &add_rms_norm);
+  m.def("silu_mul", &silu_mul);
+  m.def("rope_store", &rope_store);
+  m.def("paged_decode", &paged_decode);
+}

@@ -1,0 +1,143 @@
+"""The decoder step's small operations: C++ kernels on the CPU, the same math in PyTorch elsewhere.
+
+On a CPU, a decoder layer written as PyTorch operations is ~45 small operations, each paying dispatch
+and an OpenMP barrier; at one token per sequence those cost more than the arithmetic. `csrc/cpu_ops.cpp`
+fuses them (RMSNorm, residual + RMSNorm, SiLU * up, rotary embedding + cache write) and attends one new
+token per sequence directly over its paged cache, with no gather. It is compiled for this machine's
+CPU on first use (`switchboard prepare-model` does it ahead of time) into a per-source cache folder;
+when no compiler is at hand the PyTorch versions below run instead, with a warning.
+
+`TorchOps` is also what cuda and npu run: the same operations, each a few PyTorch calls.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("switchboard.engine")
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.cpp"
+# -fopenmp: at::parallel_for is OpenMP inlined from the header. The extension's libgomp.so.1 is resolved
+# to the one torch already loaded (same soname), so kernels and torch share one thread team.
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+
+
+class TorchOps:
+    """Reference implementations: what the C++ kernels compute, in PyTorch operations."""
+
+    fused = False
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * h.to(x.dtype)
+
+    @classmethod
+    def add_rms_norm(cls, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        residual.add_(x)
+        return cls.rms_norm(residual, weight, eps)
+
+    @staticmethod
+    def silu_mul(x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def rope_store(qkv, cos, sin, positions, k_cache, v_cache, slots, num_heads, num_kv_heads, head_dim) -> None:
+        n, rotated = qkv.shape[0], num_heads + num_kv_heads
+        x = qkv[:, : rotated * head_dim].unflatten(-1, (rotated, head_dim))
+        c, s = cos[positions][:, None, :].to(qkv.dtype), sin[positions][:, None, :].to(qkv.dtype)
+        a, b = x[..., : head_dim // 2].clone(), x[..., head_dim // 2:].clone()
+        x[..., : head_dim // 2] = a * c - b * s
+        x[..., head_dim // 2:] = b * c + a * s
+        kv = qkv[:, num_heads * head_dim:].unflatten(-1, (2, num_kv_heads, head_dim))
+        k_cache.index_copy_(1, slots, kv[:, 0].transpose(0, 1))
+        v_cache.index_copy_(1, slots, kv[:, 1].transpose(0, 1))
+
+    @staticmethod
+    def paged_decode(q, k_cache, v_cache, block_tables, lens, block_size, num_heads, num_kv_heads, head_dim,
+                     scale) -> torch.Tensor:
+        n, width = q.shape[0], block_tables.shape[1] * block_size
+        keys, values = (gather_blocks(cache, block_tables, block_size) for cache in (k_cache, v_cache))
+        mask = (torch.arange(width, device=q.device)[None] < lens[:, None])[:, None, None, :]
+        query = q.reshape(n, num_heads, 1, head_dim)
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        return out.reshape(n, num_heads * head_dim)
+
+
+def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[Hkv, S, D] cache, [N, NB] block tables -> [N, Hkv, NB * block_size, D]: each row's positions in order."""
+    heads, _, dim = cache.shape
+    n, nb = block_tables.shape
+    blocks = cache.view(heads, -1, block_size, dim).index_select(1, block_tables.reshape(-1))
+    return blocks.view(heads, n, nb * block_size, dim).transpose(0, 1)
+
+
+class CpuOps(TorchOps):
+    """The compiled kernels, with TorchOps' signatures."""
+
+    fused = True
+
+    def __init__(self, module):
+        self.rms_norm = module.rms_norm
+        self.add_rms_norm = module.add_rms_norm
+        self.silu_mul = module.silu_mul
+        self.rope_store = module.rope_store
+        self.paged_decode = module.paged_decode
+
+
+def cpu_flags() -> str:
+    """The CPU's feature flags (Linux); a build made with -march=native is valid only where they match."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def build_dir() -> Path:
+    """A folder per source, torch version and CPU, so an edited kernel, a new torch or an image moved to
+    another CPU never loads a stale (or illegal-instruction) build."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(CFLAGS).encode()
+                            + cpu_flags().encode())
+    root = Path(os.environ.get("SWITCHBOARD_KERNEL_CACHE") or Path.home() / ".cache" / "switchboard" / "kernels")
+    folder = root / digest.hexdigest()[:16]
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def compile_cpu_ops():
+    """Build (or load the cached build of) the C++ kernels; raises when they cannot be built."""
+    from torch.utils import cpp_extension
+
+    bin_dir = str(Path(sys.executable).parent)  # the venv's ninja, when the venv is not on PATH
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    return cpp_extension.load(name="switchboard_cpu_ops", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+                              extra_ldflags=["-fopenmp"], build_directory=str(build_dir()), verbose=False)
+
+
+def for_device(device: torch.device, enabled: bool = True) -> TorchOps:
+    """The C++ kernels on cpu when ``enabled`` and buildable; PyTorch operations otherwise."""
+    if device.type != "cpu" or not enabled:
+        return TorchOps()
+    try:
+        return CpuOps(compile_cpu_ops())
+    except Exception as exc:  # no compiler, no ninja: slower, same results
+        log.warning("cpu kernels unavailable; running the PyTorch operations instead", extra={"error": repr(exc)})
+        return TorchOps()
+
+
+if __name__ == "__main__":  # `python -m services.engine.kernels`: build now (switchboard prepare-model runs it)
+    ops = for_device(torch.device("cpu"))
+    print(f"[kernels] {'ready' if ops.fused else 'unavailable: the engine will use PyTorch operations'}", flush=True)

@@ -1,0 +1,75 @@
+"""The engine's fused CPU kernels compute what their PyTorch versions (kernels.TorchOps) compute."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.engine import kernels
+
+HEADS, KV_HEADS, DIM, BLOCK = 6, 2, 16, 4
+TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+@pytest.fixture(scope="module")
+def cpu_ops():
+    ops = kernels.for_device(torch.device("cpu"))
+    if not ops.fused:
+        pytest.skip("no C++ compiler here: the engine runs the PyTorch operations")
+    return ops
+
+
+def rope_tables(positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (10000 ** (torch.arange(0, DIM, 2).float() / DIM))
+    angles = torch.arange(positions)[:, None].float() * inv
+    return angles.cos(), angles.sin()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norms_and_activation(cpu_ops, dtype):
+    torch.manual_seed(0)
+    x, y = torch.randn(5, 48, dtype=dtype), torch.randn(5, 48, dtype=dtype)
+    weight = torch.rand(48, dtype=dtype) + 0.5
+    ref = kernels.TorchOps()
+    torch.testing.assert_close(cpu_ops.rms_norm(x, weight, 1e-6), ref.rms_norm(x, weight, 1e-6), **TOLERANCE[dtype])
+    res_cpu, res_ref = x.clone(), x.clone()
+    out_cpu, out_ref = cpu_ops.add_rms_norm(y, res_cpu, weight, 1e-6), ref.add_rms_norm(y, res_ref, weight, 1e-6)
+    torch.testing.assert_close(res_cpu, res_ref, rtol=0, atol=0)  # the residual is rounded exactly like h + x
+    torch.testing.assert_close(out_cpu, out_ref, **TOLERANCE[dtype])
+    gate_up = torch.randn(5, 64, dtype=dtype) * 4
+    torch.testing.assert_close(cpu_ops.silu_mul(gate_up), ref.silu_mul(gate_up), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_store_rotates_in_place_and_writes_the_cache(cpu_ops, dtype):
+    torch.manual_seed(1)
+    cos, sin = rope_tables(64)
+    width = (HEADS + 2 * KV_HEADS) * DIM
+    strided = torch.randn(7, width + 8, dtype=dtype)[:, :width]  # rows with a stride, as a slice of a larger output
+    positions, slots = torch.tensor([0, 3, 9, 17, 33, 40, 63]), torch.tensor([5, 0, 31, 8, 12, 2, 20])
+    results = []
+    for ops in (cpu_ops, kernels.TorchOps()):
+        qkv = strided.clone()
+        k_cache, v_cache = torch.zeros(KV_HEADS, 32, DIM, dtype=dtype), torch.zeros(KV_HEADS, 32, DIM, dtype=dtype)
+        ops.rope_store(qkv, cos, sin, positions, k_cache, v_cache, slots, HEADS, KV_HEADS, DIM)
+        results.append((qkv, k_cache, v_cache))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, **TOLERANCE[dtype])
+    assert torch.equal(results[0][2][:, slots], strided[:, (HEADS + KV_HEADS) * DIM:].view(7, KV_HEADS, DIM).transpose(0, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_matches_gathered_attention(cpu_ops, dtype):
+    torch.manual_seed(2)
+    num_blocks = 24
+    k_cache = torch.randn(KV_HEADS, num_blocks * BLOCK, DIM, dtype=dtype)
+    v_cache = torch.randn(KV_HEADS, num_blocks * BLOCK, DIM, dtype=dtype)
+    lens = torch.tensor([1, 5, 16, 13])  # one position, a partial block, whole blocks, ragged
+    tables = torch.tensor([[3, 0, 0, 0], [7, 1, 0, 0], [2, 9, 11, 4], [20, 5, 6, 0]])
+    q = torch.randn(4, HEADS * DIM + 5, dtype=dtype)[:, : HEADS * DIM]
+    args = (tables, lens, BLOCK, HEADS, KV_HEADS, DIM, DIM ** -0.5)
+    got = cpu_ops.paged_decode(q, k_cache, v_cache, *args)
+    want = kernels.TorchOps().paged_decode(q, k_cache, v_cache, *args)
+    torch.testing.assert_close(got, want, **TOLERANCE[dtype])
+    only = kernels.TorchOps().paged_decode(q[1:2], k_cache, v_cache, tables[1:2], lens[1:2], *args[2:])
+    torch.testing.assert_close(got[1:2], only, **TOLERANCE[dtype])  # rows do not see each other's cache
