@@ -73,3 +73,13 @@ def test_paged_decode_matches_gathered_attention(cpu_ops, dtype):
     torch.testing.assert_close(got, want, **TOLERANCE[dtype])
     only = kernels.TorchOps().paged_decode(q[1:2], k_cache, v_cache, tables[1:2], lens[1:2], *args[2:])
     torch.testing.assert_close(got[1:2], only, **TOLERANCE[dtype])  # rows do not see each other's cache
+
+
+def test_dtype_auto_picks_bfloat16_only_with_native_bfloat16():
+    from services.engine.devices import cpu_has_native_bf16, resolve_device
+
+    assert cpu_has_native_bf16("flags : fpu avx2 avx512f avx512_bf16")
+    assert cpu_has_native_bf16("flags : fpu avx2 amx_bf16 amx_tile")
+    assert not cpu_has_native_bf16("flags : fpu avx2 fma avx512f avx512bw")
+    expected = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    assert resolve_device("cpu", "auto").dtype == expected
