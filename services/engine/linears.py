@@ -48,9 +48,14 @@ class LayerLinears:
     qkv_sizes: tuple[int, int, int]
     intermediate: int
 
+    @property
+    def is_silu(self) -> bool:
+        """torch's SiLU or transformers' own SiLUActivation (what ACT2FN["silu"] gives)."""
+        return isinstance(self.act, nn.SiLU) or type(self.act).__name__ == "SiLUActivation"
+
     def act_mul(self, ops, gate_up: torch.Tensor) -> torch.Tensor:
         """act(gate) * up of the merged gate/up output: one fused op for SiLU (every supported model)."""
-        if isinstance(self.act, nn.SiLU):
+        if self.is_silu:
             return ops.silu_mul(gate_up)
         gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.act(gate) * up

@@ -62,7 +62,7 @@ def eos_token_ids(runner: ModelRunner) -> set[int]:
 
 
 class EngineService:
-    def __init__(self, cfg: Config, nc, engine: Engine, device_label: str):
+    def __init__(self, cfg: Config, nc, engine: Engine, device_label: str, stepper: ThreadPoolExecutor):
         self.cfg = cfg
         self.nc = nc
         self.engine = engine
@@ -77,9 +77,7 @@ class EngineService:
         self.beats = decoder(Heartbeat)
         self.spans: dict[str, Any] = {}  # request id -> its engine span
         self.wake = asyncio.Event()
-        # Always the same thread: torch's OpenMP team belongs to the calling thread, and teams left
-        # spinning by other threads would compete with the one doing the work.
-        self.stepper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+        self.stepper = stepper
         self.requests = decoder(EngineRequest)
         self.cancels = decoder(Cancel)
 
@@ -208,9 +206,14 @@ class EngineService:
 
 
 async def serve(cfg: Config, nats_url: str, stop: asyncio.Event, ready=lambda: None) -> None:
-    engine, device_label = await asyncio.to_thread(build_engine, cfg)
+    # Every torch call of this process runs on this one thread, the model's loading and packing
+    # included. torch's OpenMP team belongs to the thread that calls it: a second team makes more
+    # OpenMP threads than cores, libgomp then stops spinning between parallel regions, and every one
+    # of a step's ~300 regions pays a futex wake-up (a decode step measured 1.5-2x slower).
+    stepper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+    engine, device_label = await asyncio.get_running_loop().run_in_executor(stepper, build_engine, cfg)
     nc = await bus.connect(nats_url, "switchboard-engine")
-    service = EngineService(cfg, nc, engine, device_label)
+    service = EngineService(cfg, nc, engine, device_label, stepper)
     await service.start()
     ready()
     log.info("engine ready", extra={"model": service.model, "blocks": engine.runner.num_blocks})

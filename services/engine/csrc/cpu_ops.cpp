@@ -10,6 +10,7 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -18,6 +19,27 @@ namespace {
 
 template <typename T>
 inline float f32(T x) { return static_cast<float>(x); }
+
+// bfloat16 <-> float32 as bit operations (round to nearest even, NaN kept), so loops vectorize;
+// c10's own conversion is a branchy call the compiler leaves scalar.
+template <>
+inline float f32(c10::BFloat16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+template <typename T>
+inline T to(float f) { return static_cast<T>(f); }
+
+template <>
+inline c10::BFloat16 to(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  bits = std::isnan(f) ? 0x7fc00000u : bits + 0x7fffu + ((bits >> 16) & 1u);
+  return c10::BFloat16(static_cast<uint16_t>(bits >> 16), c10::BFloat16::from_bits());
+}
 
 // Rows split across threads; each row of `cols` values handled by `fn(row)`.
 template <typename Fn>
@@ -35,8 +57,8 @@ void rms_row(const T* x, const T* w, T* out, int64_t h, float eps) {
   for (int64_t i = 0; i < h; ++i) sum += f32(x[i]) * f32(x[i]);
   const float scale = 1.f / std::sqrt(sum / static_cast<float>(h) + eps);
   for (int64_t i = 0; i < h; ++i) {
-    const T normed = static_cast<T>(f32(x[i]) * scale);  // transformers rounds to the storage type here
-    out[i] = static_cast<T>(f32(w[i]) * f32(normed));
+    const T normed = to<T>(f32(x[i]) * scale);  // transformers rounds to the storage type here
+    out[i] = to<T>(f32(w[i]) * f32(normed));
   }
 }
 
@@ -89,8 +111,8 @@ void silu_mul_row(const T* gate, const T* up, T* out, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
     const float g = f32(gate[i]);
-    const T act = static_cast<T>(g / (1.f + fast_exp(-g)));  // rounded like torch's silu output
-    out[i] = static_cast<T>(f32(act) * f32(up[i]));
+    const T act = to<T>(g / (1.f + fast_exp(-g)));  // rounded like torch's silu output
+    out[i] = to<T>(f32(act) * f32(up[i]));
   }
 }
 
@@ -131,7 +153,7 @@ torch::Tensor add_rms_norm(const torch::Tensor& x, torch::Tensor& residual, cons
     rows(n, h, [&](int64_t r) {
       scalar_t* res = pr + r * h;
       const scalar_t* xr = px + r * h;
-      for (int64_t i = 0; i < h; ++i) res[i] = static_cast<scalar_t>(f32(res[i]) + f32(xr[i]));
+      for (int64_t i = 0; i < h; ++i) res[i] = to<scalar_t>(f32(res[i]) + f32(xr[i]));
       rms_row(res, pw, po + r * h, h, static_cast<float>(eps));
     });
   });
@@ -179,8 +201,8 @@ void rope_store(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tenso
         scalar_t* x = row + head * head_dim;
         for (int64_t i = 0; i < half; ++i) {
           const float a = f32(x[i]), b = f32(x[i + half]);
-          x[i] = static_cast<scalar_t>(a * c[i] - b * s[i]);
-          x[i + half] = static_cast<scalar_t>(b * c[i] + a * s[i]);
+          x[i] = to<scalar_t>(a * c[i] - b * s[i]);
+          x[i + half] = to<scalar_t>(b * c[i] + a * s[i]);
         }
       }
       const scalar_t *k = row + num_heads * head_dim, *v = k + kv_width;
@@ -236,7 +258,7 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache,
         }
         scalar_t* orow = po + b * num_heads * d + kh * group * d;
         for (int64_t g = 0; g < group; ++g)
-          for (int64_t i = 0; i < d; ++i) orow[g * d + i] = static_cast<scalar_t>(acc[g * d + i] / total[g]);
+          for (int64_t i = 0; i < d; ++i) orow[g * d + i] = to<scalar_t>(acc[g * d + i] / total[g]);
       }
     });
   });
