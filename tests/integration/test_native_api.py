@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.integration.stack import post, sse_events
+from tests.integration.stack import post, running_stack, sse_events
 
 PROMPT = "My name is Olivier and I"
 PROMPT_IDS = [5965, 1462, 314, 11256, 380, 1153, 284, 339]
@@ -52,12 +52,21 @@ def test_infer_stream_events_carry_timings_and_a_final_event(tiny_stack):
     assert final["details"]["generated_tokens"] == len(tokens) + 1
 
 
-def test_priority_and_timeout_are_honoured(tiny_stack):
-    r = post(tiny_stack, "/infer", {"inputs": PROMPT, "parameters": {
+@pytest.fixture(scope="module")
+def long_stack(tmp_path_factory, tiny_model_dir):
+    """Room for 8000 new tokens: more than the tiny model generates in a second, however fast the engine."""
+    with running_stack(tmp_path_factory.mktemp("long"), tiny_model_dir, **{
+            "BackendConfig.ModelDeployConfig": {"maxSeqLen": 8192},
+            "BackendConfig.ScheduleConfig": {"maxIterTimes": 8000}}) as stack:
+        yield stack
+
+
+def test_priority_and_timeout_are_honoured(long_stack):
+    r = post(long_stack, "/infer", {"inputs": PROMPT, "parameters": {
         "max_new_tokens": 100000, "do_sample": False, "priority": 1, "timeout": 1}})
     assert r.status_code == 500, r.text
     assert r.json() == {"error": "Engine callback timeout: client timeout", "error_type": "Incomplete Generation"}
-    assert_serving(tiny_stack)
+    assert_serving(long_stack)
 
 
 def test_multimodal_items_name_the_limitation(tiny_stack):

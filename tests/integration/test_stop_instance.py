@@ -10,12 +10,12 @@ import httpx
 import pytest
 
 from tests.integration.stack import running_stack
-from tests.integration.test_stop_service import read_stream
+from tests.integration.test_stop_service import LONG_STREAMS, STREAM_TOKENS, read_stream
 
 
 @pytest.fixture
 def own_stack(tmp_path, tiny_model_dir):
-    with running_stack(tmp_path, tiny_model_dir) as stack:
+    with running_stack(tmp_path, tiny_model_dir, **LONG_STREAMS) as stack:
         yield stack
 
 
@@ -40,7 +40,7 @@ async def test_instance_drain_finishes_its_stream_and_stops_nothing_else(own_sta
         stopped = await stopping
         assert stopped.status_code == 200
         assert stream.done()  # the 200 comes after the drain
-        assert await stream == 300  # whole
+        assert await stream == STREAM_TOKENS  # whole
         assert (await client.post(own_stack.url + "/infer", json={"inputs": "hi"})).status_code == 503
 
     await asyncio.sleep(1.0)  # well past the moment a deployment-wide stop would broadcast its shutdown

@@ -12,14 +12,17 @@ from switchboard.natsd import EmbeddedNats
 from tests.conftest import write_config
 from tests.integration.stack import Stack
 
-STREAM = {"prompt": "My name is Olivier and I", "max_tokens": 300, "temperature": 0, "ignore_eos": True,
+# Long enough to still be running when the stop comes, however fast the engine is.
+STREAM_TOKENS = 2000
+LONG_STREAMS = {"BackendConfig.ScheduleConfig": {"maxIterTimes": STREAM_TOKENS}}
+STREAM = {"prompt": "My name is Olivier and I", "max_tokens": STREAM_TOKENS, "temperature": 0, "ignore_eos": True,
           "stream": True}
 
 
 @pytest.fixture
 def own_stack(tmp_path, tiny_model_dir):
     with EmbeddedNats() as url:
-        stack = Stack(write_config(tmp_path, tiny_model_dir, Switchboard={"natsUrl": url}), url)
+        stack = Stack(write_config(tmp_path, tiny_model_dir, Switchboard={"natsUrl": url}, **LONG_STREAMS), url)
         try:
             yield stack.start()
         finally:
@@ -48,7 +51,7 @@ async def test_drain_finishes_streams_then_every_service_exits_zero(own_stack):
         assert stopped.status_code == 200
         assert all(s.done() for s in streams)  # the 200 comes after the drain
         tokens = [await s for s in streams]
-    assert tokens == [300, 300, 300]  # none lost or cut
+    assert tokens == [STREAM_TOKENS] * 3  # none lost or cut
     assert await asyncio.to_thread(own_stack.proc.wait, 30) == 0
     assert any("stopped by /stopService" in line for line in own_stack.output + own_stack.drain_output())
 
