@@ -7,7 +7,8 @@ from typing import Iterable
 from shared.messages import EngineInfo
 
 SUMMED = ("max_batch_size", "total_blocks", "free_blocks", "running", "waiting", "free_slots",
-          "prompt_tokens_total", "generation_tokens_total", "preemptions_total")
+          "prompt_tokens_total", "generation_tokens_total", "preemptions_total", "prefix_queried_tokens_total",
+          "prefix_hit_tokens_total")
 
 
 def combined(engines: Iterable[EngineInfo]) -> EngineInfo | None:
@@ -22,6 +23,13 @@ def combined(engines: Iterable[EngineInfo]) -> EngineInfo | None:
         loaded=any(e.loaded for e in engines), stopping=all(e.stopping for e in engines),
         **{name: sum(getattr(e, name) for e in engines) for name in SUMMED},
     )
+
+
+def prefix_hit_rate(engine: EngineInfo | None) -> float:
+    """Share of the prompt tokens looked up in the prefix cache that were found there; 0 when none was."""
+    if engine is None or not engine.prefix_queried_tokens_total:
+        return 0.0
+    return engine.prefix_hit_tokens_total / engine.prefix_queried_tokens_total
 
 
 def cache_usage(engine: EngineInfo | None) -> float:

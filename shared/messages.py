@@ -220,6 +220,8 @@ class EngineInfo(msgspec.Struct, omit_defaults=True):
     preemptions_total: int = 0
     instance: str = ""
     stopping: bool = False  # draining: it takes no new request
+    prefix_queried_tokens_total: int = 0  # prefix cache, since start: prompt tokens looked up (0 when off) ...
+    prefix_hit_tokens_total: int = 0  # ... of those, tokens found cached (whole blocks)
 
 
 class Heartbeat(msgspec.Struct, omit_defaults=True):

@@ -148,6 +148,8 @@ class EngineService:
             generation_tokens_total=self.engine.stats.generation_tokens,
             preemptions_total=self.engine.scheduler.num_preemptions,
             instance=self.instance, stopping=self.stopping,
+            prefix_queried_tokens_total=self.engine.blocks.prefix_queried_tokens,
+            prefix_hit_tokens_total=self.engine.blocks.prefix_hit_tokens,
         )
 
     async def run(self, stop: asyncio.Event) -> None:

@@ -10,11 +10,15 @@ instance ever heard of what that instance counted: each instance's growth is tra
 engine's smaller total is never read as another's restart, and an engine that leaves keeps its last totals
 in the sum (a counter never goes down). MindIE's gauges (``num_requests_running``, ``num_requests_waiting``,
 ``npu_cache_usage_perc``) cover the engines live now (heard within ``Switchboard.leaseSeconds``); cache usage
-is blocks in use over blocks of all of them.
+is blocks in use over blocks of all of them. So do the prefix-cache gauges: ``all_radix_match_num`` (prompt
+tokens looked up in the prefix cache since each live engine started), ``npu_radix_match_hit_num`` (of those,
+the tokens found cached: whole blocks) and ``npu_prefix_cache_hit_rate``, the second over the first (0 when
+nothing was looked up, as with ``enablePrefixCache`` off).
 
 Per-engine series live in families of their own, ``engine_*`` with an ``engine_instance`` label
 (``engine_prompt_tokens_total``, ``engine_generation_tokens_total``, ``engine_preemptions_total``,
-``engine_requests_running``, ``engine_requests_waiting``, ``engine_cache_usage_perc``), live engines only.
+``engine_requests_running``, ``engine_requests_waiting``, ``engine_cache_usage_perc``,
+``engine_prefix_cache_hit_rate``), live engines only.
 Adding the label to MindIE's families instead would put the total and its parts under one name, and
 ``sum(generation_tokens_total)`` would count every token twice (prometheus_client also wants one label
 set per family). The per-engine counters are the engines' own counters: a departed engine's series ends,
@@ -30,7 +34,7 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from shared.engines import cache_usage, combined
+from shared.engines import cache_usage, combined, prefix_hit_rate
 from shared.leases import Leases
 from shared.messages import EngineInfo, Finished, FirstToken, MetricsEvent, Queued, Received
 
@@ -82,7 +86,12 @@ class PrometheusMetrics:
         self.cache_usage = Gauge("npu_cache_usage_perc", "KV-cache block usage of the accelerator or CPU pool (1 = 100%).",
                                  label, registry=r)
         self.cpu_cache_usage = Gauge("cpu_cache_usage_perc", "KV-cache usage of swap space (1 = 100%).", label, registry=r)
-        self.prefix_hit = Gauge("npu_prefix_cache_hit_rate", "Prefix-cache block hit rate.", label, registry=r)
+        self.prefix_hit = Gauge("npu_prefix_cache_hit_rate", "Prefix-cache hit rate: prompt tokens found cached "
+                                "over prompt tokens looked up (1 = 100%).", label, registry=r)
+        self.radix_match = Gauge("all_radix_match_num", "Prompt tokens taking part in prefix-cache matching.",
+                                 label, registry=r)
+        self.radix_hit = Gauge("npu_radix_match_hit_num", "Prompt tokens hit by prefix-cache matching.", label,
+                               registry=r)
         self._counted = ((self.prompt_total, "prompt_tokens_total"), (self.gen_total, "generation_tokens_total"),
                          (self.preemptions, "preemptions_total"))  # counter, the EngineInfo field it sums
         self._sums = {field: 0 for _, field in self._counted}  # what every instance counted, together
@@ -152,14 +161,16 @@ class PrometheusMetrics:
         return self.engines.live()
 
     def _set_gauges(self) -> None:
-        """Running, waiting and cache usage of the live engines together (0 with none)."""
+        """Running, waiting, cache usage and the prefix cache of the live engines together (0 with none)."""
         m, live = self.model, combined(self.live_engines().values())
         self.running.labels(m).set(live.running if live else 0)
         self.waiting.labels(m).set(live.waiting if live else 0)
         self.cache_usage.labels(m).set(cache_usage(live))
         self.swapped.labels(m).set(0)
         self.cpu_cache_usage.labels(m).set(0.0)
-        self.prefix_hit.labels(m).set(0.0)
+        self.radix_match.labels(m).set(live.prefix_queried_tokens_total if live else 0)
+        self.radix_hit.labels(m).set(live.prefix_hit_tokens_total if live else 0)
+        self.prefix_hit.labels(m).set(prefix_hit_rate(live))
 
     def render(self) -> bytes:
         self._set_gauges()
@@ -174,7 +185,9 @@ class PerEngine:
                 ("engine_preemptions", "Preemptions in this engine instance.", "preemptions_total"))
     GAUGES = (("engine_requests_running", "Requests running in this engine instance.", lambda e: e.running),
               ("engine_requests_waiting", "Requests waiting in this engine instance.", lambda e: e.waiting),
-              ("engine_cache_usage_perc", "KV-cache block usage of this engine instance (1 = 100%).", cache_usage))
+              ("engine_cache_usage_perc", "KV-cache block usage of this engine instance (1 = 100%).", cache_usage),
+              ("engine_prefix_cache_hit_rate", "Prefix-cache hit rate of this engine instance (1 = 100%).",
+               prefix_hit_rate))
     LABELS = ["model_name", "engine_instance"]
 
     def __init__(self, metrics: PrometheusMetrics):

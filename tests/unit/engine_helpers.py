@@ -67,11 +67,15 @@ class Run:
         return self.finish[rid].finish_reason if rid in self.finish else None
 
 
-def run_until_idle(engine: Engine, run: Run | None = None, max_steps: int = 1000) -> Run:
+def run_until_idle(engine: Engine, run: Run | None = None, max_steps: int = 1000, check_blocks: bool = False) -> Run:
+    """Step until the engine is idle; with ``check_blocks``, the block manager's invariants (reference
+    counts included) are asserted after every step."""
     run = run or Run()
     while engine.has_work:
         run.record(engine.step())
         run.steps += 1
+        if check_blocks:
+            engine.blocks.check(engine.scheduler.running)
         assert run.steps <= max_steps, "the engine made no progress"
     return run
 
@@ -81,7 +85,7 @@ def assert_pool_whole(engine: Engine) -> None:
     assert sorted(engine.blocks.free_blocks) == list(range(engine.runner.num_blocks))
     assert not engine.scheduler.running and not engine.scheduler.waiting
     assert not engine.seqs
-
+    engine.blocks.check([])  # no block held, cached blocks consistent
 
 
 def greedy_reference(runner: ModelRunner, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:

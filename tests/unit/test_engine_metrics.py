@@ -3,20 +3,22 @@ clock: counters sum what each instance counted and never go down; gauges cover t
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.metrics.prometheus import PrometheusMetrics
-from shared.engines import cache_usage, combined
-from shared.messages import EngineInfo
+from shared.engines import cache_usage, combined, prefix_hit_rate
+from shared.messages import EngineInfo, decoder, encode
 
 
 def engine(instance: str, generated: int = 0, running: int = 0, waiting: int = 0, free_blocks: int = 10,
-           stopping: bool = False) -> EngineInfo:
+           stopping: bool = False, queried: int = 0, hit: int = 0) -> EngineInfo:
     return EngineInfo(model="m", loaded=True, device="cpu", dtype="float32", max_batch_size=8, total_blocks=10,
                       free_blocks=free_blocks, running=running, waiting=waiting, free_slots=8 - running,
                       prompt_tokens_total=2 * generated, generation_tokens_total=generated,
-                      preemptions_total=generated // 10, instance=instance, stopping=stopping)
+                      preemptions_total=generated // 10, instance=instance, stopping=stopping,
+                      prefix_queried_tokens_total=queried, prefix_hit_tokens_total=hit)
 
 
 class Clock:
@@ -89,3 +91,49 @@ def test_with_no_engine_the_gauges_read_zero():
     m = scrape(PrometheusMetrics("m", 2.0, Clock()))
     assert m["num_requests_running"] == 0 and m["npu_cache_usage_perc"] == 0
     assert not [name for name in m if name.startswith("engine_")]
+
+
+# ---- the prefix cache: all_radix_match_num, npu_radix_match_hit_num, npu_prefix_cache_hit_rate ----------
+
+
+def test_prefix_cache_counters_ride_on_the_heartbeat_and_are_summed():
+    info = engine("a", queried=300, hit=96)
+    assert decoder(EngineInfo).decode(encode(info)) == info
+    old = msgspec.msgpack.encode({f: getattr(info, f) for f in info.__struct_fields__
+                                  if not f.startswith("prefix_")})  # an engine from before these fields
+    assert decoder(EngineInfo).decode(old).prefix_queried_tokens_total == 0
+    both = combined([info, engine("b", queried=100, hit=64)])
+    assert (both.prefix_queried_tokens_total, both.prefix_hit_tokens_total) == (400, 160)
+    assert prefix_hit_rate(both) == 0.4
+    assert prefix_hit_rate(engine("off")) == 0.0 and prefix_hit_rate(None) == 0.0
+
+
+def test_prefix_cache_gauges_cover_the_live_engines():
+    clock = Clock()
+    metrics = PrometheusMetrics("m", 2.0, clock)
+    m = scrape(metrics)
+    assert (m["all_radix_match_num"], m["npu_radix_match_hit_num"], m["npu_prefix_cache_hit_rate"]) == (0, 0, 0)
+    metrics.heartbeat(engine("a", queried=300, hit=96))
+    metrics.heartbeat(engine("b", queried=100, hit=64))
+    m = scrape(metrics)
+    assert (m["all_radix_match_num"], m["npu_radix_match_hit_num"]) == (400, 160)
+    assert m["npu_prefix_cache_hit_rate"] == pytest.approx(0.4)
+    assert m["engine_prefix_cache_hit_rate{a}"] == pytest.approx(0.32)
+    assert m["engine_prefix_cache_hit_rate{b}"] == pytest.approx(0.64)
+    clock.now = 1.5
+    metrics.heartbeat(engine("b", queried=200, hit=96))
+    clock.now = 2.5  # a's lease has run out
+    m = scrape(metrics)
+    assert (m["all_radix_match_num"], m["npu_radix_match_hit_num"]) == (200, 96)
+    assert m["npu_prefix_cache_hit_rate"] == pytest.approx(0.48)
+    assert "engine_prefix_cache_hit_rate{a}" not in m
+
+
+def test_prefix_cache_off_reads_zero():
+    metrics = PrometheusMetrics("m", 2.0, Clock())
+    metrics.heartbeat(engine("a", generated=50))
+    m = scrape(metrics)
+    assert (m["all_radix_match_num"], m["npu_radix_match_hit_num"], m["npu_prefix_cache_hit_rate"]) == (0, 0, 0)
+    text = metrics.render().decode()
+    assert 'npu_prefix_cache_hit_rate{model_name="m"} 0.0' in text
+    assert "# TYPE all_radix_match_num gauge" in text and "# TYPE npu_radix_match_hit_num gauge" in text

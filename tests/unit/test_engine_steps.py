@@ -1,0 +1,401 @@
+"""Engine.step() on real models across the step's shapes: Mix (prompt chunks beside decode rows),
+prefix caching (prompts after a cached prefix), preemption with the cache, the PyTorch ops
+(``cpu_kernels=False``, what cuda and npu run) and bfloat16.
+
+The tiny random model: the same tokens as each prompt alone in Standard mode, and the same
+log-probabilities within 1e-4. The default model: transformers' greedy ``generate`` (for bfloat16, our
+float32 runner) within the near-tie rule of test_engine_outputs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from services.engine.devices import resolve_device
+from services.engine.engine import Engine
+from services.engine.model_runner import ModelRunner
+from shared.messages import TokenEvent
+from tests.unit.engine_helpers import (
+    BLOCK, Run, assert_pool_whole, block_bytes, limits, make_runner, prompt, request, run_until_idle,
+)
+from tests.unit.test_engine_outputs import check_greedy_close
+
+MIX = dict(mix=True, prefill_chunk_size=16)
+
+# ---- the default model: prompts, transformers' reference, runners -----------------------------
+
+SHARED = ("You are a careful assistant. Read the question below and answer it in one short sentence, "
+          "in plain words, without lists, without repeating the question, and without any greeting or "
+          "closing remark. Keep the answer true, simple and friendly, and use British spelling throughout. ")
+TEXTS = [
+    "The capital of France is",
+    "Here is a long story about a dragon who lived in the mountains and guarded a treasure of gold "
+    "and jewels for a thousand years. One day,",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+    SHARED + "Question: what colour is the sky on a clear day? Answer:",
+    SHARED + "Question: how many legs does a spider have? Answer:",
+]
+NEW_TOKENS = 10
+EOS = 2
+SMOL_HITS = 3 * BLOCK  # the last two prompts share 55 tokens: 3 whole blocks
+
+
+@pytest.fixture(scope="module")
+def smol_prompts(smol_dir) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smol_dir)
+    prompts = [tokenizer(text).input_ids for text in TEXTS]
+    assert max(len(p) for p in prompts) > 3 * MIX["prefill_chunk_size"]  # chunked over 4 steps
+    assert common_prefix(prompts[3], prompts[4]) // BLOCK * BLOCK == SMOL_HITS  # the shared whole blocks
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def hf_reference(smol_dir, smol_prompts) -> list[tuple[list[int], torch.Tensor]]:
+    """transformers' greedy generate for each prompt alone: (new token ids, logits per position)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(smol_dir, dtype=torch.float32).eval()
+    results = []
+    with torch.inference_mode():
+        for prompt_ids in smol_prompts:
+            ids = torch.tensor([prompt_ids])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=NEW_TOKENS, pad_token_id=EOS, eos_token_id=EOS,
+                                 return_dict_in_generate=True, output_logits=True)
+            results.append((out.sequences[0, ids.shape[1]:].tolist(), torch.stack(out.logits)[:, 0].float()))
+    del model
+    return results
+
+
+@pytest.fixture(scope="module")
+def smol_runner(smol_dir):
+    return make_runner(smol_dir, num_blocks=48)
+
+
+@pytest.fixture(scope="module")
+def smol_torch_ops_runner(smol_dir):
+    """The PyTorch ops (TorchOps), as on cuda and npu, on the CPU."""
+    runner = ModelRunner(str(smol_dir), resolve_device("cpu", "float32"), block_size=BLOCK,
+                         kv_budget_bytes=48 * block_bytes(smol_dir), max_blocks=48, cpu_kernels=False)
+    assert not runner.ops.fused
+    return runner
+
+
+@pytest.fixture(scope="module")
+def smol_bf16_runner(smol_dir):
+    runner = ModelRunner(str(smol_dir), resolve_device("cpu", "bfloat16"), block_size=BLOCK,
+                         kv_budget_bytes=48 * block_bytes(smol_dir), max_blocks=48)
+    assert runner.k_cache.dtype == torch.bfloat16
+    return runner
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def run_smol(runner, prompts, order: str = "together", logprobs: int | None = None, **kw) -> tuple[Engine, Run]:
+    """Every prompt (max NEW_TOKENS, EOS ends), ``together`` in one go or ``one by one``; kw: Engine's
+    prefix_cache and the limits."""
+    engine = Engine(runner, limits(**{k: v for k, v in kw.items() if k != "prefix_cache"}), {EOS},
+                    prefix_cache=kw.get("prefix_cache", False))
+    run = Run()
+    for i, ids in enumerate(prompts):
+        engine.add_request(request(f"r{i}", ids, max_new_tokens=NEW_TOKENS, logprobs=logprobs))
+        if order == "one by one":
+            run = run_until_idle(engine, run, check_blocks=True)
+    run = run_until_idle(engine, run, check_blocks=True)
+    assert_pool_whole(engine)
+    return engine, run
+
+
+def check_hf(run: Run, hf_reference) -> None:
+    for i, (theirs, logits) in enumerate(hf_reference):
+        check_greedy_close(run.tokens[f"r{i}"], theirs, logits, TEXTS[i][-30:])
+        assert run.reason(f"r{i}") == ("eos_token" if theirs[-1] == EOS else "length")
+
+
+# ---- the tiny model: same tokens, same log-probabilities --------------------------------------
+#
+# The tiny random model's greedy choice barely depends on attention (it mostly repeats the last
+# token), so equal tokens alone prove little there: its events carry the raw log-probabilities of
+# the chosen and the top-5 tokens, and those must agree within LOGPROB_ATOL too. The step's ways of
+# attending (fresh causal prompt, chunk over cached positions, paged decode) differ by ~1e-6; dropping
+# one cached key, say, moves them by 1e-3 to 4e-2.
+
+LOGPROB_ATOL = 1e-4
+TOP = 5
+
+
+def outputs(run: Run) -> dict[str, list[tuple[int, float, list[float]]]]:
+    """Per request: (token, its logprob, the top logprobs) of each event."""
+    out: dict[str, list] = {}
+    for e in run.events:
+        if e.token_ids:
+            out.setdefault(e.id, []).append((e.token_ids[0], e.logprobs[0].logprob, e.logprobs[0].top_logprobs))
+    return out
+
+
+def assert_same_outputs(ours: Run, theirs: Run) -> None:
+    assert ours.tokens == theirs.tokens
+    a, b = outputs(ours), outputs(theirs)
+    assert a.keys() == b.keys()
+    for rid in a:
+        for position, ((_, lp, top), (_, their_lp, their_top)) in enumerate(zip(a[rid], b[rid])):
+            assert [lp, *top] == pytest.approx([their_lp, *their_top], abs=LOGPROB_ATOL), f"{rid} at {position}"
+
+
+def alone(runner, prompts: dict[str, list[int]], max_new_tokens: int, **sampling) -> Run:
+    """Each prompt alone in a fresh engine (Standard, no cache): the reference outputs."""
+    run = Run()
+    for rid, ids in prompts.items():
+        engine = Engine(runner, limits(), set())
+        engine.add_request(request(rid, ids, max_new_tokens=max_new_tokens, logprobs=TOP, **sampling))
+        run_until_idle(engine, run)
+    return run
+
+
+# ---- Mix: prompt chunks beside decode rows ----------------------------------------------------
+
+
+@pytest.mark.parametrize("chunk", [16, 32])
+def test_mix_equals_standard(tiny_runner, chunk):
+    """Prompts of 3 to 75 tokens (up to 5 chunks), chunked beside each other's decode rows."""
+    prompts = [prompt(n, start=30 + n) for n in (3, 75, 17, 40, 33)]
+    runs = []
+    for limit_kw in ({}, dict(mix=True, prefill_chunk_size=chunk)):
+        engine = Engine(tiny_runner, limits(**limit_kw), set())
+        for i, ids in enumerate(prompts):
+            engine.add_request(request(f"r{i}", ids, max_new_tokens=8, logprobs=TOP))
+        runs.append(run_until_idle(engine, check_blocks=True))
+        assert_pool_whole(engine)
+    assert_same_outputs(runs[1], runs[0])
+    assert runs[1].steps >= runs[0].steps + math.ceil(168 / chunk) - 1  # the 168 prompt tokens, chunk by chunk
+
+
+def test_a_long_prompt_is_chunked_while_every_decoding_request_gets_a_token_each_step(tiny_runner):
+    chunk, long_len = 16, 70
+    early = {"a": prompt(5, start=11), "b": prompt(7, start=23)}
+    late = prompt(long_len, start=40)
+    expected = alone(tiny_runner, {**early, "late": late}, 20)
+    engine = Engine(tiny_runner, limits(mix=True, prefill_chunk_size=chunk), set())
+    for rid, ids in early.items():
+        engine.add_request(request(rid, ids, max_new_tokens=20, logprobs=TOP))
+    run = Run()
+    run.record(engine.step())  # both prompts (12 tokens) fit one chunk
+    assert sorted(run.tokens) == ["a", "b"]
+    engine.add_request(request("late", late, max_new_tokens=20, logprobs=TOP))
+    chunk_steps = math.ceil(long_len / chunk)
+    for k in range(1, chunk_steps + 1):
+        events = engine.step()
+        run.record(events)
+        assert sorted(e.id for e in events) == (["a", "b", "late"] if k == chunk_steps else ["a", "b"])
+        assert all(len(e.token_ids) == 1 for e in events)
+        assert engine.seqs["late"].num_computed == min(k * chunk, long_len)
+        engine.blocks.check(engine.scheduler.running)
+    assert len(run.tokens["late"]) == 1 and len(run.tokens["a"]) == 1 + chunk_steps
+    run = run_until_idle(engine, run, check_blocks=True)
+    assert_same_outputs(run, expected)
+    assert_pool_whole(engine)
+
+
+def test_mix_greedy_matches_hf_generate_on_the_default_model(smol_runner, smol_prompts, hf_reference):
+    _, run = run_smol(smol_runner, smol_prompts, **MIX)
+    check_hf(run, hf_reference)
+
+
+# ---- prefix caching ---------------------------------------------------------------------------
+
+SHARED_IDS = prompt(3 * BLOCK, start=600)  # three whole blocks
+SUFFIXES = [prompt(7, start=20), prompt(11, start=40), prompt(1, start=60)]  # the last: all but one token cached
+SHARED_PROMPTS = {f"r{i}": SHARED_IDS + suffix for i, suffix in enumerate(SUFFIXES)}
+
+
+def shared_prefix_run(runner, prefix_cache: bool, order: str, limit_kw: dict | None = None, **sampling):
+    engine = Engine(runner, limits(**(limit_kw or {})), set(), prefix_cache=prefix_cache)
+    run = Run()
+    hits = []
+    for rid, ids in SHARED_PROMPTS.items():
+        engine.add_request(request(rid, ids, max_new_tokens=8, logprobs=TOP, **sampling))
+        if order == "one by one":
+            run = run_until_idle(engine, run, check_blocks=True)
+            hits.append(engine.blocks.prefix_hit_tokens)
+    run = run_until_idle(engine, run, check_blocks=True)
+    assert_pool_whole(engine)
+    return engine, run, hits
+
+
+@pytest.mark.parametrize("limit_kw", [{}, MIX], ids=["standard", "mix"])
+def test_prefix_cache_one_by_one_gives_the_same_outputs_and_hits_the_shared_blocks(tiny_runner, limit_kw):
+    """With the cache off and on, the outputs are each prompt's alone in Standard mode."""
+    expected = alone(tiny_runner, SHARED_PROMPTS, 8)
+    _, off, _ = shared_prefix_run(tiny_runner, False, "one by one", limit_kw)
+    engine, run, hits = shared_prefix_run(tiny_runner, True, "one by one", limit_kw)
+    assert_same_outputs(off, expected)
+    assert_same_outputs(run, expected)
+    assert hits == [0, 3 * BLOCK, 6 * BLOCK]  # the second and third reuse the three shared blocks
+    assert engine.blocks.prefix_queried_tokens == sum(len(ids) for ids in SHARED_PROMPTS.values())
+
+
+def test_prefix_cache_off_counts_nothing(tiny_runner):
+    engine, _, hits = shared_prefix_run(tiny_runner, False, "one by one")
+    assert hits == [0, 0, 0] and engine.blocks.prefix_queried_tokens == 0
+
+
+@pytest.mark.parametrize("limit_kw, hits", [({}, 0), (MIX, 6 * BLOCK)], ids=["standard", "mix"])
+def test_prefix_cache_with_requests_together_gives_the_same_outputs(tiny_runner, limit_kw, hits):
+    """Arriving together: Standard computes the prefix three times in one step (nothing to hit yet); Mix
+    chunks the first prompt (16 a step), and the others, admitted beside its last chunk, hit its blocks."""
+    expected = alone(tiny_runner, SHARED_PROMPTS, 8)
+    _, off, _ = shared_prefix_run(tiny_runner, False, "together", limit_kw)
+    engine, run, _ = shared_prefix_run(tiny_runner, True, "together", limit_kw)
+    assert_same_outputs(off, expected)
+    assert_same_outputs(run, expected)
+    assert engine.blocks.prefix_hit_tokens == hits
+
+
+def test_mix_a_prompt_admitted_while_a_shared_prefix_is_chunked_reuses_the_blocks_computed_so_far(tiny_runner):
+    """Chunks of 40: r0's first step computes 40 tokens (2 whole blocks); r1, admitted beside r0's
+    second chunk, finds those 2 blocks; r2, a step later, all 3 shared blocks."""
+    expected = alone(tiny_runner, SHARED_PROMPTS, 8)
+    engine = Engine(tiny_runner, limits(mix=True, prefill_chunk_size=40), set(), prefix_cache=True)
+    for rid, ids in SHARED_PROMPTS.items():
+        engine.add_request(request(rid, ids, max_new_tokens=8, logprobs=TOP))
+        if rid == "r0":
+            run = Run()
+            run.record(engine.step())
+            assert engine.seqs["r0"].num_computed == 40
+    run = run_until_idle(engine, run, check_blocks=True)
+    assert_same_outputs(run, expected)
+    assert engine.blocks.prefix_hit_tokens == 2 * BLOCK + 3 * BLOCK
+    assert_pool_whole(engine)
+
+
+def test_a_follow_up_turn_reuses_the_blocks_of_the_previous_answer(tiny_runner):
+    """The generated tokens' full blocks are cached too: a prompt that repeats the last exchange (40 prompt
+    + 30 generated tokens, 69 of them computed) and adds 5 finds 4 whole blocks."""
+    first = prompt(40, start=300)
+    engine = Engine(tiny_runner, limits(), set(), prefix_cache=True)
+    engine.add_request(request("turn1", first, max_new_tokens=30, logprobs=TOP, ignore_eos=True))
+    run = run_until_idle(engine, check_blocks=True)
+    follow_up = first + run.tokens["turn1"] + prompt(5, start=900)
+    engine.add_request(request("turn2", follow_up, max_new_tokens=8, logprobs=TOP))
+    run = run_until_idle(engine, run, check_blocks=True)
+    assert engine.blocks.prefix_hit_tokens == 4 * BLOCK
+    expected = alone(tiny_runner, {"turn2": follow_up}, 8)
+    ours = Run()
+    ours.record([e for e in run.events if e.id == "turn2"])
+    assert_same_outputs(ours, expected)
+    assert_pool_whole(engine)
+
+
+SEEDED = dict(do_sample=True, temperature=0.9, top_k=40, top_p=0.95, ignore_eos=True)
+
+
+@pytest.mark.parametrize("order", ["one by one", "together"])
+def test_prefix_cache_leaves_seeded_sampling_unchanged(tiny_runner, order):
+    expected = alone(tiny_runner, SHARED_PROMPTS, 8, seed=77, **SEEDED)
+    _, off, _ = shared_prefix_run(tiny_runner, False, order, seed=77, **SEEDED)
+    engine, run, _ = shared_prefix_run(tiny_runner, True, order, seed=77, **SEEDED)
+    assert_same_outputs(off, expected)
+    assert_same_outputs(run, expected)
+    assert len({tuple(t) for t in run.tokens.values()}) == 3  # sampled, not all alike
+    if order == "one by one":
+        assert engine.blocks.prefix_hit_tokens == 6 * BLOCK
+
+
+@pytest.mark.parametrize("limit_kw", [{}, MIX], ids=["standard", "mix"])
+def test_preemption_with_prefix_cache_completes_everything_and_returns_the_pool(small_pool_runner, tiny_runner,
+                                                                                limit_kw):
+    """6 blocks of 16; three 20-token prompts sharing their first block, growing to 60 tokens (4 blocks
+    each): they take turns, and a preempted one comes back over whatever of its blocks are still cached."""
+    prompts = {f"p{i}": prompt(16, start=500) + prompt(4, start=10 + 40 * i) for i in range(3)}
+    expected = alone(tiny_runner, prompts, 40)
+    engine = Engine(small_pool_runner, limits(max_preempt_count=2, **limit_kw), set(), prefix_cache=True)
+    for rid, ids in prompts.items():
+        engine.add_request(request(rid, ids, max_new_tokens=40, logprobs=TOP))
+    run = Run()
+    run.record(engine.step())
+    seqs = list(engine.seqs.values())
+    run = run_until_idle(engine, run, check_blocks=True)
+    assert sum(s.num_preemptions for s in seqs) > 0, "the pool was big enough: nothing was preempted"
+    assert engine.blocks.prefix_hit_tokens > 0
+    assert_same_outputs(run, expected)
+    assert all(run.reason(rid) == "length" for rid in prompts)
+    assert_pool_whole(engine)
+
+
+def test_prefix_cache_on_the_default_model_matches_hf_generate(smol_runner, smol_prompts, hf_reference):
+    """One by one (Standard) and together (Mix): the second shared-prefix prompt finds the first's blocks."""
+    engine, run = run_smol(smol_runner, smol_prompts, order="one by one", prefix_cache=True)
+    check_hf(run, hf_reference)
+    assert engine.blocks.prefix_hit_tokens == SMOL_HITS
+    engine, run = run_smol(smol_runner, smol_prompts, prefix_cache=True, **MIX)
+    check_hf(run, hf_reference)
+    assert engine.blocks.prefix_hit_tokens == SMOL_HITS  # the last prompt is admitted after the one before is computed
+
+
+# ---- the PyTorch ops (cuda, npu) --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kw", [{}, dict(prefix_cache=True, **MIX)], ids=["standard", "mix-prefix-cache"])
+def test_torch_ops_greedy_matches_hf_generate(smol_torch_ops_runner, smol_prompts, hf_reference, kw):
+    engine, run = run_smol(smol_torch_ops_runner, smol_prompts, **kw)
+    check_hf(run, hf_reference)
+    assert engine.blocks.prefix_hit_tokens == (SMOL_HITS if kw else 0)
+
+
+# ---- bfloat16 ---------------------------------------------------------------------------------
+
+# bfloat16 keeps 8 significant bits: the logits (|x| of 10 to 30) come out in steps of 0.06 to 0.125, so
+# two candidates closer than about two steps may tie or swap. The first difference from float32 must
+# be float32's second choice, within that gap.
+BF16_MAX_GAP = 0.3
+
+
+def check_close_to_events(ours: list[int], reference: list[TokenEvent], name: str, max_gap: float) -> None:
+    """check_greedy_close against our own float32 run, whose events carry their top-2 logprobs."""
+    theirs = [e.token_ids[0] for e in reference]
+    for position, (a, b) in enumerate(zip(ours, theirs)):
+        if a == b:
+            continue
+        top = reference[position].logprobs[0]
+        gap = top.top_logprobs[0] - top.top_logprobs[1]
+        assert a in top.top_ids, f"{name}: position {position}: {a} is not in float32's top-2"
+        assert gap < max_gap, f"{name}: position {position}: {a} != {b} and float32's top-2 gap is {gap:.4f}"
+        return
+    assert len(ours) == len(theirs), f"{name}: {len(ours)} tokens vs {len(theirs)}"
+
+
+@pytest.fixture(scope="module")
+def float32_events(smol_runner, smol_prompts) -> Run:
+    return run_smol(smol_runner, smol_prompts, logprobs=2)[1]
+
+
+@pytest.mark.parametrize("kw", [{}, dict(prefix_cache=True, **MIX)], ids=["standard", "mix-prefix-cache"])
+def test_bfloat16_greedy_matches_float32(smol_bf16_runner, float32_events, smol_prompts, kw):
+    reference = float32_events
+    engine, run = run_smol(smol_bf16_runner, smol_prompts, **kw)
+    assert engine.blocks.prefix_hit_tokens == (SMOL_HITS if kw else 0)
+    for i in range(len(smol_prompts)):
+        theirs = [e for e in reference.events if e.id == f"r{i}" and e.token_ids]
+        check_close_to_events(run.tokens[f"r{i}"], theirs, TEXTS[i][-30:], BF16_MAX_GAP)
+
+
+# ---- the heartbeat carries the prefix-cache counters ------------------------------------------
+
+
+def test_the_engine_heartbeat_carries_the_prefix_cache_counters(tiny_runner, tiny_model_dir, tmp_path):
+    from services.engine.service import EngineService
+    from shared.config import load_config
+    from tests.conftest import write_config
+
+    engine, _, _ = shared_prefix_run(tiny_runner, True, "one by one")
+    service = EngineService(load_config(write_config(tmp_path, tiny_model_dir)), None, engine, "cpu", None)
+    info = service.info()
+    assert info.prefix_queried_tokens_total == sum(len(ids) for ids in SHARED_PROMPTS.values())
+    assert info.prefix_hit_tokens_total == 6 * BLOCK
