@@ -29,6 +29,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     """One token per row; ``logits`` is modified in place (penalties)."""
     for seq in seqs:
         check_sampling(seq.sampling)
+    if all(plain_greedy(seq.sampling) for seq in seqs):
+        return greedy_only(logits)
     raw_best = best_finite(logits)
     apply_repetition_penalty(logits, seqs)
     apply_output_penalties(logits, seqs)
@@ -43,6 +45,22 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         if valid[j]:  # otherwise the greedy token already in place
             tokens[i] = int(torch.multinomial(probs[j], 1, generator=generator_for(seq, probs.device)))
     return tokens
+
+
+def plain_greedy(sampling: Sampling) -> bool:
+    """Greedy with no penalty: the token is the raw argmax."""
+    return (not draws(sampling) and sampling.repetition_penalty == 1.0
+            and sampling.presence_penalty == 0.0 and sampling.frequency_penalty == 0.0)
+
+
+def greedy_only(logits: torch.Tensor) -> list[int]:
+    """The all-greedy batch (the common case): one pass over the logits; only a row whose maximum is
+    NaN or -inf (NaN logits, or none finite) takes the NaN-ignoring argmax."""
+    best, index = logits.max(dim=-1)
+    broken = best.isnan() | (best == float("-inf"))
+    if bool(broken.any()):
+        index = torch.where(broken, best_finite(logits), index)
+    return index.tolist()
 
 
 def draws(sampling: Sampling) -> bool:

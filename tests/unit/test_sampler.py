@@ -193,6 +193,16 @@ def test_greedy_rows_are_argmax_whatever_their_seed():
     assert sample(logits.clone(), seqs) == logits.argmax(-1).tolist()
 
 
+def test_all_greedy_batch_falls_back_per_row_for_nan_and_all_inf():
+    logits = random_logits(3, seed=5)
+    logits[1, 7] = float("nan")  # NaN ignored: the argmax of the rest
+    logits[2] = float("-inf")
+    expected = [int(logits[0].argmax()), int(logits[1].nan_to_num(nan=float("-inf")).argmax()), 0]
+    assert sample(logits.clone(), [seq(do_sample=False) for _ in range(3)]) == expected
+    penalised = [seq(do_sample=False), seq(do_sample=False, repetition_penalty=1.2), seq(do_sample=False)]
+    assert sample(logits.clone(), penalised) == expected  # the general path agrees
+
+
 def test_warpers_without_do_sample_mean_sampling():
     assert seq(temperature=0.5).sampling.sampling
     assert not seq().sampling.sampling
