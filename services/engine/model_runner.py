@@ -7,9 +7,9 @@ step's tokens go through each linear layer as one matrix product; attention is p
 
 - decode rows (the step's first rows, one token each) attend over their cached positions through
   their block tables in one ``paged_decode`` call, with nothing gathered;
-- a prompt computed from position 0 attends to its own fresh keys (causal SDPA);
-- a chunk or a prompt after a cached prefix gathers its earlier positions from the cache and
-  attends to them plus its own keys (SDPA with the offset causal mask).
+- a prompt, a prompt chunk or a prompt after a cached prefix reads its positions from the cache
+  (its own keys were just written there) and attends with a causal mask offset by what came
+  before: one path, so a row's result does not depend on how its prompt was chunked or cached.
 
 The cache is ``[layers, kv_heads, slots, head_dim]`` for K and for V: slot = block * block_size +
 offset, so one head's block of positions is contiguous. The small per-layer operations (norms,
@@ -45,12 +45,12 @@ class UnsupportedModel(RuntimeError):
 
 @dataclass
 class Chunk:
-    """A prefill item's rows [start, end) in the step, and where its earlier positions are."""
+    """A prefill item's rows [start, end) in the step, and where its positions are."""
 
     start: int
     end: int
-    context: int  # positions already in the cache before this chunk
-    context_slots: torch.Tensor | None  # slots of positions [0, context + n) when context > 0
+    slots: torch.Tensor  # cache slots of positions [0, context + n): earlier ones and its own
+    mask: torch.Tensor  # [n, context + n]: row i sees positions up to context + i
 
 
 @dataclass
@@ -146,10 +146,7 @@ class ModelRunner:
                 tables.append(seq.block_table[: (start + self.block_size) // self.block_size])
                 lens.append(start + 1)
             else:
-                context = None
-                if start > 0:
-                    context = self._long(self._slot(seq.block_table, p) for p in range(start + n))
-                chunks.append(Chunk(row, row + n, start, context))
+                chunks.append(self._chunk(seq, row, start, n))
             if item.samples:
                 sample_rows.append(len(ids) - 1)
         self._rope_tables(max(positions) + 1)
@@ -160,6 +157,11 @@ class ModelRunner:
             decode_lens = self._long(lens)
         return Batch(self._long(ids), self._long(positions), self._long(slots), num_decode, decode_tables,
                      decode_lens, chunks, self._long(sample_rows))
+
+    def _chunk(self, seq, row: int, start: int, n: int) -> Chunk:
+        positions = torch.arange(start + n, device=self.device)
+        mask = positions[None, :] <= (start + torch.arange(n, device=self.device))[:, None]
+        return Chunk(row, row + n, self._long(self._slot(seq.block_table, p) for p in range(start + n)), mask)
 
     def _check_ids(self, ids: list[int]) -> None:
         """Raise for an id the embedding has no row for (on a GPU the lookup would abort the device)."""
@@ -226,18 +228,16 @@ class ModelRunner:
         return out
 
     def _attend_chunk(self, index: int, qkv: torch.Tensor, chunk: Chunk) -> torch.Tensor:
-        n, h, kvh, d = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        """Query i (position context + i) attends to positions [0, context + i], read from the cache.
+
+        Every chunk takes this one path, a prompt's first chunk included: a row's result then depends
+        only on its own position and keys, not on how the prompt was cut into chunks or which prefix
+        came from the cache (in bfloat16 a different kernel path flips near-tie tokens)."""
+        n, h, d = qkv.shape[0], self.num_heads, self.head_dim
         q = qkv[:, : h * d].view(n, h, d).transpose(0, 1)[None]
-        if chunk.context_slots is None:  # from position 0: its own keys, causal
-            kv = qkv[:, h * d:].view(n, 2, kvh, d)
-            k, v = kv[:, 0].transpose(0, 1)[None], kv[:, 1].transpose(0, 1)[None]
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
-        else:  # after cached positions: query i (position context + i) sees keys [0, context + i]
-            k = self.k_cache[index].index_select(1, chunk.context_slots)[None]
-            v = self.v_cache[index].index_select(1, chunk.context_slots)[None]
-            keys = torch.arange(chunk.context + n, device=qkv.device)
-            mask = keys[None, :] <= (chunk.context + torch.arange(n, device=qkv.device))[:, None]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
+        k = self.k_cache[index].index_select(1, chunk.slots)[None]
+        v = self.v_cache[index].index_select(1, chunk.slots)[None]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.mask, scale=self.scale, enable_gqa=True)
         return o[0].transpose(0, 1).reshape(n, h * d)
 
 
