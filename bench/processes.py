@@ -50,9 +50,9 @@ def stop(proc: subprocess.Popen) -> None:
 
 @contextmanager
 def server(name: str, cmd: list[str], log: Path, ready: Callable[[], bool], cwd: Path | None = None,
-           env: dict[str, str] | None = None, start_timeout: float | None = None) -> Iterator[None]:
+           env: dict[str, str] | None = None, start_timeout: float | None = None) -> Iterator[subprocess.Popen]:
     """Start ``cmd`` (output to ``log``), wait until ``ready()`` (at most ``start_timeout`` seconds,
-    SERVER_START_TIMEOUT_S by default), and always stop it afterwards."""
+    SERVER_START_TIMEOUT_S by default), yield its process, and always stop it afterwards."""
     limit = start_timeout or SERVER_START_TIMEOUT_S
     print(f"[{name}] starting: {' '.join(cmd)}  (log: {log})", flush=True)
     started = time.monotonic()
@@ -67,10 +67,34 @@ def server(name: str, cmd: list[str], log: Path, ready: Callable[[], bool], cwd:
                 raise Blocked(f"{name} not ready after {limit:.0f}s:\n{log_tail(log)}")
             time.sleep(0.5)
         print(f"[{name}] ready after {time.monotonic() - started:.1f}s", flush=True)
-        yield
+        yield proc
     finally:
         stop(proc)
         print(f"[{name}] stopped", flush=True)
+
+
+def tree_cpu_seconds(root: int) -> dict[int, float]:
+    """CPU seconds (user + system, all threads) of ``root`` and of every process below it, found by parent
+    or by session (``server`` starts each command as a session leader); Linux /proc only."""
+    stats: dict[int, tuple[int, int, int]] = {}  # pid: (parent, session, clock ticks)
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:  # exited meanwhile
+                continue
+            stats[int(entry.name)] = (int(fields[1]), int(fields[3]), int(fields[11]) + int(fields[12]))
+    children: dict[int, list[int]] = {}
+    for pid, (parent, _, _) in stats.items():
+        children.setdefault(parent, []).append(pid)
+    tree, todo = set(), [root, *(pid for pid, (_, session, _) in stats.items() if session == root)]
+    while todo:
+        pid = todo.pop()
+        if pid in stats and pid not in tree:
+            tree.add(pid)
+            todo += children.get(pid, [])
+    tick = os.sysconf("SC_CLK_TCK")
+    return {pid: stats[pid][2] / tick for pid in tree}
 
 
 def http_ok(url: str) -> bool:
