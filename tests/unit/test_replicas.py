@@ -70,3 +70,14 @@ def test_pin_device_counts_within_the_visible_devices():
     assert env["CUDA_VISIBLE_DEVICES"] == "6"
     with pytest.raises(ConfigError, match="shows only 2"):
         pin_device(2, {"CUDA_VISIBLE_DEVICES": "4,6"})
+
+
+def test_a_lone_cpu_engine_binds_its_openmp_threads_unless_the_environment_says_otherwise():
+    from switchboard.cli import bind_openmp_threads
+
+    environ: dict[str, str] = {}
+    bind_openmp_threads(environ)
+    assert environ == {"OMP_PROC_BIND": "true", "OMP_PLACES": "cores"}
+    mine = {"OMP_PROC_BIND": "false"}
+    bind_openmp_threads(mine)
+    assert mine == {"OMP_PROC_BIND": "false"}
