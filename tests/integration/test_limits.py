@@ -11,14 +11,15 @@ from switchboard.natsd import EmbeddedNats
 from tests.conftest import write_config
 from tests.integration.stack import Stack
 
-LONG = {"prompt": "My name is Olivier and I", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+# Long enough to still be running a second later, however fast the engine is.
+LONG = {"prompt": "My name is Olivier and I", "max_tokens": 2000, "temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
 def one_link_stack(tmp_path_factory, tiny_model_dir):
     with EmbeddedNats() as url:
         config = write_config(tmp_path_factory.mktemp("limits"), tiny_model_dir, Switchboard={"natsUrl": url},
-                              ServerConfig={"maxLinkNum": 1})
+                              ServerConfig={"maxLinkNum": 1}, **{"BackendConfig.ScheduleConfig": {"maxIterTimes": 2000}})
         stack = Stack(config, url)
         try:
             yield stack.start()

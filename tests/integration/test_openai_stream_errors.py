@@ -16,7 +16,10 @@ LONG = {"max_tokens": 100000, "temperature": 0, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def short_stack(tmp_path_factory, tiny_model_dir):
-    with running_stack(tmp_path_factory.mktemp("openai-e2e"), tiny_model_dir, ServerConfig={"e2eTimeout": 1}) as stack:
+    # Room for 8000 new tokens: more than the tiny model generates in a second, however fast the engine.
+    with running_stack(tmp_path_factory.mktemp("openai-e2e"), tiny_model_dir, ServerConfig={"e2eTimeout": 1}, **{
+            "BackendConfig.ModelDeployConfig": {"maxSeqLen": 8192},
+            "BackendConfig.ScheduleConfig": {"maxIterTimes": 8000}}) as stack:
         yield stack
 
 
