@@ -102,8 +102,10 @@ class Scheduler:
 
     def _schedule_mix(self) -> list[Scheduled]:
         """Mix (SplitFuse): every decoding sequence, plus up to prefillChunkSize prompt tokens,
-        continuing half-computed prompts before admitting new ones. A step that had to preempt
-        admits nothing: the blocks it freed are for the sequences already running."""
+        continuing half-computed prompts before admitting new ones. A prompt's pieces end at fixed
+        multiples of prefillChunkSize (``_piece``): one that does not fit what is left of the budget
+        waits for the next step rather than being cut elsewhere. A step that had to preempt admits
+        nothing: the blocks it freed are for the sequences already running."""
         preemptions = self.num_preemptions
         decode = self._schedule_decode()
         budget = self.limits.prefill_chunk_size
@@ -115,15 +117,26 @@ class Scheduler:
         for seq in [s for s in self.running if s.is_prefilling]:
             if not room():
                 break
-            prefill.append(Scheduled(seq, min(seq.num_uncomputed, budget)))
+            if self._piece(seq) > budget:
+                continue  # a later, shorter piece may fit
+            prefill.append(Scheduled(seq, self._piece(seq)))
             budget -= prefill[-1].num_tokens
         while room() and self.waiting and self.num_preemptions == preemptions:
             seq = self.waiting[0]
             if not self._admit(seq):
                 break
-            prefill.append(Scheduled(seq, min(seq.num_uncomputed, budget)))
+            if self._piece(seq) > budget:
+                break  # admitted; its first piece goes in the next step
+            prefill.append(Scheduled(seq, self._piece(seq)))
             budget -= prefill[-1].num_tokens
         return decode + prefill
+
+    def _piece(self, seq: Sequence) -> int:
+        """The sequence's next prompt piece: up to the next multiple of prefillChunkSize from position 0,
+        or its end. Fixed boundaries make a prompt's chunks the same whatever shares the step or came
+        from the prefix cache, so its K/V, and in bfloat16 its tokens, do not depend on them."""
+        size = self.limits.prefill_chunk_size
+        return min(seq.num_uncomputed, size - seq.num_computed % size)
 
     def _admit(self, seq: Sequence) -> bool:
         """Move the first waiting sequence to running with its blocks, if a slot and blocks allow."""

@@ -65,9 +65,21 @@ def test_mix_continues_a_partial_prompt_before_admitting_the_next():
     sched.add(a)
     sched.add(b)
     assert rows(step(sched)) == [("a", 256)]
-    assert rows(step(sched)) == [("a", 44), ("b", 212)]
-    assert rows(step(sched)) == [("a", 1), ("b", 88)]
+    assert rows(step(sched)) == [("a", 44)]  # b is admitted, but its first piece (256) waits for a whole budget
+    assert rows(step(sched)) == [("a", 1), ("b", 256)]
+    assert rows(step(sched)) == [("a", 1), ("b", 44)]
     assert rows(step(sched)) == [("a", 1), ("b", 1)]
+
+
+def test_mix_pieces_end_at_multiples_of_the_chunk_size_whatever_else_runs():
+    sched = scheduler(mix=True, prefill_chunk_size=64)
+    short, long = seq("short", 40), seq("long", 150, start=5000)
+    sched.add(short)
+    sched.add(long)
+    assert rows(step(sched)) == [("short", 40)]  # long's first piece (64) does not fit the 24 left
+    assert rows(step(sched)) == [("short", 1), ("long", 64)]
+    assert rows(step(sched)) == [("short", 1), ("long", 64)]
+    assert rows(step(sched)) == [("short", 1), ("long", 22)]
 
 
 def test_mix_admits_within_max_prefill_batch_size_and_the_free_blocks():
