@@ -96,12 +96,27 @@ class ModelConfig(Struct, kw_only=True):
     trust_remote_code: bool = False
 
 
+class LoraModule(Struct, kw_only=True):
+    """One element of ModelDeployConfig.LoraModules: an adapter loaded at start (reference §1.4)."""
+
+    name: Annotated[str, Meta(pattern=r"^[a-zA-Z0-9_-]{1,256}$")]
+    path: Annotated[str, Meta(min_length=1)]
+    """the PEFT adapter folder; relative to the config file's folder, as modelWeightPath."""
+    base_model_name: str = ""
+    """must be the served modelName; empty = that model."""
+
+
 class ModelDeployConfig(Struct, kw_only=True):
     """BackendConfig.ModelDeployConfig (reference §1.4)."""
 
     max_seq_len: Annotated[int, Meta(ge=1)] = 2560
     max_input_token_len: Annotated[int, Meta(ge=1, le=4194304)] = 2048
     truncation: int | bool = 0
+    max_loras: Annotated[int, Meta(ge=0, le=1024)] = 8
+    """LoRA adapters an engine holds at once (loaded ones and ones still unloading); 0 = none."""
+    max_lora_rank: Annotated[int, Meta(ge=1, le=1024)] = 64
+    """the largest adapter rank a load accepts."""
+    lora_modules: list[LoraModule] = field(default_factory=list, name="LoraModules")
     model_config: Annotated[list[ModelConfig], Meta(min_length=1)] = field(name="ModelConfig")
 
     @property
@@ -316,5 +331,21 @@ def _check_cross_keys(cfg: Config) -> None:
         )
     if d.max_seq_len < 2:
         raise ConfigError(f"BackendConfig.ModelDeployConfig.maxSeqLen: must be >= 2, got {d.max_seq_len}")
+    _check_lora_modules(cfg)
     if isinstance(d.truncation, int) and not isinstance(d.truncation, bool) and d.truncation not in (-1, 0, 1):
         raise ConfigError(f"BackendConfig.ModelDeployConfig.truncation: must be -1, 0, 1, true or false, got {d.truncation}")
+
+
+def _check_lora_modules(cfg: Config) -> None:
+    d, key = cfg.deploy, "BackendConfig.ModelDeployConfig.LoraModules"
+    if len(d.lora_modules) > d.max_loras:
+        raise ConfigError(f"{key}: {len(d.lora_modules)} adapters, more than maxLoras ({d.max_loras})")
+    seen: set[str] = set()
+    for i, module in enumerate(d.lora_modules):
+        if module.base_model_name and module.base_model_name != cfg.model.model_name:
+            raise ConfigError(f"{key}[{i}].baseModelName: must be the modelName {cfg.model.model_name!r}, "
+                              f"got {module.base_model_name!r}")
+        if module.name in seen or module.name == cfg.model.model_name:
+            raise ConfigError(f"{key}[{i}].name: {module.name!r} is already the name of "
+                              + ("another adapter" if module.name in seen else "the model"))
+        seen.add(module.name)

@@ -66,6 +66,7 @@ class GenerateRequest(Msg):
     arrival: float = 0.0  # unix time the gateway received it
     gateway: str = ""  # the owning gateway instance: when its lease runs out, its requests are cancelled
     resume_ids: list[int] = []  # a resumed request: the tokens its client already has (seed pinned)
+    adapter: str = ""  # the LoRA adapter it runs with; "" = the base model
 
 
 # ---- to the engine ----------------------------------------------------------------------------
@@ -81,6 +82,7 @@ class EngineRequest(Msg):
     deadline_reason: str = "server e2eTimeout"  # or "client timeout": said in the timeout error
     generated_ids: list[int] = []  # a resumed request: tokens generated before (the cache is recomputed)
     tokenizer: str = ""  # the tokenizer instance it reports to: when its lease runs out, the request ends
+    adapter: str = ""  # the LoRA adapter it runs with; "" = the base model
 
 
 class Cancel(Msg):
@@ -168,6 +170,7 @@ GatewayEvent = Union[Started, Output, Failed]
 
 class Received(Msg, tag="received"):
     model: str
+    adapter: str = ""  # the request's LoRA adapter ("" = base model): a label on the request counters
 
 
 class Queued(msgspec.Struct, tag="queued", omit_defaults=True):
@@ -190,6 +193,7 @@ class Finished(Msg, tag="finished"):
     prompt_tokens: int
     generated_tokens: int
     finish_reason: str
+    adapter: str = ""
 
 
 MetricsEvent = Union[Received, Queued, FirstToken, Finished]
@@ -200,6 +204,13 @@ MetricsEvent = Union[Received, Queued, FirstToken, Finished]
 
 class Ping(msgspec.Struct, omit_defaults=True):
     trace: dict[str, str] = {}
+
+
+class Adapter(msgspec.Struct, omit_defaults=True):
+    """A LoRA adapter an engine has loaded: its name and the folder it was read from (as resolved there)."""
+
+    name: str
+    path: str
 
 
 class EngineInfo(msgspec.Struct, omit_defaults=True):
@@ -222,6 +233,25 @@ class EngineInfo(msgspec.Struct, omit_defaults=True):
     stopping: bool = False  # draining: it takes no new request
     prefix_queried_tokens_total: int = 0  # prefix cache, since start: prompt tokens looked up (0 when off) ...
     prefix_hit_tokens_total: int = 0  # ... of those, tokens found cached (whole blocks)
+    adapters: list[Adapter] = []  # LoRA adapters loaded and taking requests
+    unloading: list[str] = []  # adapters unloaded that still finish the requests using them
+    adapters_version: int = 0  # the adapter set's version: a peer with a newer one is followed
+
+
+class LoraCommand(msgspec.Struct, omit_defaults=True):
+    """Gateway to one engine (``subjects.engine_lora``): load or unload an adapter; answered by LoraReply.
+    ``version`` is the adapter set's version after this change (the gateway's newest seen plus one)."""
+
+    op: str  # load | unload
+    name: str
+    path: str = ""
+    version: int = 0
+    trace: dict[str, str] = {}
+
+
+class LoraReply(msgspec.Struct, omit_defaults=True):
+    outcome: str  # a shared.lora.Outcome value
+    message: str  # MindIE's text for it
 
 
 class Heartbeat(msgspec.Struct, omit_defaults=True):

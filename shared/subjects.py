@@ -36,6 +36,11 @@ def engine_instance(model: str, instance: str) -> str:
     return f"{PREFIX}.engine.{model}.{instance}.generate"
 
 
+def engine_lora(model: str, instance: str) -> str:
+    """gateway -> one engine instance: load or unload a LoRA adapter (request/reply)."""
+    return f"{PREFIX}.engine.{model}.{instance}.lora"
+
+
 def tokenizer_instance(instance: str) -> str:
     """gateway -> one tokenizer instance: a retried or resumed request goes to one known to be live."""
     return f"{PREFIX}.tokenizer.{instance}.generate"
