@@ -59,7 +59,7 @@ class Engine:
     def __init__(self, runner: ModelRunner, limits: Limits, eos_token_ids: set[int], prefix_cache: bool = False):
         self.runner = runner
         self.blocks = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_cache=prefix_cache)
-        self.scheduler = Scheduler(limits, self.blocks, eos_token_ids)
+        self.scheduler = Scheduler(limits, self.blocks, eos_token_ids, on_finish=self._release_adapter)
         self.inbox: queue.SimpleQueue[EngineRequest | _Abort] = queue.SimpleQueue()
         self.seqs: dict[str, Sequence] = {}
         self.stats = Stats()
@@ -177,12 +177,20 @@ class Engine:
             error = ErrorInfo(ErrorKind.GENERATION, f"the request needs up to {needed} KV-cache blocks but the pool holds "
                                                     f"{self.blocks.num_blocks}; raise Switchboard.kvCacheMemoryMb")
             return [TokenEvent(req.id, [], "error", error)]
+        slot = self.runner.lora.acquire(req.adapter) if req.adapter else None
+        if req.adapter and slot is None:
+            error = ErrorInfo(ErrorKind.NOT_FOUND, f"LoRA adapter '{req.adapter}' is not loaded")
+            return [TokenEvent(req.id, [], "error", error)]
         seq = Sequence(req.id, req.prompt_ids, req.sampling, priority=req.priority, deadline=req.deadline,
-                       deadline_reason=req.deadline_reason, last_event_at=time.time(), arrival=req.arrival)
+                       deadline_reason=req.deadline_reason, last_event_at=time.time(), arrival=req.arrival, lora=slot)
         seq.token_ids.extend(req.generated_ids)  # resumed: its first prefill recomputes their cache too
         self.seqs[req.id] = seq
         self.scheduler.add(seq)
         return []
+
+    def _release_adapter(self, seq: Sequence) -> None:
+        if seq.lora is not None:
+            self.runner.lora.release(seq.lora)
 
     def fail_all(self, message: str) -> list[TokenEvent]:
         """Last resort: end every request with an internal error (a step raised outside the per-request

@@ -72,6 +72,18 @@ class TorchOps:
         out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
         return out.reshape(n, num_heads * head_dim)
 
+    @staticmethod
+    def lora_apply(y, x, a_parts, bts, row_off, row_rank) -> None:
+        """y[:, cols of target t] += ((x A_t^T) masked to each row's rank range) Bt_t, in place."""
+        rank_space = bts[0].shape[0]
+        cols = torch.arange(rank_space, device=x.device)[None]
+        mask = ((cols >= row_off[:, None]) & (cols < (row_off + row_rank)[:, None])).to(x.dtype)
+        col = 0
+        for a, bt in zip(a_parts, bts):
+            width = bt.shape[1]
+            y[:, col:col + width] += ((x @ a.t()) * mask) @ bt
+            col += width
+
 
 def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
     """[Hkv, S, D] cache, [N, NB] block tables -> [N, Hkv, NB * block_size, D]: each row's positions in order."""
@@ -92,6 +104,7 @@ class CpuOps(TorchOps):
         self.silu_mul = module.silu_mul
         self.rope_store = module.rope_store
         self.paged_decode = module.paged_decode
+        self.lora_apply = module.lora_apply
 
 
 def cpu_flags() -> str:

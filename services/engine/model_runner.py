@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from services.engine import kernels, linears
 from services.engine.devices import Device
+from services.engine.lora import GroupStack, LoraSet, Rows
 from services.engine.scheduler import Scheduled
 
 log = logging.getLogger("switchboard.engine")
@@ -63,11 +64,12 @@ class Batch:
     decode_lens: torch.Tensor | None  # [num_decode] positions each decode row attends to
     chunks: list[Chunk]
     sample_rows: torch.Tensor  # [S] rows whose logits are sampled, in item order
+    lora: Rows | None = None  # each row's adapter; None when no row has one
 
 
 class ModelRunner:
     def __init__(self, path: str, device: Device, block_size: int, kv_budget_bytes: int, max_blocks: int,
-                 batch_hint: int = 16, cpu_kernels: bool = True):
+                 batch_hint: int = 16, cpu_kernels: bool = True, max_loras: int = 0, max_lora_rank: int = 64):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         config = AutoConfig.from_pretrained(path)
@@ -89,6 +91,7 @@ class ModelRunner:
         self.k_cache, self.v_cache = self._allocate_cache()
         self.cos = self.sin = torch.empty(0, self.head_dim // 2)
         self._rope_tables(1024)
+        self.lora = LoraSet(config, self.device, self.dtype, max_loras, max_lora_rank)
         log.info("model runner ready", extra={"dtype": str(self.dtype), "fused_ops": self.ops.fused})
 
     @property
@@ -156,7 +159,8 @@ class ModelRunner:
             decode_tables = self._long(b for t in tables for b in t + [0] * (width - len(t))).view(len(tables), width)
             decode_lens = self._long(lens)
         return Batch(self._long(ids), self._long(positions), self._long(slots), num_decode, decode_tables,
-                     decode_lens, chunks, self._long(sample_rows))
+                     decode_lens, chunks, self._long(sample_rows),
+                     self.lora.rows([(item.seq.lora, item.num_tokens) for item in items], self.device))
 
     def _chunk(self, seq, row: int, start: int, n: int) -> Chunk:
         positions = torch.arange(start + n, device=self.device)
@@ -191,16 +195,27 @@ class ModelRunner:
     def _layer(self, index: int, layer, lin: linears.LayerLinears, x, residual, after, batch: Batch) -> torch.Tensor:
         """One decoder layer on the normed input ``x``; ``residual`` is updated in place. Returns the
         residual normed by ``after`` (the next layer's input norm, or the final norm)."""
-        qkv = lin.qkv(x)
+        stacks = self.lora.stacks[index] if batch.lora is not None else None
+        qkv = self._lora(lin.qkv(x), x, stacks, "qkv", batch)
         attn = layer.self_attn
         if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm of each head's q and k before the rotation
             self._qk_norm(qkv, attn)
         self.ops.rope_store(qkv, self.cos, self.sin, batch.positions, self.k_cache[index], self.v_cache[index],
                             batch.slots, self.num_heads, self.num_kv_heads, self.head_dim)
         o = self._attend(index, qkv, batch)
-        x = self.ops.add_rms_norm(lin.o(o), residual, *_norm(layer.post_attention_layernorm))
-        x = self.ops.add_rms_norm(lin.down(lin.act_mul(self.ops, lin.gate_up(x))), residual, *_norm(after))
+        x = self.ops.add_rms_norm(self._lora(lin.o(o), o, stacks, "o", batch), residual,
+                                  *_norm(layer.post_attention_layernorm))
+        act = lin.act_mul(self.ops, self._lora(lin.gate_up(x), x, stacks, "gate_up", batch))
+        x = self.ops.add_rms_norm(self._lora(lin.down(act), act, stacks, "down", batch), residual, *_norm(after))
         return x
+
+    def _lora(self, y: torch.Tensor, x: torch.Tensor, stacks: dict[str, GroupStack] | None, group: str,
+              batch: Batch) -> torch.Tensor:
+        """``y`` (a projection group's base output for input ``x``) plus each row's adapter, in place."""
+        if stacks is not None:
+            stack = stacks[group]
+            self.ops.lora_apply(y, x, stack.a_parts, stack.bts, batch.lora.off, batch.lora.rank)
+        return y
 
     def _qk_norm(self, qkv: torch.Tensor, attn) -> None:
         n, q_width = qkv.shape[0], self.num_heads * self.head_dim

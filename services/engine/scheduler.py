@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from typing import Callable
 
 from services.engine.block_manager import BlockManager
 from services.engine.sequence import Sequence, Status
@@ -50,10 +51,12 @@ class Finish:
 
 
 class Scheduler:
-    def __init__(self, limits: Limits, blocks: BlockManager, eos_token_ids: set[int]):
+    def __init__(self, limits: Limits, blocks: BlockManager, eos_token_ids: set[int],
+                 on_finish: Callable[[Sequence], None] = lambda seq: None):
         self.limits = limits
         self.blocks = blocks
         self.eos_token_ids = eos_token_ids
+        self.on_finish = on_finish  # called once per sequence, however it ends
         self.waiting: list[Sequence] = []  # sorted by (priority, arrival)
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -225,5 +228,7 @@ class Scheduler:
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
         self.blocks.free(seq)
-        seq.status = Status.FINISHED
+        if seq.status is not Status.FINISHED:
+            seq.status = Status.FINISHED
+            self.on_finish(seq)
         return Finish(seq, reason)

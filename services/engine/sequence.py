@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 from shared.messages import Sampling
 
@@ -39,6 +40,7 @@ class Sequence:
     status: Status = Status.WAITING
     num_preemptions: int = 0
     order: int = field(default_factory=lambda: next(_counter))
+    lora: Any = None  # the LoRA adapter's Slot it runs with (held until it finishes); None = base model
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)
@@ -62,6 +64,11 @@ class Sequence:
     @property
     def is_prefilling(self) -> bool:
         return self.num_uncomputed > 1
+
+    @property
+    def cache_salt(self) -> bytes:
+        """The first block's hash parent: K/V computed with an adapter are that adapter's (load's) own."""
+        return self.lora.uid if self.lora is not None else b""
 
     @property
     def last_token(self) -> int:

@@ -42,12 +42,23 @@ def build_engine(cfg: Config) -> tuple[Engine, str]:
         max_blocks=sc.max_batch_size * blocks_per_seq,
         batch_hint=sc.max_batch_size,
         cpu_kernels=cfg.switchboard.cpu_kernels,
+        max_loras=deploy.max_loras,
+        max_lora_rank=deploy.max_lora_rank,
     )
+    load_lora_modules(runner, cfg)
     limits = Limits(sc.max_batch_size, sc.prefill_batch_size, sc.max_prefill_tokens, deploy.max_seq_len,
                     token_timeout_s=float(cfg.server.token_timeout), max_preempt_count=sc.max_preempt_count,
                     max_queue_delay_s=sc.max_queue_delay_microseconds / 1e6,
                     prefill_chunk_size=sc.prefill_chunk_size, mix=sc.template_type == "Mix")
     return Engine(runner, limits, eos_token_ids(runner), prefix_cache=sc.enable_prefix_cache), device.kind
+
+
+def load_lora_modules(runner: ModelRunner, cfg: Config) -> None:
+    """The adapters of ``LoraModules``: a start-up failure names the adapter and why."""
+    for i, module in enumerate(cfg.deploy.lora_modules):
+        reply = runner.lora.load(module.name, str(cfg.resolve_path(module.path)))
+        if not reply.outcome.ok:
+            raise RuntimeError(f"BackendConfig.ModelDeployConfig.LoraModules[{i}] ({module.name}): {reply.message}")
 
 
 def eos_token_ids(runner: ModelRunner) -> set[int]:

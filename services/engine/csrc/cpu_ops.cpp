@@ -2,8 +2,9 @@
 //
 // Each replaces a chain of small PyTorch operations whose cost on a CPU is dispatch and an OpenMP
 // barrier per operation rather than arithmetic: RMSNorm (8 ops), residual add + RMSNorm, SiLU(gate) * up
-// (3 ops), rotary embedding of q and k plus the K/V cache write (14 ops), and attention of one new token
-// per sequence over its paged KV cache (a gather of every cached position, a mask and SDPA). Arithmetic
+// (3 ops), rotary embedding of q and k plus the K/V cache write (14 ops), attention of one new token
+// per sequence over its paged KV cache (a gather of every cached position, a mask and SDPA), and the
+// LoRA of a batch whose rows use different adapters (2 matrix products per adapter and projection). Arithmetic
 // is in float32 whatever the storage type, as transformers' own RMSNorm does.
 
 #include <torch/extension.h>
@@ -265,10 +266,49 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache,
   return out;
 }
 
+// LoRA of one projection group, every row with its own adapter (punica's BGMV): for row i and target
+// t, y[i, cols of t] += (x[i] . A_t[j]) * Bt_t[j] summed over j in [off[i], off[i] + rank[i]).
+// x [T, in], y [T, sum out_t] (unit column stride), A_t [R, in] and Bt_t [R, out_t] contiguous;
+// rank 0: no adapter. Each row's sum runs in float32 in a fixed order, whatever else the batch holds.
+void lora_apply(torch::Tensor& y, const torch::Tensor& x, const std::vector<torch::Tensor>& as,
+                const std::vector<torch::Tensor>& bts, const torch::Tensor& row_off, const torch::Tensor& row_rank) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && y.dim() == 2 && y.stride(1) == 1, "lora_apply: x, y [T, *]");
+  TORCH_CHECK(as.size() == bts.size() && !as.empty(), "lora_apply: one A and one Bt per target");
+  const int64_t n = x.size(0), in = x.size(1), k = static_cast<int64_t>(as.size());
+  std::vector<int64_t> col0(k + 1, 0);
+  for (int64_t t = 0; t < k; ++t) {
+    TORCH_CHECK(as[t].is_contiguous() && bts[t].is_contiguous() && as[t].size(1) == in, "lora_apply: A_t, Bt_t");
+    col0[t + 1] = col0[t] + bts[t].size(1);
+  }
+  TORCH_CHECK(col0[k] == y.size(1), "lora_apply: y's width is the targets' outputs together");
+  const auto *off = row_off.data_ptr<int64_t>(), *rank = row_rank.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "lora_apply", [&] {
+    std::vector<const scalar_t*> pa(k), pb(k);
+    for (int64_t t = 0; t < k; ++t) pa[t] = as[t].data_ptr<scalar_t>(), pb[t] = bts[t].data_ptr<scalar_t>();
+    const auto* px = x.data_ptr<scalar_t>();
+    auto* py = y.data_ptr<scalar_t>();
+    at::parallel_for(0, n * k, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> xf(in), row(std::max<int64_t>(in, col0[k])), h, acc;
+      for (int64_t w = begin; w < end; ++w) {
+        const int64_t i = w / k, t = w % k, r = rank[i], width = col0[t + 1] - col0[t];
+        if (r == 0) continue;
+        const float* xr = as_float(px + i * x.stride(0), xf.data(), in);
+        h.assign(r, 0.f);
+        for (int64_t j = 0; j < r; ++j) h[j] = dot(xr, as_float(pa[t] + (off[i] + j) * in, row.data(), in), in);
+        acc.assign(width, 0.f);
+        for (int64_t j = 0; j < r; ++j) axpy(h[j], as_float(pb[t] + (off[i] + j) * width, row.data(), width), acc.data(), width);
+        scalar_t* yr = py + i * y.stride(0) + col0[t];
+        for (int64_t c = 0; c < width; ++c) yr[c] = to<scalar_t>(f32(yr[c]) + acc[c]);
+      }
+    });
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm);
   m.def("add_rms_norm", &add_rms_norm);
   m.def("silu_mul", &silu_mul);
   m.def("rope_store", &rope_store);
   m.def("paged_decode", &paged_decode);
+  m.def("lora_apply", &lora_apply);
 }
