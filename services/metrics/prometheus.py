@@ -1,7 +1,9 @@
 """Prometheus exposition with MindIE's metric names (reference §3.14) and vLLM-style histograms.
 
 Request-level samples come from lifecycle events (gateway and engine); gauges and token counters
-from the engines' heartbeats. Every sample carries ``model_name``.
+from the engines' heartbeats. Every sample carries ``model_name``; the request counters
+(``request_received``, ``request_success``, ``request_failed``, ``request_finished``) also ``adapter``, the
+LoRA adapter the request ran with ("" for the base model).
 
 Many engines: each engine instance (its id in ``EngineInfo.instance``, new for every process, so a
 restarted engine is a new instance) counts tokens and preemptions from 0. MindIE's unlabelled counters
@@ -54,12 +56,13 @@ class PrometheusMetrics:
         self.engines: Leases[EngineInfo] = Leases(lease_s, clock)  # the live engines: gauges
         self._last: dict[str, EngineInfo] = {}  # every engine instance ever heard, as last heard: counters
         self.registry = r = CollectorRegistry()
-        label = ["model_name"]
-        self.received = Counter("request_received", "Number of requests received so far.", label, registry=r)
-        self.success = Counter("request_success", "Number of requests proceed successfully so far.", label, registry=r)
-        self.failed = Counter("request_failed", "Number of requests failed so far.", label, registry=r)
+        label, by_adapter = ["model_name"], ["model_name", "adapter"]
+        self.received = Counter("request_received", "Number of requests received so far.", by_adapter, registry=r)
+        self.success = Counter("request_success", "Number of requests proceed successfully so far.", by_adapter,
+                               registry=r)
+        self.failed = Counter("request_failed", "Number of requests failed so far.", by_adapter, registry=r)
         self.finished = Counter("request_finished", "Finished requests by finish reason.",
-                                ["model_name", "finished_reason"], registry=r)
+                                [*by_adapter, "finished_reason"], registry=r)
         self.running = Gauge("num_requests_running", "Number of requests currently running.", label, registry=r)
         self.waiting = Gauge("num_requests_waiting", "Number of requests waiting.", label, registry=r)
         self.swapped = Gauge("num_requests_swapped", "Number of requests swapped to CPU.", label, registry=r)
@@ -102,7 +105,7 @@ class PrometheusMetrics:
     def observe(self, event: MetricsEvent) -> None:
         m = self.model
         if isinstance(event, Received):
-            self.received.labels(m).inc()
+            self.received.labels(m, event.adapter).inc()
         elif isinstance(event, Queued):
             for seconds in event.seconds:
                 self.queue.labels(m).observe(seconds)
@@ -113,13 +116,13 @@ class PrometheusMetrics:
 
     def _finished(self, event: Finished) -> None:
         m = self.model
-        self.finished.labels(m, event.finish_reason).inc()
+        self.finished.labels(m, event.adapter, event.finish_reason).inc()
         if event.finish_reason in SUCCESS:
             self._succeeded += 1
-            self.success.labels(m).inc()
+            self.success.labels(m, event.adapter).inc()
         elif event.finish_reason == "error":
             self._failed += 1
-            self.failed.labels(m).inc()
+            self.failed.labels(m, event.adapter).inc()
         if event.finish_reason in SUCCESS:  # latency and size histograms describe served requests
             self.e2e.labels(m).observe(event.e2e_s)
             self.prompt_tokens.labels(m).observe(event.prompt_tokens)

@@ -1,0 +1,41 @@
+"""The request counters carry the LoRA adapter a request ran with ("" for the base model)."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.metrics.prometheus import PrometheusMetrics
+from shared.messages import Finished, Received
+
+
+def counts(metrics: PrometheusMetrics) -> dict[tuple[str, tuple], float]:
+    """(sample name, sorted labels without model_name) -> value, for the request counters."""
+    out = {}
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for s in family.samples:
+            if s.name.startswith("request_") and s.name.endswith("_total"):
+                out[s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))] = s.value
+    return out
+
+
+def finished(request_id: str, reason: str, adapter: str = "") -> Finished:
+    return Finished(id=request_id, model="m", arrival=0.0, e2e_s=1.0, ttft_s=0.1, prompt_tokens=3,
+                    generated_tokens=2, finish_reason=reason, adapter=adapter)
+
+
+def test_request_counters_are_labelled_by_adapter():
+    metrics = PrometheusMetrics("m")
+    for i, adapter in enumerate(["", "lora1", "lora1"]):
+        metrics.observe(Received(id=str(i), model="m", adapter=adapter))
+    metrics.observe(finished("0", "length"))
+    metrics.observe(finished("1", "eos_token", "lora1"))
+    metrics.observe(finished("2", "error", "lora1"))
+    m = counts(metrics)
+    assert m["request_received_total", (("adapter", ""),)] == 1
+    assert m["request_received_total", (("adapter", "lora1"),)] == 2
+    assert m["request_success_total", (("adapter", ""),)] == 1
+    assert m["request_success_total", (("adapter", "lora1"),)] == 1
+    assert m["request_failed_total", (("adapter", "lora1"),)] == 1
+    assert ("request_failed_total", (("adapter", ""),)) not in m
+    assert m["request_finished_total", (("adapter", "lora1"), ("finished_reason", "error"))] == 1
+    assert m["request_finished_total", (("adapter", ""), ("finished_reason", "length"))] == 1
