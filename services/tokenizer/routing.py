@@ -4,6 +4,7 @@ The engines' heartbeats (``EngineInfo``: running, waiting, free KV blocks, stopp
 leases; a request goes to the least loaded live engine that is not stopping, counting the requests
 sent to it since its last heartbeat so a burst is spread instead of piling onto one engine. A new
 engine takes load from its first heartbeat; a dead one (lease run out) or a stopping one gets none.
+A request with a LoRA adapter goes only to an engine whose heartbeat lists that adapter.
 """
 
 from __future__ import annotations
@@ -13,6 +14,10 @@ import time
 from shared.leases import Leases
 from shared.messages import EngineInfo
 
+
+def holds(info: EngineInfo, adapter: str) -> bool:
+    """Whether the engine has the LoRA adapter loaded and takes requests for it (not while unloading)."""
+    return any(a.name == adapter for a in info.adapters)
 
 
 class EngineRouter:
@@ -29,9 +34,14 @@ class EngineRouter:
             recent = time.monotonic() - self.in_transit_s
             self.sent[info.instance] = [t for t in self.sent.get(info.instance, []) if t > recent]
 
-    def choose(self) -> str | None:
-        """The least loaded live engine (None when there is none)."""
-        candidates = {i: e for i, e in self.engines.live().items() if e.loaded and not e.stopping}
+    def serving(self) -> dict[str, EngineInfo]:
+        """The live engines that take new requests: loaded and not stopping."""
+        return {i: e for i, e in self.engines.live().items() if e.loaded and not e.stopping}
+
+    def choose(self, adapter: str = "") -> str | None:
+        """The least loaded live engine that has the LoRA ``adapter`` ("" = the base model: any engine),
+        None when there is none."""
+        candidates = {i: e for i, e in self.serving().items() if not adapter or holds(e, adapter)}
         if not candidates:
             return None
         best = min(candidates, key=lambda i: self._load(i, candidates[i]))

@@ -120,19 +120,15 @@ class TokenizerService:
         req = self.requests.decode(msg.data)
         if req.id in self.cancelled:
             return  # its client is gone already
-        span = telemetry.start_span("tokenizer.request", req.trace, **{"switchboard.request_id": req.id})
+        span = telemetry.start_span("tokenizer.request", req.trace, **{"switchboard.request_id": req.id,
+                                                                        "switchboard.adapter": req.adapter})
         try:
             ids = await self.encode(req)
+            span.set_attribute("switchboard.prompt_tokens", len(ids))
+            engine = await self.choose_engine(req.adapter)
         except SwitchboardError as exc:
             telemetry.end_span(span, exc.message)
             await bus.publish(self.nc, req.reply_to, Failed(id=req.id, error=exc.info))
-            return
-        span.set_attribute("switchboard.prompt_tokens", len(ids))
-        engine = await self.choose_engine()
-        if engine is None:
-            telemetry.end_span(span, "no engine")
-            error = SwitchboardError(ErrorKind.UNAVAILABLE, f"no engine is serving model {self.model}")
-            await bus.publish(self.nc, req.reply_to, Failed(id=req.id, error=error.info))
             return
         seed = req.sampling.seed if req.sampling.seed is not None else random.randint(1, 2**31 - 1)
         self.pending[req.id] = self.pending_state(req, ids, span)
@@ -141,11 +137,17 @@ class TokenizerService:
         engine_request.trace = telemetry.inject(span)
         await bus.publish(self.nc, subjects.engine_instance(req.model, engine), engine_request)
 
-    async def choose_engine(self) -> str | None:
-        """The least loaded live engine; when none is live, wait up to a lease for one to be heard (after a
-        bus outage every lease may have run out while the engines were in fact fine)."""
+    async def choose_engine(self, adapter: str = "") -> str:
+        """The least loaded live engine (one with the LoRA ``adapter``, when one is named). When none is live,
+        wait up to a lease for one to be heard (after a bus outage every lease may have run out while the
+        engines were in fact fine), then raise UNAVAILABLE; when engines serve but none has the adapter,
+        raise NOT_FOUND at once."""
         deadline = time.monotonic() + self.cfg.switchboard.lease_seconds
-        while (engine := self.router.choose()) is None and time.monotonic() < deadline:
+        while (engine := self.router.choose(adapter)) is None:
+            if adapter and self.router.serving():
+                raise SwitchboardError(ErrorKind.NOT_FOUND, f"LoRA adapter '{adapter}' is not loaded")
+            if time.monotonic() >= deadline:
+                raise SwitchboardError(ErrorKind.UNAVAILABLE, f"no engine is serving model {self.model}")
             await asyncio.sleep(0.05)
         return engine
 
@@ -182,7 +184,7 @@ class TokenizerService:
             arrival=req.arrival, deadline=req.arrival + limit if req.arrival else None,
             deadline_reason="client timeout" if limit < e2e else "server e2eTimeout",
             sampling=msgspec.structs.replace(sampling, seed=seed, max_new_tokens=max_new),
-            generated_ids=req.resume_ids, tokenizer=self.instance,
+            generated_ids=req.resume_ids, tokenizer=self.instance, adapter=req.adapter,
         )
 
     # ---- token events -----------------------------------------------------------------------

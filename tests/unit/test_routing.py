@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 from services.tokenizer.routing import EngineRouter
-from shared.messages import EngineInfo
+from shared.messages import Adapter, EngineInfo
 
 
 class Clock:
@@ -16,9 +16,11 @@ class Clock:
         return self.now
 
 
-def info(instance: str, running: int = 0, waiting: int = 0, free: int = 100, stopping: bool = False) -> EngineInfo:
+def info(instance: str, running: int = 0, waiting: int = 0, free: int = 100, stopping: bool = False,
+         adapters: tuple[str, ...] = (), unloading: tuple[str, ...] = ()) -> EngineInfo:
     return EngineInfo(model="m", loaded=True, device="cpu", dtype="float32", max_batch_size=8, total_blocks=100,
-                      free_blocks=free, running=running, waiting=waiting, instance=instance, stopping=stopping)
+                      free_blocks=free, running=running, waiting=waiting, instance=instance, stopping=stopping,
+                      adapters=[Adapter(a, f"/lora/{a}") for a in adapters], unloading=list(unloading))
 
 
 def test_the_least_loaded_engine_gets_the_request():
@@ -53,3 +55,21 @@ def test_stopping_and_dead_engines_get_nothing():
     assert router.choose() is None
     router.heartbeat(info("c"))  # a new engine takes load from its first heartbeat
     assert router.choose() == "c"
+
+
+def test_a_lora_request_goes_only_to_engines_that_list_its_adapter():
+    router = EngineRouter(2.0)
+    router.heartbeat(info("a", adapters=("x",), running=6))
+    router.heartbeat(info("b", running=0))
+    router.heartbeat(info("c", adapters=("x", "y"), running=3))
+    assert router.choose("x") == "c"  # the least loaded of those with it
+    assert router.choose("y") == "c"
+    assert router.choose() == "b"  # the base model runs anywhere
+
+
+def test_an_adapter_nobody_lists_or_still_unloading_gets_no_engine():
+    router = EngineRouter(2.0)
+    router.heartbeat(info("a", unloading=("x",)))
+    assert router.choose("x") is None
+    assert router.choose("z") is None
+    assert list(router.serving()) == ["a"]  # engines serve: the tokenizer answers "not loaded" at once
