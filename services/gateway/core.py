@@ -11,6 +11,7 @@ from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 
 from services.gateway.failover import Failover
 from services.gateway.mailbox import Mailboxes
+from services.gateway.served import Served
 from services.gateway.slots import Slots
 from shared import bus, subjects
 from shared.config import Config
@@ -44,6 +45,8 @@ class Gateway:
         self.role = "none"  # PD role set by /v1/role, /v2/role; "none" while co-located
         self.stopping = False  # set by /stopService: new inference is refused
         self.slots = Slots(cfg.server.max_link_num)  # maxLinkNum in progress, 2 x maxLinkNum waiting (§2.2)
+        self.lora_lock = asyncio.Lock()  # this gateway's LoRA loads and unloads, one at a time
+        self.lora_version = 0  # the newest adapter-set version this gateway sent
 
     async def start(self) -> None:
         await self.mailboxes.start()
@@ -100,6 +103,19 @@ class Gateway:
     def serving_engines(self) -> dict[str, EngineInfo]:
         """The live engines that take new requests (not draining)."""
         return {i: e for i, e in self.live_engines().items() if not e.stopping}
+
+    def adapter_names(self) -> set[str]:
+        """The LoRA adapters that at least one live engine has loaded and takes requests for."""
+        return {a.name for e in self.live_engines().values() for a in e.adapters}
+
+    @property
+    def pd_split(self) -> bool:
+        """PD split mode (``inferMode`` "dmi", or a prefill/decode role): LoRA adapters are refused."""
+        return self.cfg.server.infer_mode == "dmi" or self.role in ("prefill", "decode")
+
+    def served(self) -> Served:
+        """The names a request may run under now: the model and every adapter a live engine holds."""
+        return Served(self.model, frozenset(self.adapter_names()), self.pd_split)
 
     def engine_info(self) -> EngineInfo | None:
         """All live engines as one (``shared.engines.combined``: loads and capacities summed), or None when

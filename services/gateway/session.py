@@ -71,6 +71,7 @@ class Session:
             id=self.id, trace=telemetry.inject(self.span), model=gateway.model, reply_to=self.reply_to,
             prompt=prompt, sampling=sampling, arrival=self.arrival, gateway=gateway.instance, **fields,
         )
+        self.span.set_attribute("switchboard.adapter", self.request.adapter)  # "" = the base model
         self.attempt = 0  # resumes so far; the request's id on the bus is ``current_id``
         self.resume_asked = False
         self.index = 0  # the choice number within its call
@@ -85,7 +86,7 @@ class Session:
     async def start(self) -> Started:
         """Publish the request and wait for the tokenizer's answer (raises on a validation error)."""
         self.gw.register(self)
-        self.gw.emit(Received(id=self.id, model=self.gw.model))
+        self.gw.emit(Received(id=self.id, model=self.gw.model, adapter=self.request.adapter))
         self.published = True
         deadline = time.monotonic() + START_TIMEOUT_S
         deaths, patience = self.gw.failover.tokenizer_deaths, 0.0
@@ -263,4 +264,4 @@ class Session:
             "switchboard.finish_reason": self.finish_reason, "switchboard.generated_tokens": self.generated})
         self.gw.emit(Finished(id=self.id, model=self.gw.model, arrival=self.arrival, e2e_s=now - self.arrival,
                               ttft_s=ttft, prompt_tokens=prompt_tokens, generated_tokens=self.generated,
-                              finish_reason=self.finish_reason))
+                              finish_reason=self.finish_reason, adapter=self.request.adapter))

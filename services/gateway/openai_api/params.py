@@ -10,6 +10,7 @@ from typing import Any
 
 from services.gateway.openai_api.errors import bad_param, model_not_found
 from services.gateway.sampling import VllmDialect, vllm_sampling
+from services.gateway.served import Served
 from services.gateway.validation import INT32_MAX, Fields
 from shared.config import Config
 from shared.messages import Sampling
@@ -25,31 +26,40 @@ class Common:
     include_usage: bool
     sampling: Sampling
     truncate: int  # keep the last n prompt tokens; 0 = off
+    adapter: str = ""  # the LoRA adapter ``model`` names; "" = the base model
 
 
-def parse_common(data: dict[str, Any], cfg: Config, served: str, logprobs: int | None, chat: bool) -> Common:
-    """Check the fields every OpenAI generation request has; ``logprobs`` is the family's reading.
+def parse_common(data: dict[str, Any], cfg: Config, served: Served, logprobs: int | None, chat: bool) -> Common:
+    """Check the fields every OpenAI generation request has; ``served`` names the model and the adapters
+    ``model`` may take; ``logprobs`` is the family's reading.
 
     max_tokens defaults to maxIterTimes for chat (reference §3.25) and to 16 for completions, as
     OpenAI's and vLLM's completions APIs do."""
     f = Fields(data)
-    model = _model(f, served)
+    model = _model(f)
+    adapter = _adapter(model, served)
     stream = bool(f.boolean("stream", False))
     dialect = VllmDialect(repetition_max=2.0, max_tokens_default=cfg.schedule.max_iter_times if chat else COMPLETIONS_MAX_TOKENS)
     sampling = vllm_sampling(f, dialect, logprobs)
     n = _n(f, cfg, sampling)
-    return Common(model, n, stream, _include_usage(f, stream), sampling, _truncate(f, cfg))
+    return Common(model, n, stream, _include_usage(f, stream), sampling, _truncate(f, cfg), adapter)
 
 
-def _model(f: Fields, served: str) -> str:
+def _model(f: Fields) -> str:
     model = f.data.get("model")
     if model is None:
         raise bad_param("model", "you must provide a model parameter")
     if not isinstance(model, str) or not model:
         raise bad_param("model", "model must be a non-empty string.")
-    if model != served:
-        raise model_not_found(model)
     return model
+
+
+def _adapter(model: str, served: Served) -> str:
+    """The LoRA adapter ``model`` names ("" for the served model); 404 model_not_found for any other name."""
+    adapter = served.adapter(model, "model")
+    if adapter is None:
+        raise model_not_found(model)
+    return adapter
 
 
 def _include_usage(f: Fields, stream: bool) -> bool:

@@ -24,31 +24,42 @@ STARTED_AT = int(time.time())  # the gateway imports this module once, as it sta
 OWNER = "MindIE Server"
 
 
-def model_card(model: str) -> dict[str, Any]:
-    return {"id": model, "object": "model", "created": STARTED_AT, "owned_by": OWNER}
+def model_card(model: str, parent: str | None = None) -> dict[str, Any]:
+    """A model's card; a LoRA adapter's names its base model as ``parent`` (reference §3.17, §3.18)."""
+    card = {"id": model, "object": "model", "created": STARTED_AT, "owned_by": OWNER}
+    return card if parent is None else {**card, "parent": parent}
+
+
+def cards(gateway) -> dict[str, dict[str, Any]]:
+    """Every servable name's card by name: the base model first, then each loaded adapter by name (none in
+    PD split mode, where requests cannot name them)."""
+    served = gateway.served()
+    adapters = [] if served.pd_split else sorted(served.adapters)
+    return {served.model: model_card(served.model), **{name: model_card(name, served.model) for name in adapters}}
 
 
 @get("/v1/models")
 async def list_models(request: Request) -> Response:
-    body = {"object": "list", "data": [model_card(request.app.state.gateway.model)]}
+    body = {"object": "list", "data": list(cards(request.app.state.gateway).values())}
     return Response(body, media_type="application/json")
 
 
 @get("/v1/models/{model:path}")
 async def get_model(request: Request, model: FromPath[str]) -> Response:
     name = model.lstrip("/")  # a path parameter keeps its leading slash; names may contain slashes
-    if name != request.app.state.gateway.model:
+    card = cards(request.app.state.gateway).get(name)
+    if card is None:
         raise model_not_found(name)
-    return Response(model_card(name), media_type="application/json")
+    return Response(card, media_type="application/json")
 
 
 @post("/v1/chat/completions", status_code=200)
 async def chat_completions(request: Request) -> Response:
     gateway = request.app.state.gateway
-    req = parse_chat(await request.body(), gateway.cfg, gateway.model)
+    req = parse_chat(await request.body(), gateway.cfg, gateway.served())
     prompt = {"messages": req.messages, "chat_template_kwargs": req.chat_template_kwargs,
               "truncate": req.common.truncate}
-    call = build_call(gateway, [prompt], req.common.sampling, req.common.n)
+    call = build_call(gateway, [prompt], req.common.sampling, req.common.n, req.common.adapter)
     return await respond(request, req.common, call, "messages",
                          lambda: chat_body(req, call), lambda: chat_chunks(req, call))
 
@@ -56,10 +67,10 @@ async def chat_completions(request: Request) -> Response:
 @post("/v1/completions", status_code=200)
 async def completions(request: Request) -> Response:
     gateway = request.app.state.gateway
-    req = parse_completion(await request.body(), gateway.cfg, gateway.model)
+    req = parse_completion(await request.body(), gateway.cfg, gateway.served())
     prompts = [{"prompt": p.text, "prompt_ids": p.ids, "return_prompt_ids": req.echo and p.ids is not None,
                 "truncate": req.common.truncate} for p in req.prompts]
-    call = build_call(gateway, prompts, req.common.sampling, req.common.n)
+    call = build_call(gateway, prompts, req.common.sampling, req.common.n, req.common.adapter)
     return await respond(request, req.common, call, "prompt",
                          lambda: completion_body(req, call), lambda: completion_chunks(req, call))
 

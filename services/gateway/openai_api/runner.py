@@ -10,9 +10,10 @@ from services.gateway.session import Session
 from shared.messages import Sampling
 
 
-def build_call(gateway, prompts: list[dict[str, Any]], sampling: Sampling, n: int) -> Call:
-    """``prompts``: Session keyword arguments per prompt (``prompt``, ``prompt_ids``, ``messages`` …)."""
-    sessions = [Session(gateway, p.get("prompt", ""), choice_sampling(sampling, j),
+def build_call(gateway, prompts: list[dict[str, Any]], sampling: Sampling, n: int, adapter: str = "") -> Call:
+    """``prompts``: Session keyword arguments per prompt (``prompt``, ``prompt_ids``, ``messages`` …);
+    every choice runs with the LoRA ``adapter`` ("" = the base model)."""
+    sessions = [Session(gateway, p.get("prompt", ""), choice_sampling(sampling, j), adapter=adapter,
                         **{k: v for k, v in p.items() if k != "prompt"})
                 for p in prompts for j in range(n)]
     return Call(gateway, sessions, n)

@@ -7,6 +7,7 @@ from typing import Any
 
 from services.gateway.openai_api.errors import bad_param
 from services.gateway.openai_api.params import Common, parse_common
+from services.gateway.served import Served
 from services.gateway.validation import MAX_INPUT_CHARS, Fields, json_kind, parse_json_object
 from shared.config import Config
 
@@ -39,7 +40,7 @@ class CompletionRequest:
     logprobs: int | None
 
 
-def parse_chat(body: bytes, cfg: Config, served: str) -> ChatRequest:
+def parse_chat(body: bytes, cfg: Config, served: Served) -> ChatRequest:
     data = parse_json_object(body, PARSE_ERROR)
     f = Fields(data)
     messages = _messages(data.get("messages"))
@@ -114,7 +115,7 @@ def _text_part(part: Any, where: str) -> str:
     return part["text"]
 
 
-def parse_completion(body: bytes, cfg: Config, served: str) -> CompletionRequest:
+def parse_completion(body: bytes, cfg: Config, served: Served) -> CompletionRequest:
     data = parse_json_object(body, PARSE_ERROR)
     f = Fields(data)
     prompts = _prompts(data.get("prompt"))

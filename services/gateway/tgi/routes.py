@@ -7,6 +7,7 @@ from litestar import Request, Response, Router, post
 from services.gateway import lifecycle
 from services.gateway.call import Call
 from services.gateway.errors import TGI_EXCEPTION_HANDLERS
+from services.gateway.served import Served
 from services.gateway.session import Session
 from services.gateway.tgi.responses import collect, error_event, stream_events
 from services.gateway.tgi.schemas import TgiRequest, parse_tgi
@@ -22,7 +23,7 @@ GENERATE_PARSE_ERROR = (
 
 @post("/", status_code=200)
 async def tgi_root(request: Request) -> Response:
-    return await respond(request, parse_tgi(await request.body()), as_array=True)
+    return await respond(request, parse_tgi(await request.body(), _served(request)), as_array=True)
 
 
 @post("/generate", status_code=200)
@@ -33,18 +34,22 @@ async def generate(request: Request) -> Response:
         return await vllm.generate(request, data)
     if data.get("inputs") is None:
         raise validation(GENERATE_PARSE_ERROR)
-    return await respond(request, parse_tgi(data, stream=False), as_array=False)
+    return await respond(request, parse_tgi(data, _served(request), stream=False), as_array=False)
 
 
 @post("/generate_stream", status_code=200)
 async def generate_stream(request: Request) -> Response:
-    return await respond(request, parse_tgi(await request.body(), stream=True), as_array=False)
+    return await respond(request, parse_tgi(await request.body(), _served(request), stream=True), as_array=False)
+
+
+def _served(request: Request) -> Served:
+    return request.app.state.gateway.served()
 
 
 async def respond(request: Request, req: TgiRequest, as_array: bool) -> Response:
     gateway = request.app.state.gateway
     session = Session(gateway, req.inputs, req.sampling, truncate=req.truncate,
-                      return_prompt_ids=req.decoder_input_details)
+                      return_prompt_ids=req.decoder_input_details, adapter=req.adapter)
     call = Call(gateway, [session])
     full_text_mode = gateway.cfg.server.full_text_enabled
     return await lifecycle.respond(request, call, req.stream, lambda: collect(call, req, as_array),

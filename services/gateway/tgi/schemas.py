@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.gateway.sampling import TGI, mindie_sampling
+from services.gateway.served import Served
 from services.gateway.validation import INT32_MAX, Fields, parse_json_object, stream_flag, text_input
 from shared.errors import validation
 from shared.messages import Sampling
@@ -26,14 +27,16 @@ class TgiRequest:
     decoder_input_details: bool
     return_full_text: bool
     top_n_tokens: int  # 0: none
+    adapter: str = ""  # the LoRA adapter (parameters.adapter_id); "" = the base model
 
     @property
     def wants_details(self) -> bool:
         return self.details or self.decoder_input_details
 
 
-def parse_tgi(body: bytes | dict[str, Any], stream: bool | None = None) -> TgiRequest:
-    """Validate a TGI body; ``stream`` forces streaming on or off (``/generate``, ``/generate_stream``)."""
+def parse_tgi(body: bytes | dict[str, Any], served: Served, stream: bool | None = None) -> TgiRequest:
+    """Validate a TGI body; ``served`` says which adapter_id values run; ``stream`` forces streaming on or
+    off (``/generate``, ``/generate_stream``)."""
     data = body if isinstance(body, dict) else parse_json_object(body, PARSE_ERROR)
     top = Fields(data)
     inputs = _inputs(data.get("inputs"))
@@ -53,6 +56,7 @@ def parse_tgi(body: bytes | dict[str, Any], stream: bool | None = None) -> TgiRe
         decoder_input_details=decoder_details,
         return_full_text=params.boolean("return_full_text", False),
         top_n_tokens=top_n,
+        adapter=_adapter(params.string("adapter_id"), served),
     )
 
 
@@ -65,7 +69,6 @@ def _inputs(value: Any) -> str:
 def sampling_from(p: Fields, top_n_tokens: int = 0) -> Sampling:
     """``top_n_tokens`` asks the engine for each step's most likely tokens (and every token's logprob)."""
     _check_best_of(p)
-    _check_adapter(p.string("adapter_id"))
     _refuse_grammar(p)
     return mindie_sampling(p, TGI, logprobs=top_n_tokens or None)
 
@@ -82,9 +85,13 @@ def _check_best_of(p: Fields) -> None:
         raise validation(f"best_of must be 1 on this endpoint, got {best_of}.")
 
 
-def _check_adapter(adapter_id: str | None) -> None:
+def _adapter(adapter_id: str | None, served: Served) -> str:
+    """The LoRA adapter named by adapter_id ("None", absent or the model's name: the base model)."""
     if adapter_id is None or adapter_id == "None":
-        return
+        return ""
     if not ADAPTER_ID.match(adapter_id):
-        raise validation("The format of adapter_id is invalid.")
-    raise validation(f"adapter_id {adapter_id!r} is not a loaded LoRA adapter.")
+        raise validation("The format of adapter_id is invalid.", "adapter_id")
+    adapter = served.adapter(adapter_id, "adapter_id")
+    if adapter is None:
+        raise validation(f"adapter_id {adapter_id!r} is not a loaded LoRA adapter.", "adapter_id")
+    return adapter

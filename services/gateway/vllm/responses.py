@@ -24,7 +24,8 @@ def build_call(gateway, req: VllmRequest) -> Call:
     sampling = req.sampling
     if count > req.n:  # ranking needs each token's log-probability
         sampling = msgspec.structs.replace(sampling, logprobs=0)
-    return Call(gateway, [Session(gateway, req.prompt, choice_sampling(sampling, j)) for j in range(count)])
+    return Call(gateway, [Session(gateway, req.prompt, choice_sampling(sampling, j), adapter=req.adapter)
+                          for j in range(count)])
 
 
 async def collect(call: Call, req: VllmRequest) -> dict[str, Any]:

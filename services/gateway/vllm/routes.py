@@ -26,7 +26,7 @@ async def generate(request: Request, data: dict[str, Any]) -> Response:
 async def _generate(request: Request, data: dict[str, Any]) -> Response:
     gateway = request.app.state.gateway
     schedule = gateway.cfg.schedule
-    req = parse_vllm(data, gateway.model, schedule.max_iter_times,
+    req = parse_vllm(data, gateway.served(), schedule.max_iter_times,
                      min(schedule.max_n, schedule.max_batch_size, schedule.prefill_batch_size))
     call = build_call(gateway, req)
     full_text_mode = gateway.cfg.server.full_text_enabled

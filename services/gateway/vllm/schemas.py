@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.gateway.sampling import VllmDialect, vllm_sampling
+from services.gateway.served import Served
 from services.gateway.validation import FLT_MAX, Fields, text_input
 from shared.errors import ErrorKind, SwitchboardError, validation
 from shared.messages import Sampling
@@ -18,23 +19,29 @@ class VllmRequest:
     n: int
     best_of: int
     stream: bool
+    adapter: str = ""  # the LoRA adapter named by ``model``; "" = the base model
 
 
-def parse_vllm(data: dict[str, Any], model: str, max_iter_times: int, max_n: int) -> VllmRequest:
+def parse_vllm(data: dict[str, Any], served: Served, max_iter_times: int, max_n: int) -> VllmRequest:
+    """``served``: the model and adapter names ``model`` may take (reference §3.23b: the LoRA id)."""
     f = Fields(data)
     prompt = text_input(data.get("prompt"), "prompt")
-    _check_model(f.string("model"), model)
+    adapter = _adapter(f.string("model"), served)
     sampling = vllm_sampling(f, VllmDialect(repetition_max=FLT_MAX, max_tokens_default=max_iter_times))
     n, best_of = _n_best_of(f, max_n)
-    return VllmRequest(prompt, sampling, n, best_of, f.boolean("stream", False))
+    return VllmRequest(prompt, sampling, n, best_of, f.boolean("stream", False), adapter)
 
 
-def _check_model(name: str | None, served: str) -> None:
-    if name is None or name in ("None", served):
-        return
+def _adapter(name: str | None, served: Served) -> str:
+    """The adapter ``model`` names: "" for absent, "None" or the served model's name."""
+    if name is None or name == "None":
+        return ""
     if not 1 <= len(name) <= 256:
-        raise validation(f"model must be 1 to 256 characters long, got {len(name)}.")
-    raise SwitchboardError(ErrorKind.NOT_FOUND, f"Model {name} not found.")
+        raise validation(f"model must be 1 to 256 characters long, got {len(name)}.", "model")
+    adapter = served.adapter(name, "model")
+    if adapter is None:
+        raise SwitchboardError(ErrorKind.NOT_FOUND, f"Model {name} not found.")
+    return adapter
 
 
 def _n_best_of(f: Fields, max_n: int) -> tuple[int, int]:
