@@ -138,11 +138,14 @@ class LoraSet:
 
     # ---- state for heartbeats ---------------------------------------------------------------
 
+    # Read by the service's event loop while the stepper thread may change the set: list() copies the
+    # dict's values in one step under the GIL.
+
     def listed(self) -> list[Adapter]:
-        return [Adapter(s.name, s.weights.path) for s in self.slots.values() if not s.unloading]
+        return [Adapter(s.name, s.weights.path) for s in list(self.slots.values()) if not s.unloading]
 
     def unloading(self) -> list[str]:
-        return [s.name for s in self.slots.values() if s.unloading]
+        return [s.name for s in list(self.slots.values()) if s.unloading]
 
     def rows(self, slots: list[tuple[Slot | None, int]], device: torch.device) -> Rows | None:
         """Each item's adapter repeated over its ``n`` rows; None when no row has one (no LoRA work)."""

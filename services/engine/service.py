@@ -13,6 +13,7 @@ from collections import defaultdict
 import torch
 from nats.aio.msg import Msg as NatsMsg
 
+from services.engine.adapters import AdapterControl
 from services.engine.devices import kv_budget_bytes, resolve_device
 from services.engine.engine import Engine
 from services.engine.model_runner import ModelRunner
@@ -91,6 +92,7 @@ class EngineService:
         self.stepper = stepper
         self.requests = decoder(EngineRequest)
         self.cancels = decoder(Cancel)
+        self.adapters = AdapterControl(nc, self.model, self.instance, engine.runner.lora, stepper, self.announce)
 
     async def start(self) -> None:
         await bus.subscribe(self.nc, subjects.engine_generate(self.model), self.on_request,
@@ -99,11 +101,15 @@ class EngineService:
         await bus.subscribe(self.nc, subjects.CANCEL, self.on_cancel)
         await bus.subscribe(self.nc, subjects.engine_health(self.model), self.on_health)
         await bus.subscribe(self.nc, subjects.heartbeat("tokenizer"), self.on_tokenizer_heartbeat)
+        await self.adapters.start()
+
+    async def announce(self) -> None:
+        await bus.publish(self.nc, subjects.engine_heartbeat(self.model), self.info())
 
     async def heartbeat(self, stop: asyncio.Event) -> None:
         """Publish running/waiting requests and free/total blocks four times per lease."""
         while not stop.is_set():
-            await bus.publish(self.nc, subjects.engine_heartbeat(self.model), self.info())
+            await self.announce()
             self.abort_orphans()
             try:
                 await asyncio.wait_for(stop.wait(), self.cfg.switchboard.heartbeat_s)
@@ -133,7 +139,7 @@ class EngineService:
             self.owners[req.id] = req.tokenizer
         self.spans[req.id] = telemetry.start_span("engine.generate", req.trace, **{
             "switchboard.request_id": req.id, "switchboard.prompt_tokens": len(req.prompt_ids),
-            "switchboard.priority": req.priority})
+            "switchboard.priority": req.priority, "switchboard.adapter": req.adapter})
         self.engine.add_request(req)
         self.wake.set()
 
@@ -161,6 +167,7 @@ class EngineService:
             instance=self.instance, stopping=self.stopping,
             prefix_queried_tokens_total=self.engine.blocks.prefix_queried_tokens,
             prefix_hit_tokens_total=self.engine.blocks.prefix_hit_tokens,
+            adapters=runner.lora.listed(), unloading=runner.lora.unloading(), adapters_version=runner.lora.version,
         )
 
     async def run(self, stop: asyncio.Event) -> None:

@@ -10,6 +10,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -88,6 +89,21 @@ inline float dot(const float* a, const float* b, int64_t n) {
 #pragma omp simd reduction(+ : sum)
   for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
   return sum;
+}
+
+// Four dot products against one vector in one pass: four independent accumulators keep the FMA
+// units busy where one dot's reduction chain would wait on each add.
+inline void dot4(const float* const* xs, const float* a, int64_t n, float* out) {  // every row alike
+  float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+  const float *x0 = xs[0], *x1 = xs[1], *x2 = xs[2], *x3 = xs[3];
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+  for (int64_t i = 0; i < n; ++i) {
+    s0 += x0[i] * a[i];
+    s1 += x1[i] * a[i];
+    s2 += x2[i] * a[i];
+    s3 += x3[i] * a[i];
+  }
+  out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
 }
 
 inline void axpy(float p, const float* x, float* y, int64_t n) {
@@ -266,10 +282,12 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache,
   return out;
 }
 
-// LoRA of one projection group, every row with its own adapter (punica's BGMV): for row i and target
+// LoRA of one projection group, every row with its own adapter (punica's SGMV): for row i and target
 // t, y[i, cols of t] += (x[i] . A_t[j]) * Bt_t[j] summed over j in [off[i], off[i] + rank[i]).
 // x [T, in], y [T, sum out_t] (unit column stride), A_t [R, in] and Bt_t [R, out_t] contiguous;
-// rank 0: no adapter. Each row's sum runs in float32 in a fixed order, whatever else the batch holds.
+// rank 0: no adapter. Rows are grouped by adapter (in pieces of at most 16 rows) so that each task
+// reads one adapter's matrices once for all its rows; each row's sums run in float32 in a fixed
+// order, whatever else the batch holds.
 void lora_apply(torch::Tensor& y, const torch::Tensor& x, const std::vector<torch::Tensor>& as,
                 const std::vector<torch::Tensor>& bts, const torch::Tensor& row_off, const torch::Tensor& row_rank) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && y.dim() == 2 && y.stride(1) == 1, "lora_apply: x, y [T, *]");
@@ -282,23 +300,54 @@ void lora_apply(torch::Tensor& y, const torch::Tensor& x, const std::vector<torc
   }
   TORCH_CHECK(col0[k] == y.size(1), "lora_apply: y's width is the targets' outputs together");
   const auto *off = row_off.data_ptr<int64_t>(), *rank = row_rank.data_ptr<int64_t>();
+  constexpr int64_t kPiece = 16;
+  std::vector<std::vector<int64_t>> pieces;  // rows of one adapter, at most kPiece each
+  {
+    std::vector<int64_t> order;
+    for (int64_t i = 0; i < n; ++i)
+      if (rank[i] > 0) order.push_back(i);
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return off[a] < off[b]; });
+    for (size_t p = 0; p < order.size(); ++p) {
+      if (p == 0 || off[order[p]] != off[order[p - 1]] || pieces.back().size() == kPiece) pieces.emplace_back();
+      pieces.back().push_back(order[p]);
+    }
+  }
+  const int64_t tasks = static_cast<int64_t>(pieces.size()) * k;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "lora_apply", [&] {
     std::vector<const scalar_t*> pa(k), pb(k);
     for (int64_t t = 0; t < k; ++t) pa[t] = as[t].data_ptr<scalar_t>(), pb[t] = bts[t].data_ptr<scalar_t>();
     const auto* px = x.data_ptr<scalar_t>();
     auto* py = y.data_ptr<scalar_t>();
-    at::parallel_for(0, n * k, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> xf(in), row(std::max<int64_t>(in, col0[k])), h, acc;
+    at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> xf, row(std::max<int64_t>(in, col0[k])), h, acc;
       for (int64_t w = begin; w < end; ++w) {
-        const int64_t i = w / k, t = w % k, r = rank[i], width = col0[t + 1] - col0[t];
-        if (r == 0) continue;
-        const float* xr = as_float(px + i * x.stride(0), xf.data(), in);
-        h.assign(r, 0.f);
-        for (int64_t j = 0; j < r; ++j) h[j] = dot(xr, as_float(pa[t] + (off[i] + j) * in, row.data(), in), in);
-        acc.assign(width, 0.f);
-        for (int64_t j = 0; j < r; ++j) axpy(h[j], as_float(pb[t] + (off[i] + j) * width, row.data(), width), acc.data(), width);
-        scalar_t* yr = py + i * y.stride(0) + col0[t];
-        for (int64_t c = 0; c < width; ++c) yr[c] = to<scalar_t>(f32(yr[c]) + acc[c]);
+        const std::vector<int64_t>& rows_of = pieces[w / k];
+        const int64_t t = w % k, m = static_cast<int64_t>(rows_of.size()), first = rows_of[0];
+        const int64_t r = rank[first], o = off[first], width = col0[t + 1] - col0[t];
+        xf.resize(m * in);
+        std::vector<const float*> xs(m);
+        for (int64_t i = 0; i < m; ++i) xs[i] = as_float(px + rows_of[i] * x.stride(0), xf.data() + i * in, in);
+        h.assign(m * r, 0.f);
+        float four[4];
+        for (int64_t j = 0; j < r; ++j) {
+          const float* a = as_float(pa[t] + (o + j) * in, row.data(), in);
+          for (int64_t i = 0; i < m; i += 4) {  // a last group of fewer than 4 repeats its first row
+            const float* group[4] = {xs[i], xs[std::min(i + 1, m - 1)], xs[std::min(i + 2, m - 1)],
+                                     xs[std::min(i + 3, m - 1)]};
+            dot4(group, a, in, four);
+            for (int64_t q = 0; q < 4 && i + q < m; ++q) h[(i + q) * r + j] = four[q];
+          }
+        }
+        acc.assign(m * width, 0.f);
+        for (int64_t j = 0; j < r; ++j) {
+          const float* b = as_float(pb[t] + (o + j) * width, row.data(), width);
+          for (int64_t i = 0; i < m; ++i) axpy(h[i * r + j], b, acc.data() + i * width, width);
+        }
+        for (int64_t i = 0; i < m; ++i) {
+          scalar_t* yr = py + rows_of[i] * y.stride(0) + col0[t];
+          const float* ar = acc.data() + i * width;
+          for (int64_t c = 0; c < width; ++c) yr[c] = to<scalar_t>(f32(yr[c]) + ar[c]);
+        }
       }
     });
   });
