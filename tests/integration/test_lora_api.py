@@ -21,12 +21,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from shared import lora
 from shared.lora import Outcome, message
+from tests.integration.peft_adapters import make_adapter
 from tests.integration.stack import post, running_stack, sse_events
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPT = "My name is Olivier and I"
 TOKENS = 12
-SCALE = 0.2  # of the random B matrices: the greedy texts differ from the base model's within TOKENS
 MAX_RANK = 8
 ROLE = {"local": {"server_ip": "10.0.0.1", "device": [{"device_ip": "10.0.1.1", "device_logical_id": "0"}]}}
 
@@ -35,25 +34,6 @@ ROLE = {"local": {"server_ip": "10.0.0.1", "device": [{"device_ip": "10.0.1.1", 
 class Adapters:
     paths: dict[str, Path]  # first (rank 8), second (rank 4), wide (rank 16), dora (first with use_dora)
     first_text: str  # the greedy continuation of PROMPT by transformers + peft with "first"
-
-
-def make_adapter(model_dir: Path, folder: Path, rank: int, seed: int):
-    """A PEFT LoRA adapter of ``rank`` on every projection, its random B matrices scaled down; saved to
-    ``folder``, and returned as the PEFT model."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS,
-                                            init_lora_weights=False))
-    with torch.no_grad():
-        for name, weight in model.named_parameters():
-            if "lora_B" in name:
-                weight.mul_(SCALE)
-    model.save_pretrained(folder)
-    return model
 
 
 def greedy_text(model, model_dir: Path) -> str:

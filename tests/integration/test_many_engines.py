@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from shared import subjects
 from shared.messages import EngineInfo
 from switchboard.replicas import available_cores
+from tests.integration.peft_adapters import make_adapter
 from tests.integration.stack import running_stack
 
 ENGINES = TOKENIZERS = 2
@@ -151,6 +152,25 @@ async def test_status_slots_and_metrics_cover_both_engines(many):
     remain = {item["metric"][0]["__name__"]: item["value"]
               for item in httpx.get(many.mgmt_url + "/metrics-json").json()["result"]}
     assert remain["remainBlocks"] == str(total)
+
+
+async def test_a_lora_adapter_loads_on_every_engine_and_serves_from_both(many, tiny_model_dir, tmp_path):
+    make_adapter(tiny_model_dir, tmp_path / "a", 4, 0)
+    load = httpx.post(many.mgmt_url + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": str(tmp_path / "a")},
+                      timeout=120)
+    assert (load.status_code, load.text) == (200, "Success: LoRA adapter 'a' added successfully.")
+    before = await heartbeats(many)
+    assert len(before) == ENGINES and all([x.name for x in e.adapters] == ["a"] for e in before.values())
+    async with httpx.AsyncClient(timeout=120) as client:
+        bodies = [{"model": "a", "prompt": f"Request number {i} says", "max_tokens": NEW_TOKENS, "temperature": 0}
+                  for i in range(REQUESTS)]
+        answers = await asyncio.gather(*(client.post(many.url + "/v1/completions", json=b) for b in bodies))
+    assert all(r.status_code == 200 and r.json()["model"] == "a" for r in answers), [r.text for r in answers]
+    after = await idle_heartbeats(many)
+    assert all(after[i].generation_tokens_total > before[i].generation_tokens_total for i in after)
+    unload = httpx.post(many.mgmt_url + "/v1/unload_lora_adapter", json={"lora_name": "a"}, timeout=120)
+    assert (unload.status_code, unload.text) == (200, "Success: LoRA adapter 'a' removed successfully.")
+    assert not any(e.adapters for e in (await heartbeats(many)).values())
 
 
 def test_sigterm_stops_every_child(many):
