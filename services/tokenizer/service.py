@@ -140,11 +140,13 @@ class TokenizerService:
     async def choose_engine(self, adapter: str = "") -> str:
         """The least loaded live engine (one with the LoRA ``adapter``, when one is named). When none is live,
         wait up to a lease for one to be heard (after a bus outage every lease may have run out while the
-        engines were in fact fine), then raise UNAVAILABLE; when engines serve but none has the adapter,
-        raise NOT_FOUND at once."""
-        deadline = time.monotonic() + self.cfg.switchboard.lease_seconds
+        engines were in fact fine), then raise UNAVAILABLE. When engines serve but none lists the adapter,
+        raise NOT_FOUND after one heartbeat interval: the gateway admitted it on a heartbeat listing it,
+        which may reach this process a moment later."""
+        start = time.monotonic()
+        deadline = start + self.cfg.switchboard.lease_seconds
         while (engine := self.router.choose(adapter)) is None:
-            if adapter and self.router.serving():
+            if adapter and self.router.serving() and time.monotonic() - start >= self.cfg.switchboard.heartbeat_s:
                 raise SwitchboardError(ErrorKind.NOT_FOUND, f"LoRA adapter '{adapter}' is not loaded")
             if time.monotonic() >= deadline:
                 raise SwitchboardError(ErrorKind.UNAVAILABLE, f"no engine is serving model {self.model}")
