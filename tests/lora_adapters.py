@@ -52,3 +52,11 @@ def peft_greedy(model_dir: Path, adapter_dir: Path | None, prompts: list[list[in
                                  output_scores=True, return_dict_in_generate=True, pad_token_id=0)
             results.append((out.sequences[0, len(ids):].tolist(), torch.cat(out.scores)))
     return results
+
+
+if __name__ == "__main__":  # python -m tests.lora_adapters OUT_DIR [MODEL_DIR]: a demo adapter (README)
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    model = Path(sys.argv[2]) if len(sys.argv) > 2 else root / ".cache" / "models" / "SmolLM2-135M-Instruct"
+    print(make_adapter(model, Path(sys.argv[1]), seed=1, r=8, alpha=16))

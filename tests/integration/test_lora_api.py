@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from shared import lora
 from shared.lora import Outcome, message
-from tests.integration.peft_adapters import make_adapter
+from tests.lora_adapters import make_adapter, peft_greedy
 from tests.integration.stack import post, running_stack, sse_events
 
 PROMPT = "My name is Olivier and I"
@@ -36,22 +36,25 @@ class Adapters:
     first_text: str  # the greedy continuation of PROMPT by transformers + peft with "first"
 
 
-def greedy_text(model, model_dir: Path) -> str:
+def greedy_text(adapter: Path, model_dir: Path) -> str:
+    """transformers + peft's greedy continuation of PROMPT with the adapter."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
-    out = model.generate(input_ids=ids, max_new_tokens=TOKENS, do_sample=False)
-    return tokenizer.decode(out[0][ids.shape[1]:], skip_special_tokens=True)
+    tokens, _ = peft_greedy(model_dir, adapter, [tokenizer(PROMPT).input_ids], TOKENS)[0]
+    return tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def adapter(model_dir: Path, folder: Path, rank: int, seed: int) -> Path:
+    return make_adapter(model_dir, folder, seed=seed, r=rank, alpha=2 * rank, b_scale=0.2)
 
 
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory, smol_dir) -> Adapters:
     folder = tmp_path_factory.mktemp("adapters")
-    first = make_adapter(smol_dir, folder / "first", MAX_RANK, 1)
-    first_text = greedy_text(first, smol_dir)
-    make_adapter(smol_dir, folder / "second", 4, 2)
-    make_adapter(smol_dir, folder / "wide", 2 * MAX_RANK, 3)
+    first_text = greedy_text(adapter(smol_dir, folder / "first", MAX_RANK, 1), smol_dir)
+    adapter(smol_dir, folder / "second", 4, 2)
+    adapter(smol_dir, folder / "wide", 2 * MAX_RANK, 3)
     dora = shutil.copytree(folder / "first", folder / "dora")
     settings = json.loads((dora / "adapter_config.json").read_text())
     (dora / "adapter_config.json").write_text(json.dumps({**settings, "use_dora": True}))

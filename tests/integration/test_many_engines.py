@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from shared import subjects
 from shared.messages import EngineInfo
 from switchboard.replicas import available_cores
-from tests.integration.peft_adapters import make_adapter
+from tests.lora_adapters import make_adapter
 from tests.integration.stack import running_stack
 
 ENGINES = TOKENIZERS = 2
@@ -155,7 +155,7 @@ async def test_status_slots_and_metrics_cover_both_engines(many):
 
 
 async def test_a_lora_adapter_loads_on_every_engine_and_serves_from_both(many, tiny_model_dir, tmp_path):
-    make_adapter(tiny_model_dir, tmp_path / "a", 4, 0)
+    make_adapter(tiny_model_dir, tmp_path / "a", seed=0, r=4, alpha=8, b_scale=0.2)
     load = httpx.post(many.mgmt_url + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": str(tmp_path / "a")},
                       timeout=120)
     assert (load.status_code, load.text) == (200, "Success: LoRA adapter 'a' added successfully.")
