@@ -49,6 +49,21 @@ class Sampling(msgspec.Struct, kw_only=True, omit_defaults=True):
 # ---- to the tokenizer -------------------------------------------------------------------------
 
 
+class MediaRef(msgspec.Struct, omit_defaults=True):
+    """One media item of a request as the client named it; ``shared.media`` checks it before any fetch."""
+
+    kind: str  # image | video | audio
+    source: str  # an http(s) URL, a data: URL, or a local path
+
+
+class ContentPart(msgspec.Struct, omit_defaults=True):
+    """One item of a list-form input (TGI and native ``inputs``, chat content), in the client's order."""
+
+    type: str  # text | image | video | audio
+    text: str = ""
+    media: MediaRef | None = None
+
+
 class GenerateRequest(Msg):
     """The one internal request: every API family's adapter produces this."""
 
@@ -67,6 +82,7 @@ class GenerateRequest(Msg):
     gateway: str = ""  # the owning gateway instance: when its lease runs out, its requests are cancelled
     resume_ids: list[int] = []  # a resumed request: the tokens its client already has (seed pinned)
     adapter: str = ""  # the LoRA adapter it runs with; "" = the base model
+    parts: list[ContentPart] = []  # list-form input with media, in order (``prompt`` is then empty)
 
 
 # ---- to the engine ----------------------------------------------------------------------------
