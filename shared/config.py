@@ -211,6 +211,22 @@ class SwitchboardConfig(Struct, kw_only=True):
     """an engine, tokenizer or gateway instance not heard from this long is dead for every other one;
     heartbeats go out four times per lease."""
 
+    # Media of multimodal requests (shared/media.py): by default nothing is fetched.
+    media_root: str = ""
+    """local media files must lie under this folder (relative to the config file; MindIE uses
+    /data/multimodal_inputs/); empty = local files are refused."""
+    allowed_media_domains: list[str] = field(default_factory=list)
+    """hosts remote media may come from, each with its subdomains, joined with the comma-separated
+    environment variable ALLOWED_MEDIA_DOMAINS_ENV; empty (and no variable) = no remote media."""
+    allow_private_media_addresses: bool = False
+    """true lets media come from loopback, link-local and private addresses (tests, a private LAN)."""
+    media_max_request_mb: Annotated[int, Meta(ge=1, le=16384)] = 600
+    """all the media of one request together, in MiB (one item: image 20, video 512, audio 20)."""
+    media_fetch_timeout_seconds: Annotated[int, Meta(ge=1, le=3600)] = 30
+    """one remote item: name resolution, connection, redirects and the whole body."""
+    media_request_timeout_seconds: Annotated[int, Meta(ge=1, le=3600)] = 120
+    """all the media of one request."""
+
     @property
     def heartbeat_s(self) -> float:
         return self.lease_seconds / 4
@@ -332,6 +348,7 @@ def _check_cross_keys(cfg: Config) -> None:
     if d.max_seq_len < 2:
         raise ConfigError(f"BackendConfig.ModelDeployConfig.maxSeqLen: must be >= 2, got {d.max_seq_len}")
     _check_lora_modules(cfg)
+    _check_media(cfg.switchboard)
     if isinstance(d.truncation, int) and not isinstance(d.truncation, bool) and d.truncation not in (-1, 0, 1):
         raise ConfigError(f"BackendConfig.ModelDeployConfig.truncation: must be -1, 0, 1, true or false, got {d.truncation}")
 
@@ -349,3 +366,16 @@ def _check_lora_modules(cfg: Config) -> None:
             raise ConfigError(f"{key}[{i}].name: {module.name!r} is already the name of "
                               + ("another adapter" if module.name in seen else "the model"))
         seen.add(module.name)
+
+
+def _check_media(s: SwitchboardConfig) -> None:
+    from shared.media import normalize_domain  # shared.media imports this module
+
+    for i, entry in enumerate(s.allowed_media_domains):
+        try:
+            normalize_domain(entry)
+        except ValueError as exc:
+            raise ConfigError(f"Switchboard.allowedMediaDomains[{i}]: {exc}") from None
+    if s.media_request_timeout_seconds < s.media_fetch_timeout_seconds:
+        raise ConfigError("Switchboard.mediaRequestTimeoutSeconds: must be >= mediaFetchTimeoutSeconds "
+                          f"({s.media_fetch_timeout_seconds}), got {s.media_request_timeout_seconds}")

@@ -1,0 +1,413 @@
+"""Media items of a multimodal request: what may be fetched, checked before anything is fetched.
+
+By default nothing is fetched. ``Switchboard.mediaRoot`` admits local files under one folder (MindIE's
+own root is ``/data/multimodal_inputs/``; ours has no default), ``Switchboard.allowedMediaDomains``
+together with the comma-separated environment variable ``ALLOWED_MEDIA_DOMAINS_ENV`` (MindIE's name;
+the two lists are joined, so a deployment can add hosts without editing the file) admits http(s)
+URLs from those hosts and their subdomains, and base64 ``data:`` URLs carry images inline.
+
+The rules (reference §2.6 and seed 003): at most 20 media items per request; images up to 20 MB
+(jpg, jpeg, png; base64 jpeg or png as a data: URL), video up to 512 MB (mp4, avi, wmv), audio up to
+20 MB (mp3, wav, flac); a per-request total (``Switchboard.mediaMaxRequestMb``). A local path:
+no ``..`` component, a relative path is relative to the root, its real path (symlinks resolved)
+stays under the root's real path, and it is a non-empty regular file with the kind's extension.
+``file://`` URLs are local paths (host empty or ``localhost``). A URL: http or https, no user
+name or password, a host on the allow-list; an IP-literal host, however encoded (``2130706433``,
+``0x7f.1``, ``[::ffff:127.0.0.1]``), is refused when loopback, link-local, private, multicast,
+unspecified, reserved or otherwise not global, unless ``Switchboard.allowPrivateMediaAddresses``.
+Names are resolved, every resolved address checked the same way, redirects re-checked and sizes
+and times enforced by the fetcher (``services/tokenizer/media_fetch.py``).
+
+:func:`check_request` only reads filesystem metadata; a refusal is a 422 whose message names the
+media item (its position among the request's media, from 0) and the rule.
+"""
+
+from __future__ import annotations
+
+import base64
+import ipaddress
+import os
+import re
+import socket
+import stat
+from dataclasses import dataclass, field
+from urllib.parse import quote, unquote, urlsplit
+
+import msgspec
+
+from shared.config import Config, ConfigError
+from shared.errors import validation
+from shared.messages import MediaRef
+
+MB = 1024 * 1024
+MAX_ITEMS = 20  # "The number of multimodal url should be no more than 20" (reference §2.6)
+ITEM_LIMITS = {"image": 20 * MB, "video": 512 * MB, "audio": 20 * MB}
+EXTENSIONS = {"image": ("jpg", "jpeg", "png"), "video": ("mp4", "avi", "wmv"), "audio": ("mp3", "wav", "flac")}
+DATA_TYPES = {"image": ("image/jpeg", "image/jpg", "image/png")}  # data: URLs carry images only
+KIND_NAMES = {"image": "images", "video": "videos", "audio": "audio clips"}
+DOMAINS_ENV = "ALLOWED_MEDIA_DOMAINS_ENV"
+MAX_REDIRECTS = 5
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
+_LABEL = re.compile(r"^[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?$")
+_BASE64 = re.compile(r"[A-Za-z0-9+/]*={0,2}")
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+_PRINTABLE = "".join(chr(c) for c in range(33, 127))  # kept as is in a request line; the rest is %-encoded
+
+
+@dataclass(frozen=True)
+class MediaPolicy:
+    """What may be fetched and how much; build it once at start with :meth:`from_config`."""
+
+    root: str = ""  # real path of the media root; "" = local files are refused
+    domains: tuple[str, ...] = ()  # normalized allow-list; () = remote media are refused
+    allow_private: bool = False
+    max_items: int = MAX_ITEMS
+    item_limits: dict[str, int] = field(default_factory=lambda: dict(ITEM_LIMITS))
+    request_limit: int = 600 * MB
+    item_timeout_s: float = 30.0  # one item: name resolution, connection, redirects and body
+    request_timeout_s: float = 120.0  # all the media of one request
+    max_redirects: int = MAX_REDIRECTS
+
+    @classmethod
+    def from_config(cls, cfg: Config, environ=os.environ) -> MediaPolicy:
+        """The policy of ``cfg`` plus ``ALLOWED_MEDIA_DOMAINS_ENV``; ConfigError names the bad key."""
+        s = cfg.switchboard
+        return cls(
+            root=_real_root(cfg) if s.media_root else "",
+            domains=tuple(dict.fromkeys([normalize_domain(d) for d in s.allowed_media_domains] + _env_domains(environ))),
+            allow_private=s.allow_private_media_addresses,
+            request_limit=s.media_max_request_mb * MB,
+            item_timeout_s=float(s.media_fetch_timeout_seconds),
+            request_timeout_s=float(s.media_request_timeout_seconds),
+        )
+
+
+class CheckedMedia(msgspec.Struct, frozen=True, kw_only=True):
+    """One media item that passed :func:`check_request`: what to fetch and its byte limit."""
+
+    index: int  # position among the request's media, from 0
+    kind: str  # image | video | audio
+    origin: str  # local | data | remote
+    source: str  # as the client gave it
+    path: str = ""  # local: the real path, under the root
+    url: str = ""  # remote: the URL without its fragment
+    size: int = -1  # bytes, where known before the fetch (local and data); -1 = unknown
+    limit: int  # the kind's byte limit
+
+
+class RemoteTarget(msgspec.Struct, frozen=True):
+    """A checked http(s) URL, split for a connection of one's own."""
+
+    scheme: str
+    host: str  # lower-case, IDNA; an IP literal in its canonical form
+    port: int
+    target: str  # path and query, as sent in the request line
+    ip: str = ""  # set when the host is an IP literal
+
+    @property
+    def host_header(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return host if self.port == (443 if self.scheme == "https" else 80) else f"{host}:{self.port}"
+
+
+def check_request(refs: list[MediaRef], policy: MediaPolicy) -> list[CheckedMedia]:
+    """Every media item of one request, checked in order; raises a 422 on the first refusal."""
+    if len(refs) > policy.max_items:
+        raise validation(f"The number of multimodal url should be no more than {policy.max_items} (got {len(refs)})")
+    checked = [check_item(i, ref, policy) for i, ref in enumerate(refs)]
+    total = sum(c.size for c in checked if c.size > 0)
+    if total > policy.request_limit:
+        raise validation(f"the request's media total {_mb(total)}, more than the per-request limit of "
+                         f"{_mb(policy.request_limit)} (Switchboard.mediaMaxRequestMb)")
+    return checked
+
+
+def check_item(index: int, ref: MediaRef, policy: MediaPolicy) -> CheckedMedia:
+    if ref.kind not in ITEM_LIMITS:
+        raise validation(f"media item {index}: unknown kind {ref.kind!r} (expected image, video or audio)")
+    source = ref.source
+    if not isinstance(source, str) or not source.strip():
+        raise validation(f"media item {index} ({ref.kind}): the source is empty")
+    if any(ord(c) < 32 or ord(c) == 127 for c in source):
+        raise validation(f"media item {index} ({ref.kind}): the source contains control characters")
+    m = _SCHEME.match(source)
+    scheme = m.group(1).lower() if m and len(m.group(1)) > 1 else ""
+    if scheme in ("http", "https"):
+        return _checked_remote(index, ref.kind, source, policy)
+    if scheme == "data":
+        return _checked_data(index, ref.kind, source, policy)
+    if scheme == "file":
+        return _checked_local(index, ref.kind, _file_url_path(index, ref.kind, source), policy)
+    if scheme:
+        raise validation(f"media item {index} ({ref.kind}): URL scheme {scheme!r} is not supported "
+                         "(http, https, data or a local path)")
+    return _checked_local(index, ref.kind, source, policy)
+
+
+# ---- local files ------------------------------------------------------------------------------
+
+
+def _checked_local(index: int, kind: str, path: str, policy: MediaPolicy) -> CheckedMedia:
+    where = f"media item {index} ({kind})"
+    if not policy.root:
+        raise validation(f"{where}: local media files are not allowed (Switchboard.mediaRoot is not set)")
+    if ".." in path.replace("\\", "/").split("/"):
+        raise validation(f"{where}: a local path must not contain '..'")
+    _check_extension(where, kind, path)
+    # An absolute path replaces the root. Containment is judged before existence, so that a client
+    # cannot learn which files exist outside the root.
+    real = os.path.realpath(os.path.join(policy.root, path))
+    if not _under(real, policy.root):
+        raise validation(f"{where}: local file {path} is outside the media root (Switchboard.mediaRoot)")
+    try:
+        st = os.stat(real)
+    except (OSError, ValueError):
+        raise validation(f"{where}: local file {path} does not exist or cannot be read") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise validation(f"{where}: local path {path} is not a regular file")
+    if not os.access(real, os.R_OK):
+        raise validation(f"{where}: local file {path} is not readable")
+    _check_size(where, kind, st.st_size, policy, f"local file {path}")
+    return CheckedMedia(index=index, kind=kind, origin="local", source=path, path=real,
+                        size=st.st_size, limit=policy.item_limits[kind])
+
+
+def _file_url_path(index: int, kind: str, source: str) -> str:
+    parts = urlsplit(source)
+    if parts.netloc not in ("", "localhost"):
+        raise validation(f"media item {index} ({kind}): a file:// URL must name this machine (no host)")
+    return unquote(parts.path)
+
+
+def _check_extension(where: str, kind: str, path: str) -> None:
+    ext = os.path.splitext(path)[1][1:].lower()
+    if ext not in EXTENSIONS[kind]:
+        raise validation(f"{where}: extension {'.' + ext if ext else '(none)'} is not allowed for "
+                         f"{KIND_NAMES[kind]} (allowed: {', '.join(EXTENSIONS[kind])})")
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def _check_size(where: str, kind: str, size: int, policy: MediaPolicy, what: str) -> None:
+    limit = policy.item_limits[kind]
+    if size > limit:
+        raise validation(f"{where}: {what} is {_mb(size)}, more than the {_mb(limit)} limit for {KIND_NAMES[kind]}")
+    if size == 0:
+        raise validation(f"{where}: {what} is empty")
+
+
+def _mb(size: int) -> str:
+    return f"{size // MB} MB" if size % MB == 0 else f"{size / MB:.1f} MB"
+
+
+# ---- data: URLs -------------------------------------------------------------------------------
+
+
+def _checked_data(index: int, kind: str, source: str, policy: MediaPolicy) -> CheckedMedia:
+    """``data:image/png;base64,...``: the type, the decoded size (from the length) and the alphabet are
+    checked here, the payload is decoded once, by the fetcher."""
+    where = f"media item {index} ({kind})"
+    header, comma, payload = source[5:].partition(",")
+    params = [p.strip().lower() for p in header.split(";")]
+    allowed = DATA_TYPES.get(kind, ())
+    if not comma or params[-1] != "base64" or len(params) < 2:
+        raise validation(f"{where}: a data: URL must be base64 (data:<type>;base64,<data>)")
+    if params[0] not in allowed:
+        raise validation(f"{where}: data: URL type {params[0] or '(none)'} is not allowed for {KIND_NAMES[kind]}"
+                         + (f" (allowed: {', '.join(allowed)})" if allowed else " (only images may be data: URLs)"))
+    _check_size(where, kind, base64_size(payload), policy, "the data: URL's content")
+    if len(payload) % 4 == 1 or ("=" in payload and len(payload) % 4) or not _BASE64.fullmatch(payload):
+        raise validation(f"{where}: the data: URL's base64 content is malformed")
+    if not sniff(kind, base64.b64decode(_padded(payload[:24]))):
+        raise validation(f"{where}: the data: URL's content is not {formats(kind)}")
+    return CheckedMedia(index=index, kind=kind, origin="data", source=source,
+                        size=base64_size(payload), limit=policy.item_limits[kind])
+
+
+def _padded(payload: str) -> str:
+    return payload + "=" * (-len(payload) % 4)
+
+
+def base64_size(payload: str) -> int:
+    """Bytes that ``payload`` decodes to, padded or not, from its length alone."""
+    body = len(payload) - (payload.endswith("=") + payload.endswith("=="))
+    return body * 3 // 4
+
+
+# ---- content ----------------------------------------------------------------------------------
+
+_ASF = bytes.fromhex("3026b2758e66cf11a6d900aa0062ce6c")
+_FORMATS = {"image": ("JPEG", "PNG"), "video": ("MP4", "AVI", "WMV"), "audio": ("MP3", "WAV", "FLAC")}
+
+
+def sniff(kind: str, head: bytes) -> str:
+    """The format of content starting with ``head`` (16 bytes suffice) among the kind's allowed ones,
+    by its signature ("PNG", "MP4", ...); "" when it is none of them."""
+    riff = head[:4] == b"RIFF"
+    found = {
+        "JPEG": head[:3] == b"\xff\xd8\xff",
+        "PNG": head[:8] == b"\x89PNG\r\n\x1a\n",
+        "MP4": head[4:8] == b"ftyp",
+        "AVI": riff and head[8:12] == b"AVI ",
+        "WMV": head[:16] == _ASF,
+        "MP3": head[:3] == b"ID3" or (len(head) > 1 and head[0] == 0xFF and head[1] & 0xE0 == 0xE0),
+        "WAV": riff and head[8:12] == b"WAVE",
+        "FLAC": head[:4] == b"fLaC",
+    }
+    return next((name for name in _FORMATS.get(kind, ()) if found[name]), "")
+
+
+def formats(kind: str) -> str:
+    """The kind's allowed formats, for messages: "JPEG or PNG"."""
+    return " or ".join(_FORMATS[kind])
+
+
+# ---- remote URLs ------------------------------------------------------------------------------
+
+
+def _checked_remote(index: int, kind: str, source: str, policy: MediaPolicy) -> CheckedMedia:
+    remote = check_url(source, f"media item {index} ({kind})", policy)
+    return CheckedMedia(index=index, kind=kind, origin="remote", source=source,
+                        url=f"{remote.scheme}://{remote.host_header}{remote.target}", limit=policy.item_limits[kind])
+
+
+def check_url(url: str, where: str, policy: MediaPolicy) -> RemoteTarget:
+    """One http(s) URL (a request's or a redirect's) against the policy; 422 naming ``where``."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise validation(f"{where}: malformed URL ({exc})") from None
+    scheme = parts.scheme.lower()
+    if scheme not in ("http", "https"):
+        raise validation(f"{where}: URL scheme {scheme or '(none)'!r} is not allowed (http or https only)")
+    if "@" in parts.netloc:
+        raise validation(f"{where}: a URL must not carry a user name or password")
+    if any(c.isspace() or ord(c) < 32 for c in url):
+        raise validation(f"{where}: a URL must not contain whitespace or control characters")
+    host = _normal_host(parts.hostname or "", where)
+    ip = ip_literal(host)
+    if ip is not None:
+        host = str(ip)
+        check_address(ip, where, policy)
+    if not host_allowed(host, policy.domains):
+        raise validation(f"{where}: host {host} is not on the media allow-list "
+                         f"(Switchboard.allowedMediaDomains or {DOMAINS_ENV})")
+    if port == 0:
+        raise validation(f"{where}: port 0 is not a valid port")
+    target = quote((parts.path or "/") + (f"?{parts.query}" if parts.query else ""), safe=_PRINTABLE)
+    port = port if port is not None else (443 if scheme == "https" else 80)
+    return RemoteTarget(scheme, host, port, target, str(ip) if ip else "")
+
+
+def _normal_host(host: str, where: str) -> str:
+    host = host.rstrip(".").lower()
+    if not host:
+        raise validation(f"{where}: the URL has no host")
+    if ":" in host:  # an IPv6 literal (urlsplit took off the brackets)
+        return host
+    try:
+        return host.encode("idna").decode("ascii")
+    except UnicodeError:
+        raise validation(f"{where}: host {host!r} is not a valid host name") from None
+
+
+def ip_literal(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The address an IP-literal host means to the resolver, in any encoding inet_aton accepts
+    (``127.1``, ``2130706433``, ``0x7f.0.0.1``, ``0177.0.0.1``); None for a name."""
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        pass
+    if re.fullmatch(r"[0-9a-fA-FxX.]+", host) and host[0].isdigit():
+        try:
+            return ipaddress.IPv4Address(socket.inet_aton(host))
+        except OSError:
+            return None
+    return None
+
+
+def address_problem(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str:
+    """Why media may not come from ``ip`` ("loopback", "private", ...); "" for a global address.
+    IPv6 addresses that embed an IPv4 one (mapped, 6to4, NAT64) are judged by it as well."""
+    embedded = _embedded(ip)
+    if embedded is not None and (problem := address_problem(embedded)):
+        return problem
+    for name in ("unspecified", "loopback", "link_local", "multicast", "private", "reserved"):
+        if getattr(ip, f"is_{name}"):
+            return name.replace("_", "-")
+    return "" if ip.is_global else "non-global"
+
+
+def _embedded(ip) -> ipaddress.IPv4Address | None:
+    """The IPv4 address inside an IPv4-mapped, 6to4 or NAT64 IPv6 address."""
+    if not isinstance(ip, ipaddress.IPv6Address):
+        return None
+    if ip in _NAT64:
+        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+    return ip.ipv4_mapped or ip.sixtofour
+
+
+def check_address(ip, where: str, policy: MediaPolicy) -> None:
+    """422 when ``ip`` is not global and the policy does not allow private addresses."""
+    problem = address_problem(ip)
+    if problem and not policy.allow_private:
+        inner = _embedded(ip)
+        shown = f"{ip} ({inner})" if inner is not None else str(ip)
+        raise validation(f"{where}: {shown} is a {problem} address; media are never fetched from one "
+                         "unless Switchboard.allowPrivateMediaAddresses is true")
+
+
+def host_allowed(host: str, domains: tuple[str, ...]) -> bool:
+    """``host`` is an allow-list entry or a subdomain of one."""
+    return any(host == d or (not _is_ip(d) and host.endswith("." + d)) for d in domains)
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
+# ---- the allow-list ---------------------------------------------------------------------------
+
+
+def normalize_domain(entry: str) -> str:
+    """An allow-list entry: a host name (IDNA, lower-case, no trailing dot) or an IP address in its
+    canonical form; ValueError says what is wrong."""
+    text = entry.strip().rstrip(".").lower() if isinstance(entry, str) else ""
+    if not text:
+        raise ValueError("expected a host name or an IP address, got an empty entry")
+    try:
+        return str(ipaddress.ip_address(text.strip("[]")))
+    except ValueError:
+        pass
+    try:
+        name = text.encode("idna").decode("ascii")
+    except UnicodeError:
+        raise ValueError(f"{entry!r} is not a valid host name") from None
+    if len(name) > 253 or not all(_LABEL.match(label) for label in name.split(".")):
+        raise ValueError(f"{entry!r} is not a host name (a scheme, port, path or '*' does not belong here)")
+    return name
+
+
+def _env_domains(environ) -> list[str]:
+    out = []
+    for entry in filter(None, (e.strip() for e in environ.get(DOMAINS_ENV, "").split(","))):
+        try:
+            out.append(normalize_domain(entry))
+        except ValueError as exc:
+            raise ConfigError(f"{DOMAINS_ENV}: {exc}") from None
+    return out
+
+
+def _real_root(cfg: Config) -> str:
+    path = cfg.resolve_path(cfg.switchboard.media_root)
+    real = os.path.realpath(path)
+    if not os.path.isdir(real):
+        raise ConfigError(f"Switchboard.mediaRoot: {path} is not a directory")
+    return real
