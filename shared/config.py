@@ -15,6 +15,8 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta, field
 
+from shared.media_urls import normalize_domain, private_networks
+
 Port = Annotated[int, Meta(ge=1024, le=65535)]
 U32 = Annotated[int, Meta(ge=0, le=4294967295)]
 MAX_CONFIG_BYTES = 10 * 1024 * 1024
@@ -218,8 +220,9 @@ class SwitchboardConfig(Struct, kw_only=True):
     allowed_media_domains: list[str] = field(default_factory=list)
     """hosts remote media may come from, each with its subdomains, joined with the comma-separated
     environment variable ALLOWED_MEDIA_DOMAINS_ENV; empty (and no variable) = no remote media."""
-    allow_private_media_addresses: bool = False
-    """true lets media come from loopback, link-local and private addresses (tests, a private LAN)."""
+    allow_private_media_addresses: bool | list[str] = False
+    """media may come from loopback, link-local, private and other non-global addresses: true = any,
+    a list of networks ("10.1.0.0/16", "127.0.0.1") = those; false = none."""
     media_max_request_mb: Annotated[int, Meta(ge=1, le=16384)] = 600
     """all the media of one request together, in MiB (one item: image 20, video 512, audio 20)."""
     media_fetch_timeout_seconds: Annotated[int, Meta(ge=1, le=3600)] = 30
@@ -369,13 +372,15 @@ def _check_lora_modules(cfg: Config) -> None:
 
 
 def _check_media(s: SwitchboardConfig) -> None:
-    from shared.media import normalize_domain  # shared.media imports this module
-
     for i, entry in enumerate(s.allowed_media_domains):
         try:
             normalize_domain(entry)
         except ValueError as exc:
             raise ConfigError(f"Switchboard.allowedMediaDomains[{i}]: {exc}") from None
+    try:
+        private_networks(s.allow_private_media_addresses)
+    except ValueError as exc:
+        raise ConfigError(f"Switchboard.allowPrivateMediaAddresses{exc}") from None
     if s.media_request_timeout_seconds < s.media_fetch_timeout_seconds:
         raise ConfigError("Switchboard.mediaRequestTimeoutSeconds: must be >= mediaFetchTimeoutSeconds "
                           f"({s.media_fetch_timeout_seconds}), got {s.media_request_timeout_seconds}")

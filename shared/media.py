@@ -14,9 +14,11 @@ stays under the root's real path, and it is a non-empty regular file with the ki
 ``file://`` URLs are local paths (host empty or ``localhost``). A URL: http or https, no user
 name or password, a host on the allow-list; an IP-literal host, however encoded (``2130706433``,
 ``0x7f.1``, ``[::ffff:127.0.0.1]``), is refused when loopback, link-local, private, multicast,
-unspecified, reserved or otherwise not global, unless ``Switchboard.allowPrivateMediaAddresses``.
-Names are resolved, every resolved address checked the same way, redirects re-checked and sizes
-and times enforced by the fetcher (``services/tokenizer/media_fetch.py``).
+unspecified, reserved or otherwise not global, unless ``Switchboard.allowPrivateMediaAddresses``
+admits it (``true``: any address; a list of networks: those).
+The URL and address rules live in ``shared.media_urls``. Names are resolved, every resolved address
+checked the same way, redirects re-checked and sizes and times enforced by the fetcher
+(``services/tokenizer/media_fetch.py``).
 
 :func:`check_request` only reads filesystem metadata; a refusal is a 422 whose message names the
 media item (its position among the request's media, from 0) and the rule.
@@ -25,18 +27,17 @@ media item (its position among the request's media, from 0) and the rule.
 from __future__ import annotations
 
 import base64
-import ipaddress
 import os
 import re
-import socket
 import stat
 from dataclasses import dataclass, field
-from urllib.parse import quote, unquote, urlsplit
+from urllib.parse import unquote, urlsplit
 
 import msgspec
 
 from shared.config import Config, ConfigError
 from shared.errors import validation
+from shared.media_urls import DOMAINS_ENV, check_url, normalize_domain, private_networks
 from shared.messages import MediaRef
 
 MB = 1024 * 1024
@@ -45,13 +46,9 @@ ITEM_LIMITS = {"image": 20 * MB, "video": 512 * MB, "audio": 20 * MB}
 EXTENSIONS = {"image": ("jpg", "jpeg", "png"), "video": ("mp4", "avi", "wmv"), "audio": ("mp3", "wav", "flac")}
 DATA_TYPES = {"image": ("image/jpeg", "image/jpg", "image/png")}  # data: URLs carry images only
 KIND_NAMES = {"image": "images", "video": "videos", "audio": "audio clips"}
-DOMAINS_ENV = "ALLOWED_MEDIA_DOMAINS_ENV"
 MAX_REDIRECTS = 5
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
-_LABEL = re.compile(r"^[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?$")
 _BASE64 = re.compile(r"[A-Za-z0-9+/]*={0,2}")
-_NAT64 = ipaddress.ip_network("64:ff9b::/96")
-_PRINTABLE = "".join(chr(c) for c in range(33, 127))  # kept as is in a request line; the rest is %-encoded
 
 
 @dataclass(frozen=True)
@@ -60,7 +57,7 @@ class MediaPolicy:
 
     root: str = ""  # real path of the media root; "" = local files are refused
     domains: tuple[str, ...] = ()  # normalized allow-list; () = remote media are refused
-    allow_private: bool = False
+    private_networks: tuple = ()  # non-global networks media may come from; see allowPrivateMediaAddresses
     max_items: int = MAX_ITEMS
     item_limits: dict[str, int] = field(default_factory=lambda: dict(ITEM_LIMITS))
     request_limit: int = 600 * MB
@@ -75,7 +72,7 @@ class MediaPolicy:
         return cls(
             root=_real_root(cfg) if s.media_root else "",
             domains=tuple(dict.fromkeys([normalize_domain(d) for d in s.allowed_media_domains] + _env_domains(environ))),
-            allow_private=s.allow_private_media_addresses,
+            private_networks=private_networks(s.allow_private_media_addresses),
             request_limit=s.media_max_request_mb * MB,
             item_timeout_s=float(s.media_fetch_timeout_seconds),
             request_timeout_s=float(s.media_request_timeout_seconds),
@@ -95,21 +92,6 @@ class CheckedMedia(msgspec.Struct, frozen=True, kw_only=True):
     limit: int  # the kind's byte limit
 
 
-class RemoteTarget(msgspec.Struct, frozen=True):
-    """A checked http(s) URL, split for a connection of one's own."""
-
-    scheme: str
-    host: str  # lower-case, IDNA; an IP literal in its canonical form
-    port: int
-    target: str  # path and query, as sent in the request line
-    ip: str = ""  # set when the host is an IP literal
-
-    @property
-    def host_header(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return host if self.port == (443 if self.scheme == "https" else 80) else f"{host}:{self.port}"
-
-
 def check_request(refs: list[MediaRef], policy: MediaPolicy) -> list[CheckedMedia]:
     """Every media item of one request, checked in order; raises a 422 on the first refusal."""
     if len(refs) > policy.max_items:
@@ -117,8 +99,8 @@ def check_request(refs: list[MediaRef], policy: MediaPolicy) -> list[CheckedMedi
     checked = [check_item(i, ref, policy) for i, ref in enumerate(refs)]
     total = sum(c.size for c in checked if c.size > 0)
     if total > policy.request_limit:
-        raise validation(f"the request's media total {_mb(total)}, more than the per-request limit of "
-                         f"{_mb(policy.request_limit)} (Switchboard.mediaMaxRequestMb)")
+        raise validation(f"the request's media total {size_text(total)}, more than the per-request limit of "
+                         f"{size_text(policy.request_limit)} (Switchboard.mediaMaxRequestMb)")
     return checked
 
 
@@ -193,12 +175,12 @@ def _under(path: str, root: str) -> bool:
 def _check_size(where: str, kind: str, size: int, policy: MediaPolicy, what: str) -> None:
     limit = policy.item_limits[kind]
     if size > limit:
-        raise validation(f"{where}: {what} is {_mb(size)}, more than the {_mb(limit)} limit for {KIND_NAMES[kind]}")
+        raise validation(f"{where}: {what} is {size_text(size)}, more than the {size_text(limit)} limit for {KIND_NAMES[kind]}")
     if size == 0:
         raise validation(f"{where}: {what} is empty")
 
 
-def _mb(size: int) -> str:
+def size_text(size: int) -> str:
     return f"{size // MB} MB" if size % MB == 0 else f"{size / MB:.1f} MB"
 
 
@@ -272,127 +254,6 @@ def _checked_remote(index: int, kind: str, source: str, policy: MediaPolicy) -> 
     return CheckedMedia(index=index, kind=kind, origin="remote", source=source,
                         url=f"{remote.scheme}://{remote.host_header}{remote.target}", limit=policy.item_limits[kind])
 
-
-def check_url(url: str, where: str, policy: MediaPolicy) -> RemoteTarget:
-    """One http(s) URL (a request's or a redirect's) against the policy; 422 naming ``where``."""
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError as exc:
-        raise validation(f"{where}: malformed URL ({exc})") from None
-    scheme = parts.scheme.lower()
-    if scheme not in ("http", "https"):
-        raise validation(f"{where}: URL scheme {scheme or '(none)'!r} is not allowed (http or https only)")
-    if "@" in parts.netloc:
-        raise validation(f"{where}: a URL must not carry a user name or password")
-    if any(c.isspace() or ord(c) < 32 for c in url):
-        raise validation(f"{where}: a URL must not contain whitespace or control characters")
-    host = _normal_host(parts.hostname or "", where)
-    ip = ip_literal(host)
-    if ip is not None:
-        host = str(ip)
-        check_address(ip, where, policy)
-    if not host_allowed(host, policy.domains):
-        raise validation(f"{where}: host {host} is not on the media allow-list "
-                         f"(Switchboard.allowedMediaDomains or {DOMAINS_ENV})")
-    if port == 0:
-        raise validation(f"{where}: port 0 is not a valid port")
-    target = quote((parts.path or "/") + (f"?{parts.query}" if parts.query else ""), safe=_PRINTABLE)
-    port = port if port is not None else (443 if scheme == "https" else 80)
-    return RemoteTarget(scheme, host, port, target, str(ip) if ip else "")
-
-
-def _normal_host(host: str, where: str) -> str:
-    host = host.rstrip(".").lower()
-    if not host:
-        raise validation(f"{where}: the URL has no host")
-    if ":" in host:  # an IPv6 literal (urlsplit took off the brackets)
-        return host
-    try:
-        return host.encode("idna").decode("ascii")
-    except UnicodeError:
-        raise validation(f"{where}: host {host!r} is not a valid host name") from None
-
-
-def ip_literal(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
-    """The address an IP-literal host means to the resolver, in any encoding inet_aton accepts
-    (``127.1``, ``2130706433``, ``0x7f.0.0.1``, ``0177.0.0.1``); None for a name."""
-    try:
-        return ipaddress.ip_address(host)
-    except ValueError:
-        pass
-    if re.fullmatch(r"[0-9a-fA-FxX.]+", host) and host[0].isdigit():
-        try:
-            return ipaddress.IPv4Address(socket.inet_aton(host))
-        except OSError:
-            return None
-    return None
-
-
-def address_problem(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str:
-    """Why media may not come from ``ip`` ("loopback", "private", ...); "" for a global address.
-    IPv6 addresses that embed an IPv4 one (mapped, 6to4, NAT64) are judged by it as well."""
-    embedded = _embedded(ip)
-    if embedded is not None and (problem := address_problem(embedded)):
-        return problem
-    for name in ("unspecified", "loopback", "link_local", "multicast", "private", "reserved"):
-        if getattr(ip, f"is_{name}"):
-            return name.replace("_", "-")
-    return "" if ip.is_global else "non-global"
-
-
-def _embedded(ip) -> ipaddress.IPv4Address | None:
-    """The IPv4 address inside an IPv4-mapped, 6to4 or NAT64 IPv6 address."""
-    if not isinstance(ip, ipaddress.IPv6Address):
-        return None
-    if ip in _NAT64:
-        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
-    return ip.ipv4_mapped or ip.sixtofour
-
-
-def check_address(ip, where: str, policy: MediaPolicy) -> None:
-    """422 when ``ip`` is not global and the policy does not allow private addresses."""
-    problem = address_problem(ip)
-    if problem and not policy.allow_private:
-        inner = _embedded(ip)
-        shown = f"{ip} ({inner})" if inner is not None else str(ip)
-        raise validation(f"{where}: {shown} is a {problem} address; media are never fetched from one "
-                         "unless Switchboard.allowPrivateMediaAddresses is true")
-
-
-def host_allowed(host: str, domains: tuple[str, ...]) -> bool:
-    """``host`` is an allow-list entry or a subdomain of one."""
-    return any(host == d or (not _is_ip(d) and host.endswith("." + d)) for d in domains)
-
-
-def _is_ip(text: str) -> bool:
-    try:
-        ipaddress.ip_address(text)
-    except ValueError:
-        return False
-    return True
-
-
-# ---- the allow-list ---------------------------------------------------------------------------
-
-
-def normalize_domain(entry: str) -> str:
-    """An allow-list entry: a host name (IDNA, lower-case, no trailing dot) or an IP address in its
-    canonical form; ValueError says what is wrong."""
-    text = entry.strip().rstrip(".").lower() if isinstance(entry, str) else ""
-    if not text:
-        raise ValueError("expected a host name or an IP address, got an empty entry")
-    try:
-        return str(ipaddress.ip_address(text.strip("[]")))
-    except ValueError:
-        pass
-    try:
-        name = text.encode("idna").decode("ascii")
-    except UnicodeError:
-        raise ValueError(f"{entry!r} is not a valid host name") from None
-    if len(name) > 253 or not all(_LABEL.match(label) for label in name.split(".")):
-        raise ValueError(f"{entry!r} is not a host name (a scheme, port, path or '*' does not belong here)")
-    return name
 
 
 def _env_domains(environ) -> list[str]:
