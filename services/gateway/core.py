@@ -18,6 +18,7 @@ from shared.config import Config
 from shared.engines import combined
 from shared.errors import ErrorKind, SwitchboardError
 from shared.leases import Leases
+from shared.media import MediaPolicy
 from shared.messages import (
     Cancel, EngineInfo, MetricsEvent, Ping, StopInfer, Tokenize, Tokenized, TokenizerInfo, decoder,
     encode,
@@ -47,6 +48,7 @@ class Gateway:
         self.slots = Slots(cfg.server.max_link_num)  # maxLinkNum in progress, 2 x maxLinkNum waiting (§2.2)
         self.lora_lock = asyncio.Lock()  # this gateway's LoRA loads and unloads, one at a time
         self.lora_version = 0  # the newest adapter-set version this gateway sent
+        self.media_policy = MediaPolicy.from_config(cfg)  # what list-form media items may name (shared.media)
 
     async def start(self) -> None:
         await self.mailboxes.start()

@@ -6,6 +6,7 @@ import httpx
 import pytest
 
 from tests.integration.stack import post, running_stack, sse_events
+from tests.media_items import PNG_URL
 
 PROMPT = "My name is Olivier and I"
 PROMPT_IDS = [5965, 1462, 314, 11256, 380, 1153, 284, 339]
@@ -73,7 +74,7 @@ def test_multimodal_items_name_the_limitation(tiny_stack):
     text_only = post(tiny_stack, "/infer", {"inputs": [{"type": "text", "text": PROMPT}], "parameters": GREEDY})
     assert text_only.status_code == 200, text_only.text
     r = post(tiny_stack, "/infer", {"inputs": [{"type": "text", "text": "What is this?"},
-                                              {"type": "image_url", "image_url": "https://x/y.png"}]})
+                                              {"type": "image_url", "image_url": PNG_URL}]})
     assert r.status_code == 422
     assert "text-only" in r.json()["error"] and r.json()["error_type"] == "Input Validation Error"
 

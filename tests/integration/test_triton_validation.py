@@ -13,6 +13,7 @@ import tritonclient.http as triton
 
 from tests.integration.test_triton_api import (PROMPT, PROMPT_IDS, assert_serving, infer_body, model_path,
                                                post, sse_blocks)
+from tests.media_items import PNG_URL
 
 BAD_PARAMETERS = [
     {"temperature": 0}, {"temperature": -1.0}, {"temperature": "1"}, {"top_k": -1}, {"top_k": 2147483648},
@@ -132,8 +133,9 @@ BAD_TEXT_BODIES = [
     ({"text_input": None}, "text_input"),
     ({"text_input": 12}, "text_input must be string type."),
     ({"text_input": ""}, "text_input must be 1 to"),
-    ({"text_input": []}, "Parameter text_input arr is empty."),
-    ({"text_input": [{"type": "text", "text": "hi"}]}, "multimodal"),
+    ({"text_input": []}, "Parameter text_input arr is empty"),
+    ({"text_input": [{"type": "text", "text": 5}]}, "Request param text must be string"),
+    ({"text_input": [{"type": "image_url", "image_url": PNG_URL}]}, "text-only"),
     ({"text_input": PROMPT, "id": "has space"}, "The id can contain only"),
     ({"text_input": PROMPT, "id": ["a"]}, "id must be string type."),
     ({"text_input": PROMPT, "parameters": "x"}, "parameters must be object type."),

@@ -8,6 +8,7 @@ import httpx
 import pytest
 
 from tests.integration.stack import post
+from tests.media_items import PNG_URL
 
 PROMPT = "My name is Olivier and I"
 GREEDY = {"temperature": 0, "max_tokens": 6}
@@ -73,7 +74,9 @@ def test_stop_and_stop_token_ids(tiny_stack):
 @pytest.mark.parametrize("body, message", [
     ({"prompt": 5}, "prompt must be string type."),
     ({"prompt": ""}, "prompt must be 1 to"),
-    ({"prompt": [{"type": "image_url", "image_url": "x"}]}, "text-only"),
+    ({"prompt": [{"type": "image_url", "image_url": "x.png"}]}, "local media files are not allowed"),
+    ({"prompt": [{"type": "image_url", "image_url": PNG_URL}]}, "text-only"),
+    ({"prompt": []}, "Inputs arr is empty"),
     ({"prompt": PROMPT, "max_tokens": 0}, "max_tokens must be in (0"),
     ({"prompt": PROMPT, "temperature": -0.5}, "temperature must be in [0.0"),
     ({"prompt": PROMPT, "top_k": 0}, "top_k must be -1 (disabled) or in (0, 2147483647], got 0."),

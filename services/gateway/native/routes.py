@@ -9,6 +9,7 @@ from litestar import Request, Response, post
 
 from services.gateway import lifecycle
 from services.gateway.call import Call
+from services.gateway.content import admit
 from services.gateway.native.responses import collect, error_event, stream_events
 from services.gateway.native.schemas import parse_infer, parse_tokenize
 from services.gateway.session import Session
@@ -18,6 +19,7 @@ from services.gateway.session import Session
 async def infer(request: Request) -> Response:
     req = parse_infer(await request.body())
     gateway = request.app.state.gateway
+    admit([req.listed], gateway.media_policy)
     session = Session(gateway, req.text or "", req.sampling, prompt_ids=req.ids, priority=req.priority,
                       timeout_s=req.timeout_s)
     call = Call(gateway, [session])

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from services.gateway.content import ListInput, mindie_input
 from services.gateway.sampling import NATIVE, mindie_sampling
 from services.gateway.validation import MAX_INPUT_CHARS, Fields, parse_json_object, stream_flag
 from shared.errors import validation
@@ -17,7 +18,6 @@ from shared.messages import Sampling
 PARSE_ERROR = "Failed to parse context to json body"
 MAX_TOKEN_ID = 1024 * 1024
 MAX_TOKENS_NUM = 1048576
-MEDIA_TYPES = ("image_url", "video_url", "audio_url")
 
 
 @dataclass(frozen=True)
@@ -29,57 +29,44 @@ class NativeRequest:
     details: bool
     priority: int
     timeout_s: float
+    listed: ListInput | None = None  # ``inputs`` in the list form (``text`` is then its joined text)
 
 
 def parse_infer(body: bytes) -> NativeRequest:
     data = parse_json_object(body, PARSE_ERROR)
-    text, ids = _input(data)
+    text, ids, listed = _input(data)
     params = Fields(data).obj("parameters")
     return NativeRequest(
         text=text, ids=ids, sampling=mindie_sampling(params, NATIVE), stream=stream_flag(data),
         details=params.boolean("details", False),
         priority=_priority(params),
         timeout_s=float(params.integer("timeout", 600, 0, 3600, lo_open=True)),
+        listed=listed,
     )
 
 
-def _input(data: dict[str, Any]) -> tuple[str | None, list[int] | None]:
+def _input(data: dict[str, Any]) -> tuple[str | None, list[int] | None, ListInput | None]:
+    """(text, ids, list form): ``inputs`` as a string or a list of items, or ``input_id``."""
     has_text, has_ids = data.get("inputs") is not None, "input_id" in data
     if has_text and has_ids:
         raise validation("Input conflict.")
     if has_ids:
-        return None, _token_ids(data["input_id"])
+        return None, _token_ids(data["input_id"]), None
     if "inputs" not in data:
         raise validation("Not found inputs.")
-    return _text(data["inputs"]), None
+    text, listed = mindie_input(data["inputs"], "inputs", _text)
+    return text, None, listed
 
 
 def _text(value: Any) -> str:
     if value is None:
         raise validation("Inputs must not be null")
-    if isinstance(value, list):
-        return _text_items(value)
     if not isinstance(value, str):
         raise validation("The type of inputs is abnormal")
     if not 0 < len(value) <= MAX_INPUT_CHARS:
         raise validation(f"Inputs must be necessary and data type must be string and length in (0, {MAX_INPUT_CHARS}], "
                          f"but the length of inputs is {len(value)}")
     return value
-
-
-def _text_items(items: list[Any]) -> str:
-    """The multimodal list form: text items are joined; media items name the limitation."""
-    if not items:
-        raise validation("Inputs arr is empty")
-    texts = []
-    for item in items:
-        kind = item.get("type") if isinstance(item, dict) else None
-        if kind in MEDIA_TYPES:
-            raise validation(f"inputs item of type {kind} is not supported: the served model is text-only.")
-        if kind != "text" or not isinstance(item.get("text"), str):
-            raise validation("Request param text must be string")
-        texts.append(item["text"])
-    return _text("".join(texts))
 
 
 def _token_ids(value: Any) -> list[int]:

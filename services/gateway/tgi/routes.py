@@ -6,6 +6,7 @@ from litestar import Request, Response, Router, post
 
 from services.gateway import lifecycle
 from services.gateway.call import Call
+from services.gateway.content import admit
 from services.gateway.errors import TGI_EXCEPTION_HANDLERS
 from services.gateway.served import Served
 from services.gateway.session import Session
@@ -48,6 +49,7 @@ def _served(request: Request) -> Served:
 
 async def respond(request: Request, req: TgiRequest, as_array: bool) -> Response:
     gateway = request.app.state.gateway
+    admit([req.listed], gateway.media_policy)
     session = Session(gateway, req.inputs, req.sampling, truncate=req.truncate,
                       return_prompt_ids=req.decoder_input_details, adapter=req.adapter)
     call = Call(gateway, [session])

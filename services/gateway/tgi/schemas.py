@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from services.gateway.content import ListInput, mindie_input
 from services.gateway.sampling import TGI, mindie_sampling
 from services.gateway.served import Served
 from services.gateway.validation import INT32_MAX, Fields, parse_json_object, stream_flag, text_input
@@ -28,6 +29,7 @@ class TgiRequest:
     return_full_text: bool
     top_n_tokens: int  # 0: none
     adapter: str = ""  # the LoRA adapter (parameters.adapter_id); "" = the base model
+    listed: ListInput | None = None  # ``inputs`` in the list form (``inputs`` is then its joined text)
 
     @property
     def wants_details(self) -> bool:
@@ -39,7 +41,7 @@ def parse_tgi(body: bytes | dict[str, Any], served: Served, stream: bool | None 
     off (``/generate``, ``/generate_stream``)."""
     data = body if isinstance(body, dict) else parse_json_object(body, PARSE_ERROR)
     top = Fields(data)
-    inputs = _inputs(data.get("inputs"))
+    inputs, listed = _inputs(data.get("inputs"))
     body_stream = stream_flag(data)
     params = top.obj("parameters")
     streaming = body_stream if stream is None else stream
@@ -57,13 +59,15 @@ def parse_tgi(body: bytes | dict[str, Any], served: Served, stream: bool | None 
         return_full_text=params.boolean("return_full_text", False),
         top_n_tokens=top_n,
         adapter=_adapter(params.string("adapter_id"), served),
+        listed=listed,
     )
 
 
-def _inputs(value: Any) -> str:
+def _inputs(value: Any) -> tuple[str, ListInput | None]:
+    """A string, or seed 003's list of text and media items (its joined text)."""
     if value is None:
-        raise validation("inputs must be necessary and its data type must be string.")
-    return text_input(value, "inputs")
+        raise validation("inputs must be necessary and its data type must be string or array.")
+    return mindie_input(value, "inputs", lambda text: text_input(text, "inputs"))
 
 
 def sampling_from(p: Fields, top_n_tokens: int = 0) -> Sampling:

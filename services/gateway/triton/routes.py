@@ -14,6 +14,7 @@ from litestar.params import FromPath
 
 from services.gateway import lifecycle
 from services.gateway.call import Call
+from services.gateway.content import admit
 from services.gateway.errors import mindie_error
 from services.gateway.session import Session
 from services.gateway.triton import metadata
@@ -83,6 +84,7 @@ async def generate_stream(request: Request, model: FromPath[str]) -> Response:
 async def _text(request: Request, model: str, streaming: bool) -> Response:
     gateway = served(request, model)
     req = parse_text_request(await request.body())
+    admit([req.listed], gateway.media_policy)
     opts = req.options
     session = Session(gateway, req.text, opts.sampling, user_id=req.user_id, priority=opts.priority,
                       timeout_s=opts.timeout_s)

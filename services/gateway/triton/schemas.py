@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from services.gateway.content import ListInput, mindie_input
 from services.gateway.sampling import TRITON, mindie_sampling
 from services.gateway.validation import INT32_MAX, Fields, parse_json_object, text_input
 from shared.errors import validation
@@ -43,6 +44,7 @@ class TextRequest:
     user_id: str | None
     text: str
     options: Options
+    listed: ListInput | None = None  # ``text_input`` in the list form (``text`` is then its joined text)
 
 
 def optional_id(data: dict[str, Any]) -> str | None:
@@ -76,13 +78,13 @@ def parse_options(p: Fields) -> Options:
 def parse_text_request(body: bytes) -> TextRequest:
     data = parse_json_object(body, PARSE_ERROR)
     user_id = optional_id(data)
-    text = _text_input(data.get("text_input"))
-    return TextRequest(user_id, text, parse_options(Fields(data).obj("parameters")))
+    text, listed = _text_input(data.get("text_input"))
+    return TextRequest(user_id, text, parse_options(Fields(data).obj("parameters")), listed)
 
 
-def _text_input(value: Any) -> str:
+def _text_input(value: Any) -> tuple[str, ListInput | None]:
+    """A string, or the list form of text and media items (reference §3.31: its joined text)."""
     if value is None:
-        raise validation("The text_input not found: it is required and must be a string.")
-    if value == []:
-        raise validation("Parameter text_input arr is empty.")
-    return text_input(value, "text_input")
+        raise validation("The text_input not found: it is required and must be a string or an array.")
+    return mindie_input(value, "text_input", lambda text: text_input(text, "text_input"),
+                        empty="Parameter text_input arr is empty")

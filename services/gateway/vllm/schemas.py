@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from services.gateway.content import ListInput, mindie_input
 from services.gateway.sampling import VllmDialect, vllm_sampling
 from services.gateway.served import Served
 from services.gateway.validation import FLT_MAX, Fields, text_input
@@ -20,16 +21,17 @@ class VllmRequest:
     best_of: int
     stream: bool
     adapter: str = ""  # the LoRA adapter named by ``model``; "" = the base model
+    listed: ListInput | None = None  # ``prompt`` in the list form (``prompt`` is then its joined text)
 
 
 def parse_vllm(data: dict[str, Any], served: Served, max_iter_times: int, max_n: int) -> VllmRequest:
     """``served``: the model and adapter names ``model`` may take (reference §3.23b: the LoRA id)."""
     f = Fields(data)
-    prompt = text_input(data.get("prompt"), "prompt")
+    prompt, listed = mindie_input(data.get("prompt"), "prompt", lambda text: text_input(text, "prompt"))
     adapter = _adapter(f.string("model"), served)
     sampling = vllm_sampling(f, VllmDialect(repetition_max=FLT_MAX, max_tokens_default=max_iter_times))
     n, best_of = _n_best_of(f, max_n)
-    return VllmRequest(prompt, sampling, n, best_of, f.boolean("stream", False), adapter)
+    return VllmRequest(prompt, sampling, n, best_of, f.boolean("stream", False), adapter, listed)
 
 
 def _adapter(name: str | None, served: Served) -> str:
