@@ -9,9 +9,10 @@ import openai
 import pytest
 
 from tests.integration.test_openai_api import MESSAGES, PROMPT, client, post
+from tests.media_items import PNG_URL
 
 ERROR_KEYS = {"message", "type", "param", "code"}
-MEDIA = {"type": "image_url", "image_url": {"url": "http://x/cat.png"}}
+MEDIA = {"type": "image_url", "image_url": {"url": "http://x/cat.png"}}  # refused: x is not an allowed host
 
 BAD_SAMPLING = [  # (fields, param) — checked on both endpoints
     ({"temperature": -0.1}, "temperature"), ({"temperature": "1"}, "temperature"),
@@ -42,7 +43,8 @@ BAD_CHAT = [
     ({"messages": [{"role": 5, "content": "hi"}]}, "messages[0].role"),
     ({"messages": [{"role": "user"}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
-    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text"),
+    ({"messages": [{"role": "user", "content": []}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, MEDIA]}]}, "messages[0].content[1]"),
     ({"messages": [{"role": "user", "content": "word " * 200}]}, "messages"),  # > maxInputTokenLen 64
     ({"logprobs": "yes"}, "logprobs"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
@@ -101,9 +103,10 @@ def test_bad_completion_bodies_get_400(tiny_stack, fields, param):
 
 
 def test_media_parts_name_the_text_only_limitation(tiny_stack):
-    body = chat_body(tiny_stack, {"messages": [{"role": "user", "content": [MEDIA]}]})
-    error = assert_openai_error(post(tiny_stack, "/v1/chat/completions", body), 400)
-    assert "text-only" in error["message"] and "image_url" in error["message"]
+    safe = {"type": "image_url", "image_url": {"url": PNG_URL}}
+    body = chat_body(tiny_stack, {"messages": [{"role": "user", "content": [safe]}]})
+    error = assert_openai_error(post(tiny_stack, "/v1/chat/completions", body), 400, "messages[0].content[0]")
+    assert "text-only" in error["message"] and "image" in error["message"]
 
 
 def test_truncate_prompt_tokens_keeps_the_last_tokens(tiny_stack):

@@ -39,6 +39,11 @@ def bad_param(param: str | None, message: str) -> OpenAIError:
     return OpenAIError(ErrorKind.VALIDATION, message, param)
 
 
+def content_error(message: str, param: str | None) -> OpenAIError:
+    """:func:`bad_param` in the argument order of ``services.gateway.content``'s ``Fail``."""
+    return bad_param(param, message)
+
+
 def model_not_found(model: str) -> OpenAIError:
     return OpenAIError(ErrorKind.NOT_FOUND, f"The model `{model}` does not exist.", "model", "model_not_found")
 

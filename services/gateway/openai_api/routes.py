@@ -11,9 +11,12 @@ from litestar.params import FromPath
 
 from services.gateway import lifecycle
 from services.gateway.call import Call
+from services.gateway.content import admit
 from services.gateway.openai_api.chat_responses import chat_body, chat_chunks
 from services.gateway.openai_api.completion_responses import completion_body, completion_chunks
-from services.gateway.openai_api.errors import OPENAI_EXCEPTION_HANDLERS, bad_param, model_not_found
+from services.gateway.openai_api.errors import (
+    OPENAI_EXCEPTION_HANDLERS, bad_param, content_error, model_not_found,
+)
 from services.gateway.openai_api.params import Common
 from services.gateway.openai_api.runner import build_call
 from services.gateway.openai_api.schemas import parse_chat, parse_completion
@@ -57,6 +60,7 @@ async def get_model(request: Request, model: FromPath[str]) -> Response:
 async def chat_completions(request: Request) -> Response:
     gateway = request.app.state.gateway
     req = parse_chat(await request.body(), gateway.cfg, gateway.served())
+    admit(req.listed, gateway.media_policy, content_error)
     prompt = {"messages": req.messages, "chat_template_kwargs": req.chat_template_kwargs,
               "truncate": req.common.truncate}
     call = build_call(gateway, [prompt], req.common.sampling, req.common.n, req.common.adapter)

@@ -5,14 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from services.gateway.openai_api.errors import bad_param
+from services.gateway.content import ListInput, parse_list
+from services.gateway.openai_api.errors import bad_param, content_error
 from services.gateway.openai_api.params import Common, parse_common
 from services.gateway.served import Served
-from services.gateway.validation import MAX_INPUT_CHARS, Fields, json_kind, parse_json_object
+from services.gateway.validation import MAX_INPUT_CHARS, Fields, parse_json_object
 from shared.config import Config
 
 PARSE_ERROR = "The request body must be a JSON object."
-MEDIA_PARTS = {"image_url", "image", "input_image", "audio_url", "input_audio", "video_url", "video", "file"}
+EMPTY_CONTENT = "Request param content len should not be 0"
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,7 @@ class ChatRequest:
     logprobs: bool
     top_logprobs: int
     chat_template_kwargs: dict[str, Any]
+    listed: tuple[ListInput, ...] = ()  # the contents given as lists (each message's ``content`` is its joined text)
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,7 @@ class CompletionRequest:
 def parse_chat(body: bytes, cfg: Config, served: Served) -> ChatRequest:
     data = parse_json_object(body, PARSE_ERROR)
     f = Fields(data)
-    messages = _messages(data.get("messages"))
+    messages, listed = _messages(data.get("messages"))
     _refuse_chat_extras(f)
     logprobs = bool(f.boolean("logprobs", False))
     top = f.integer("top_logprobs", None, 0, 20)
@@ -52,7 +54,7 @@ def parse_chat(body: bytes, cfg: Config, served: Served) -> ChatRequest:
     top = top or 0
     common = parse_common(data, cfg, served, top if logprobs else None, chat=True)
     kwargs = f.obj("chat_template_kwargs").data
-    return ChatRequest(common, messages, logprobs, top, kwargs)
+    return ChatRequest(common, messages, logprobs, top, kwargs, listed)
 
 
 def _refuse_chat_extras(f: Fields) -> None:
@@ -66,53 +68,44 @@ def _refuse_chat_extras(f: Fields) -> None:
         raise bad_param("chat_template", "chat_template overrides are not supported; the model's template is used.")
 
 
-def _messages(value: Any) -> list[dict[str, Any]]:
+def _messages(value: Any) -> tuple[list[dict[str, Any]], tuple[ListInput, ...]]:
+    """The messages with string contents, and the contents that were given as lists."""
     if value is None:
         raise bad_param("messages", "messages is required.")
     if not isinstance(value, list) or not value:
         raise bad_param("messages", "messages must be a non-empty array.")
-    messages = [_message(m, i) for i, m in enumerate(value)]
+    read = [_message(m, i) for i, m in enumerate(value)]
+    messages = [message for message, _ in read]
     total = sum(len(m["content"]) for m in messages)
     if total > MAX_INPUT_CHARS:
         raise bad_param("messages", f"messages must have at most {MAX_INPUT_CHARS} characters of content, got {total}.")
-    return messages
+    return messages, tuple(listed for _, listed in read if listed is not None)
 
 
-def _message(value: Any, i: int) -> dict[str, Any]:
+def _message(value: Any, i: int) -> tuple[dict[str, Any], ListInput | None]:
     where = f"messages[{i}]"
     if not isinstance(value, dict):
         raise bad_param(where, f"{where} must be an object.")
     role = value.get("role")
     if not isinstance(role, str) or not role:
         raise bad_param(f"{where}.role", f"{where}.role must be a non-empty string.")
-    message = {"role": role, "content": _content(value.get("content"), where)}
+    text, listed = _content(value.get("content"), f"{where}.content")
+    message = {"role": role, "content": text}
     if isinstance(value.get("name"), str):
         message["name"] = value["name"]
-    return message
+    return message, listed
 
 
-def _content(value: Any, where: str) -> str:
-    """A string, or a list of text parts joined into one (the model is text-only)."""
+def _content(value: Any, where: str) -> tuple[str, ListInput | None]:
+    """A string, or a list of content parts (``services.gateway.content``): its text parts joined."""
     if isinstance(value, str):
-        return value
+        return value, None
     if value is None:
-        raise bad_param(f"{where}.content", f"{where}.content is required.")
+        raise bad_param(where, f"{where} is required.")
     if not isinstance(value, list):
-        raise bad_param(f"{where}.content", f"{where}.content must be a string or an array of content parts.")
-    return "".join(_text_part(part, f"{where}.content[{j}]") for j, part in enumerate(value))
-
-
-def _text_part(part: Any, where: str) -> str:
-    if not isinstance(part, dict):
-        raise bad_param(where, f'{where} must be {{"type": "text", "text": <string>}}, got {json_kind(part)}.')
-    kind = part.get("type")
-    if not isinstance(kind, str):
-        raise bad_param(f"{where}.type", f"{where}.type must be a string, got {json_kind(kind)}.")
-    if kind in MEDIA_PARTS:
-        raise bad_param(where, f"{where}: {kind} content is not supported: the served model is text-only.")
-    if kind != "text" or not isinstance(part.get("text"), str):
-        raise bad_param(where, f'{where} must be {{"type": "text", "text": <string>}}.')
-    return part["text"]
+        raise bad_param(where, f"{where} must be a string or an array of content parts.")
+    listed = parse_list(value, where, content_error, EMPTY_CONTENT)
+    return listed.text, listed
 
 
 def parse_completion(body: bytes, cfg: Config, served: Served) -> CompletionRequest:
