@@ -44,8 +44,10 @@ def routes(model: str) -> list[Route]:
                                              "details": True, "truncate": 8}, "stream": False}
     triton_text = {"id": "t1", "text_input": "Hello", "parameters": {"max_new_tokens": 1, "details": True,
                                                                       "priority": 3}}
+    tgi_list = {**tgi, "inputs": [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]}
     return [
         Route("/", "tgi", tgi),
+        Route("/", "tgi", tgi_list),
         Route("/generate", "tgi", tgi),
         Route("/generate_stream", "tgi", {**tgi, "stream": True}),
         Route("/generate", "mindie", {"prompt": "Hello", "model": model, "max_tokens": 1, "temperature": 0.5,
@@ -69,6 +71,8 @@ def routes(model: str) -> list[Route]:
             "parameters": {"max_new_tokens": 1}}),
         Route(f"/v2/models/{model}/generate", "mindie", triton_text),
         Route(f"/v2/models/{model}/generate_stream", "mindie", triton_text),
+        Route(f"/v2/models/{model}/generate", "mindie", {**triton_text, "text_input": [{"type": "text", "text": "Hi"}]}),
+        Route("/generate", "mindie", {"prompt": [{"type": "text", "text": "Hello"}], "max_tokens": 1}),
         Route(f"/v2/models/{model}/stopInfer", "mindie", {"id": "nobody"}),
         Route("/v1/role/flex", "role", ROLE_V1, "management"),
         Route("/v2/role/prefill", "role", ROLE_V2, "management"),
