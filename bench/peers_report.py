@@ -14,7 +14,8 @@ from engine_bench import CONFIG, ROOT  # bench/engine_bench.py
 from results import MODEL_NAME  # bench/results.py
 
 if TYPE_CHECKING:
-    from peers_bench import Plan, Prefix, Prompts, Result, Table, Watch
+    from peers_bench import Result, Table, Watch
+    from peers_workloads import Plan, Prefix, Prompts
 
 SYSTEMS = ("switchboard", "vllm")
 IDLE_LIMIT = 0.05  # cores: more than this from the idle server while the other is measured gets a warning

@@ -25,6 +25,11 @@ def combined(engines: Iterable[EngineInfo]) -> EngineInfo | None:
     )
 
 
+def adapter_names(engine: EngineInfo) -> set[str]:
+    """The LoRA adapters the engine has loaded and takes requests for (not those still unloading)."""
+    return {a.name for a in engine.adapters}
+
+
 def prefix_hit_rate(engine: EngineInfo | None) -> float:
     """Share of the prompt tokens looked up in the prefix cache that were found there; 0 when none was."""
     if engine is None or not engine.prefix_queried_tokens_total:

@@ -36,7 +36,7 @@ from urllib.parse import unquote, urlsplit
 import msgspec
 
 from shared.config import Config, ConfigError
-from shared.errors import validation
+from shared.errors import ErrorKind, SwitchboardError, validation
 from shared.media_urls import DOMAINS_ENV, check_url, normalize_domain, private_networks
 from shared.messages import MediaRef
 
@@ -92,15 +92,29 @@ class CheckedMedia(msgspec.Struct, frozen=True, kw_only=True):
     limit: int  # the kind's byte limit
 
 
+class MediaRefused(SwitchboardError):
+    """A 422 from ``check_request``; ``index`` is the refused item's position among the request's media,
+    None when the request as a whole is refused (too many items, too large together)."""
+
+    def __init__(self, message: str, index: int | None = None):
+        super().__init__(ErrorKind.VALIDATION, message)
+        self.index = index
+
+
 def check_request(refs: list[MediaRef], policy: MediaPolicy) -> list[CheckedMedia]:
-    """Every media item of one request, checked in order; raises a 422 on the first refusal."""
+    """Every media item of one request, checked in order; raises MediaRefused on the first refusal."""
     if len(refs) > policy.max_items:
-        raise validation(f"The number of multimodal url should be no more than {policy.max_items} (got {len(refs)})")
-    checked = [check_item(i, ref, policy) for i, ref in enumerate(refs)]
+        raise MediaRefused(f"The number of multimodal url should be no more than {policy.max_items} (got {len(refs)})")
+    checked = []
+    for i, ref in enumerate(refs):
+        try:
+            checked.append(check_item(i, ref, policy))
+        except SwitchboardError as exc:
+            raise MediaRefused(exc.message, i) from None
     total = sum(c.size for c in checked if c.size > 0)
     if total > policy.request_limit:
-        raise validation(f"the request's media total {size_text(total)}, more than the per-request limit of "
-                         f"{size_text(policy.request_limit)} (Switchboard.mediaMaxRequestMb)")
+        raise MediaRefused(f"the request's media total {size_text(total)}, more than the per-request limit of "
+                           f"{size_text(policy.request_limit)} (Switchboard.mediaMaxRequestMb)")
     return checked
 
 

@@ -37,6 +37,7 @@ class AdapterControl:
         self.stepper = stepper
         self.lock = asyncio.Lock()  # one change at a time
         self.followed = 0  # the newest peer version this engine has tried to follow
+        self.following: set[asyncio.Task] = set()  # referenced until done (the loop keeps only weak ones)
         self.commands = decoder(LoraCommand)
         self.beats = decoder(EngineInfo)
 
@@ -59,7 +60,9 @@ class AdapterControl:
         if info.instance == self.instance or info.adapters_version <= max(self.lora.version, self.followed):
             return
         self.followed = info.adapters_version
-        asyncio.ensure_future(self.follow(info))
+        task = asyncio.ensure_future(self.follow(info))
+        self.following.add(task)
+        task.add_done_callback(self.following.discard)
 
     async def follow(self, peer: EngineInfo) -> None:
         """Make this engine's adapter set the peer's (a newer version of it)."""

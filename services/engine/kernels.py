@@ -73,11 +73,10 @@ class TorchOps:
         return out.reshape(n, num_heads * head_dim)
 
     @staticmethod
-    def lora_apply(y, x, a_parts, bts, row_off, row_rank) -> None:
-        """y[:, cols of target t] += ((x A_t^T) masked to each row's rank range) Bt_t, in place."""
-        rank_space = bts[0].shape[0]
-        cols = torch.arange(rank_space, device=x.device)[None]
-        mask = ((cols >= row_off[:, None]) & (cols < (row_off + row_rank)[:, None])).to(x.dtype)
+    def lora_apply(y, x, a_parts, bts, rows) -> None:
+        """y[:, cols of target t] += ((x A_t^T) masked to each row's rank range) Bt_t, in place; ``rows``
+        (``lora.Rows``) gives each row's range."""
+        mask = rows.mask(bts[0].shape[0], x.dtype)
         col = 0
         for a, bt in zip(a_parts, bts):
             width = bt.shape[1]
@@ -104,7 +103,10 @@ class CpuOps(TorchOps):
         self.silu_mul = module.silu_mul
         self.rope_store = module.rope_store
         self.paged_decode = module.paged_decode
-        self.lora_apply = module.lora_apply
+        self.module = module
+
+    def lora_apply(self, y, x, a_parts, bts, rows) -> None:
+        self.module.lora_apply(y, x, a_parts, bts, rows.off, rows.rank)
 
 
 def cpu_flags() -> str:

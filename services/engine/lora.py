@@ -65,6 +65,15 @@ class Rows:
 
     off: torch.Tensor
     rank: torch.Tensor
+    _mask: torch.Tensor | None = field(default=None, repr=False)
+
+    def mask(self, rank_space: int, dtype: torch.dtype) -> torch.Tensor:
+        """[T, rank_space]: 1 where column j lies in row i's range. The PyTorch ops' form of the rows,
+        built on first use and shared by every layer and projection group of the step."""
+        if self._mask is None:
+            cols = torch.arange(rank_space, device=self.off.device)[None]
+            self._mask = ((cols >= self.off[:, None]) & (cols < (self.off + self.rank)[:, None])).to(dtype)
+        return self._mask
 
 
 @dataclass(frozen=True)

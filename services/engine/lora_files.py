@@ -135,7 +135,7 @@ def _pair(where, ab: dict[str, torch.Tensor], shape: tuple[int, int], rank: int,
     if set(ab) != {"A", "B"}:
         raise AdapterError(Outcome.INVALID, f"{target} of layer {layer} lacks lora_{'B' if 'A' in ab else 'A'}.")
     a, b = ab["A"].float(), ab["B"].float()
-    (n_in, n_out) = shape
+    n_in, n_out = shape
     if tuple(a.shape) != (rank, n_in) or tuple(b.shape) != (n_out, rank):
         raise AdapterError(Outcome.INVALID, f"{target} of layer {layer} has lora_A {list(a.shape)} and lora_B "
                                             f"{list(b.shape)}; this model needs {[rank, n_in]} and {[n_out, rank]} "

@@ -214,7 +214,7 @@ class ModelRunner:
         """``y`` (a projection group's base output for input ``x``) plus each row's adapter, in place."""
         if stacks is not None:
             stack = stacks[group]
-            self.ops.lora_apply(y, x, stack.a_parts, stack.bts, batch.lora.off, batch.lora.rank)
+            self.ops.lora_apply(y, x, stack.a_parts, stack.bts, batch.lora)
         return y
 
     def _qk_norm(self, qkv: torch.Tensor, attn) -> None:

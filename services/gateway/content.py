@@ -23,21 +23,19 @@ naming ``param``).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from services.gateway.validation import json_kind
-from shared.errors import ErrorKind, SwitchboardError, validation
-from shared.media import MediaPolicy, check_request
+from shared.errors import SwitchboardError, validation
+from shared.media import MediaPolicy, MediaRefused, check_request
 from shared.messages import ContentPart, MediaRef
 
 MEDIA_KINDS = {"image_url": "image", "video_url": "video", "audio_url": "audio"}
 AUDIO_MIME = {"mp3": "audio/mpeg", "wav": "audio/wav", "flac": "audio/flac"}
 ITEM_TYPES = "text, image_url, video_url, audio_url or input_audio"
 EMPTY_LIST = "Inputs arr is empty"
-_MEDIA_ITEM = re.compile(r"media item (\d+)\b")
 
 # (message, param) -> the family's validation error
 Fail = Callable[[str, str], SwitchboardError]
@@ -146,13 +144,10 @@ def admit(inputs: Iterable[ListInput | None], policy: MediaPolicy, fail: Fail = 
 
 
 def _check_safety(media: list[tuple[str, ContentPart]], policy: MediaPolicy, fail: Fail, where: str) -> None:
-    """``shared.media``'s checks of the request's media together (its limits count them all); a
-    refusal names "media item <i>", the i-th media item, which becomes the family's ``param``."""
+    """``shared.media``'s checks of the request's media together (its limits count them all); the
+    refused item's place (``inputs[1]``) becomes the family's ``param``, the list's for a refusal of
+    the whole request."""
     try:
         check_request([part.media for _, part in media], policy)
-    except SwitchboardError as exc:
-        if exc.kind is not ErrorKind.VALIDATION:
-            raise
-        item = _MEDIA_ITEM.match(exc.message)
-        index = int(item.group(1)) if item else -1
-        raise fail(exc.message, media[index][0] if 0 <= index < len(media) else where) from None
+    except MediaRefused as exc:
+        raise fail(exc.message, where if exc.index is None else media[exc.index][0]) from None

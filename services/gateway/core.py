@@ -15,7 +15,7 @@ from services.gateway.served import Served
 from services.gateway.slots import Slots
 from shared import bus, subjects
 from shared.config import Config
-from shared.engines import combined
+from shared.engines import adapter_names, combined
 from shared.errors import ErrorKind, SwitchboardError
 from shared.leases import Leases
 from shared.media import MediaPolicy
@@ -108,7 +108,7 @@ class Gateway:
 
     def adapter_names(self) -> set[str]:
         """The LoRA adapters that at least one live engine has loaded and takes requests for."""
-        return {a.name for e in self.live_engines().values() for a in e.adapters}
+        return set().union(*map(adapter_names, self.live_engines().values()))
 
     @property
     def pd_split(self) -> bool:
@@ -142,11 +142,12 @@ class Gateway:
         """Fire-and-forget a lifecycle event to the metrics service."""
         self.spawn(bus.publish(self.nc, subjects.METRICS_EVENTS, event))
 
-    def spawn(self, work) -> None:
+    def spawn(self, work) -> asyncio.Task:
         """Run a coroutine in the background, keeping a reference until it is done."""
         task = asyncio.ensure_future(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     async def tokenizer_info(self) -> TokenizerInfo | None:
         return await self._probe(subjects.TOKENIZER_HEALTH, TokenizerInfo)

@@ -18,6 +18,7 @@ import msgspec
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 
 from shared import bus, subjects, telemetry
+from shared.engines import adapter_names
 from shared.lora import Outcome, message
 from shared.messages import EngineInfo, LoraCommand, LoraReply
 
@@ -98,10 +99,6 @@ def combine_unload(name: str, replies: dict[str, LoraReply | None], timeout_s: f
     return Verdict(Answer(200, message(Outcome.MISSING, name)))
 
 
-def adapter_names(info: EngineInfo) -> set[str]:
-    return {a.name for a in info.adapters}
-
-
 def shows(command: LoraCommand, instances: tuple[str, ...], engines: dict[str, EngineInfo]) -> bool:
     """Whether the heartbeats show the change: a loaded adapter listed by each of ``instances`` still live,
     an unloaded one listed by no live engine."""
@@ -160,7 +157,13 @@ def _targets(gateway, op: str) -> dict[str, EngineInfo]:
 
 
 async def run(gateway, command: LoraCommand) -> Answer:
-    """Load or unload on every engine and the one answer for the client."""
+    """Load or unload on every engine and the one answer for the client. Shielded: a client that goes
+    away mid-way does not cut a change short between engines (the undo of a failed load, the wait for
+    the heartbeats); the change completes and only its answer is lost."""
+    return await asyncio.shield(gateway.spawn(_run(gateway, command)))
+
+
+async def _run(gateway, command: LoraCommand) -> Answer:
     async with gateway.lora_lock:
         if gateway.stopping:
             return Answer(503, "The service has been stopped.")

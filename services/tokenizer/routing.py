@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import time
 
+from shared.engines import adapter_names
 from shared.leases import Leases
 from shared.messages import EngineInfo
 
-
-def holds(info: EngineInfo, adapter: str) -> bool:
-    """Whether the engine has the LoRA adapter loaded and takes requests for it (not while unloading)."""
-    return any(a.name == adapter for a in info.adapters)
 
 
 class EngineRouter:
@@ -41,7 +38,7 @@ class EngineRouter:
     def choose(self, adapter: str = "") -> str | None:
         """The least loaded live engine that has the LoRA ``adapter`` ("" = the base model: any engine),
         None when there is none."""
-        candidates = {i: e for i, e in self.serving().items() if not adapter or holds(e, adapter)}
+        candidates = {i: e for i, e in self.serving().items() if not adapter or adapter in adapter_names(e)}
         if not candidates:
             return None
         best = min(candidates, key=lambda i: self._load(i, candidates[i]))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-
+import pytest
 
 from services.engine.devices import resolve_device
 from services.engine.engine import Engine, Limits
@@ -10,6 +10,7 @@ from services.engine.model_runner import ModelRunner
 from shared.messages import EngineRequest, Sampling, TokenEvent
 
 BLOCK = 16
+MIX = dict(mix=True, prefill_chunk_size=16)  # Limits of templateType Mix with small chunks
 CPU = resolve_device("cpu", "float32")
 
 
@@ -97,3 +98,42 @@ def greedy_reference(runner: ModelRunner, prompts: list[list[int]], new_tokens: 
         out.append(run_until_idle(engine).tokens["g"])
     return out
 
+
+# ---- the tiny model: same tokens, same log-probabilities --------------------------------------
+#
+# The tiny random model's greedy choice barely depends on attention (it mostly repeats the last
+# token), so equal tokens alone prove little there: its events carry the raw log-probabilities of
+# the chosen and the top-5 tokens, and those must agree within LOGPROB_ATOL too. The step's ways of
+# attending (fresh causal prompt, chunk over cached positions, paged decode) differ by ~1e-6; dropping
+# one cached key, say, moves them by 1e-3 to 4e-2.
+
+LOGPROB_ATOL = 1e-4
+TOP = 5
+
+
+def outputs(run: Run) -> dict[str, list[tuple[int, float, list[float]]]]:
+    """Per request: (token, its logprob, the top logprobs) of each event."""
+    out: dict[str, list] = {}
+    for e in run.events:
+        if e.token_ids:
+            out.setdefault(e.id, []).append((e.token_ids[0], e.logprobs[0].logprob, e.logprobs[0].top_logprobs))
+    return out
+
+
+def assert_same_outputs(ours: Run, theirs: Run) -> None:
+    assert ours.tokens == theirs.tokens
+    a, b = outputs(ours), outputs(theirs)
+    assert a.keys() == b.keys()
+    for rid in a:
+        for position, ((_, lp, top), (_, their_lp, their_top)) in enumerate(zip(a[rid], b[rid])):
+            assert [lp, *top] == pytest.approx([their_lp, *their_top], abs=LOGPROB_ATOL), f"{rid} at {position}"
+
+
+def alone(runner, prompts: dict[str, list[int]], max_new_tokens: int, **sampling) -> Run:
+    """Each prompt alone in a fresh engine (Standard, no cache): the reference outputs."""
+    run = Run()
+    for rid, ids in prompts.items():
+        engine = Engine(runner, limits(), set())
+        engine.add_request(request(rid, ids, max_new_tokens=max_new_tokens, logprobs=TOP, **sampling))
+        run_until_idle(engine, run)
+    return run

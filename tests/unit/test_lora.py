@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from services.engine.devices import resolve_device
 from services.engine.engine import Engine
+from services.engine.lora import Rows
 from services.engine.model_runner import ModelRunner
 from shared.lora import Outcome
 from tests.lora_adapters import make_adapter, peft_greedy
@@ -140,11 +141,11 @@ def test_kernel_matches_torch_reference_in_bfloat16():
     x = torch.randn(5, 64).bfloat16()
     a_parts = [torch.randn(12, 64).bfloat16() for _ in range(3)]
     bts = [torch.randn(12, w).bfloat16() for w in (64, 32, 32)]
-    off, rank = torch.tensor([0, 4, 0, 9, 4]), torch.tensor([4, 5, 0, 3, 5])
+    rows = Rows(torch.tensor([0, 4, 0, 9, 4]), torch.tensor([4, 5, 0, 3, 5]))
     y = torch.randn(5, 128).bfloat16()
     expected = y.float().clone()
-    kernels.TorchOps.lora_apply(expected, x.float(), [a.float() for a in a_parts], [b.float() for b in bts], off, rank)
-    ops.lora_apply(y, x, a_parts, bts, off, rank)
+    kernels.TorchOps.lora_apply(expected, x.float(), [a.float() for a in a_parts], [b.float() for b in bts], rows)
+    ops.lora_apply(y, x, a_parts, bts, rows)
     assert torch.allclose(y.float(), expected, atol=0.05, rtol=0.02)
 
 
