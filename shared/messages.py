@@ -82,10 +82,28 @@ class GenerateRequest(Msg):
     gateway: str = ""  # the owning gateway instance: when its lease runs out, its requests are cancelled
     resume_ids: list[int] = []  # a resumed request: the tokens its client already has (seed pinned)
     adapter: str = ""  # the LoRA adapter it runs with; "" = the base model
-    parts: list[ContentPart] = []  # list-form input with media, in order (``prompt`` is then empty)
+    parts: list[ContentPart] = []  # list-form input with media, in order (``prompt`` is then empty); for chat
+    # input only the media, in order of appearance: their places are the {"type": <kind>} items of ``messages``
 
 
 # ---- to the engine ----------------------------------------------------------------------------
+
+
+class Tensor(msgspec.Struct, array_like=True):
+    """A tensor on the bus: torch's dtype name ("float32", "int64", "bool"), shape, raw little-endian bytes."""
+
+    dtype: str
+    shape: list[int]
+    data: bytes
+
+
+class MediaInputs(msgspec.Struct, omit_defaults=True):
+    """A request's media after the tokenizer's preprocessing: the model processor's tensors by name
+    (``pixel_values``, ``pixel_attention_mask``, ``image_grid_thw``, ...; the engine's encoder for the
+    architecture reads them) and a digest of them all, which salts the request's prefix-cache keys."""
+
+    tensors: dict[str, Tensor]
+    digest: str
 
 
 class EngineRequest(Msg):
@@ -99,6 +117,7 @@ class EngineRequest(Msg):
     generated_ids: list[int] = []  # a resumed request: tokens generated before (the cache is recomputed)
     tokenizer: str = ""  # the tokenizer instance it reports to: when its lease runs out, the request ends
     adapter: str = ""  # the LoRA adapter it runs with; "" = the base model
+    media: MediaInputs | None = None  # preprocessed media; their features go at the media tokens of prompt_ids
 
 
 class Cancel(Msg):
@@ -252,6 +271,7 @@ class EngineInfo(msgspec.Struct, omit_defaults=True):
     adapters: list[Adapter] = []  # LoRA adapters loaded and taking requests
     unloading: list[str] = []  # adapters unloaded that still finish the requests using them
     adapters_version: int = 0  # the adapter set's version: a peer with a newer one is followed
+    modalities: list[str] = []  # media kinds the model takes besides text (image, video, audio); [] = text-only
 
 
 class LoraCommand(msgspec.Struct, omit_defaults=True):
