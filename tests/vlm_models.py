@@ -1,0 +1,278 @@
+"""Tiny vision-language model folders of real transformers architectures, and transformers' own outputs.
+
+The engine's multimodal path must match transformers token for token, so the tests need real model
+folders (config, weights, processor, chat template) that load with ``AutoProcessor`` and
+``AutoModelForImageTextToText``, yet build in seconds on a CPU and need no download:
+
+- ``make_smolvlm``: an Idefics3 (SmolVLM) whose text model IS SmolLM2 (so text-only chats must give
+  SmolLM2's exact tokens) with a small random SigLIP-style vision tower;
+- ``make_llava``: a LLaVA with a small random CLIP tower and projector around SmolLM2;
+- ``make_qwen2_vl``: a fully random tiny Qwen2-VL (M-RoPE), with SmolLM2's tokenizer.
+
+Only the Pillow image processors (``*ImageProcessorPil``) are used: torchvision is not installed.
+``hf_generate`` / ``hf_prompt_ids`` are the oracle: transformers' processor and greedy ``generate``.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+SMOL_DIR = ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct"
+
+# SmolLM2's ChatML template, list-aware: ``content`` may be a string (rendered exactly as SmolLM2's own
+# template does) or a list of text/image/video items; IMAGE and VIDEO are replaced per architecture.
+_CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+    "{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for item in message['content'] %}"
+    "{% if item['type'] == 'text' %}{{ item['text'] }}"
+    "{% elif item['type'] == 'image' %}{{ '@IMAGE@' }}"
+    "{% elif item['type'] == 'video' %}{{ '@VIDEO@' }}"
+    "{% endif %}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+IDEFICS3_TOKENS = ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>"] + [
+    f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)
+]
+QWEN2_VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+QWEN2_VL_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+QWEN2_VL_VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
+
+# The text to put where an image goes in a raw text prompt, per ``config.model_type``.
+PLACEHOLDERS = {"idefics3": "<image>", "llava": "<image>", "qwen2_vl": QWEN2_VL_IMAGE}
+
+
+def chat_template(image: str, video: str = "") -> str:
+    """SmolLM2's ChatML template, rendering an image item as ``image`` (and a video item as ``video``)."""
+    return _CHATML_TEMPLATE.replace("@IMAGE@", image).replace("@VIDEO@", video)
+
+
+# ---------------------------------------------------------------------------------------------- text part
+
+
+def extended_tokenizer(base: Path, tokens: list[str]):
+    """SmolLM2's tokenizer with ``tokens`` added as special tokens (never split, kept by decode)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    tokenizer.add_tokens(tokens, special_tokens=True)
+    return tokenizer
+
+
+def smol_text_state(base: Path, vocab_size: int) -> tuple[dict, dict]:
+    """SmolLM2's config dict and decoder weights (``model.*`` names), embeddings grown to ``vocab_size``.
+
+    New rows are the mean of the existing rows: a neutral embedding that leaves text-only outputs
+    untouched (they are never looked up) and, through the tied head, rarely wins a greedy argmax.
+    """
+    from transformers import AutoModelForCausalLM
+
+    lm = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    state = {k: v for k, v in lm.state_dict().items() if k.startswith("model.")}
+    embed = state["model.embed_tokens.weight"]
+    extra = embed.mean(0, keepdim=True).expand(vocab_size - embed.shape[0], -1)
+    state["model.embed_tokens.weight"] = torch.cat([embed, extra]).contiguous()
+    config = lm.config.to_dict()
+    config["vocab_size"] = vocab_size
+    return config, state
+
+
+def load_text_weights(model, text_module: str, state: dict) -> None:
+    """Copy SmolLM2's decoder weights into ``model``'s text decoder at ``text_module``, and tie the head."""
+    decoder = model.get_submodule(text_module)
+    missing, unexpected = decoder.load_state_dict({k[len("model."):]: v for k, v in state.items()}, strict=False)
+    assert not unexpected and not [m for m in missing if "rotary" not in m], (missing, unexpected)
+    model.tie_weights()
+    assert torch.equal(model.lm_head.weight, decoder.embed_tokens.weight)
+
+
+def match_embedding_scale(projection: torch.nn.Linear, embed: torch.Tensor, seed: int) -> None:
+    """Redraw the last projector layer so image features have the RMS of SmolLM2's token embeddings.
+
+    With the default init (std 0.02) the features are ~2.5x larger than any token embedding and SmolLM2
+    mostly ignores them (different images, same greedy text); on the embeddings' scale, the image
+    visibly steers the answer, so a test that drops or misplaces the features fails. The projector's
+    input is layer-normed (RMS ~1), so std = target / sqrt(fan_in) gives outputs of RMS ~target.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    std = embed.pow(2).mean().sqrt().item() / projection.in_features**0.5
+    with torch.no_grad():
+        projection.weight.copy_(torch.randn(projection.weight.shape, generator=generator) * std)
+        if projection.bias is not None:
+            projection.bias.zero_()
+
+
+def check_tied(out: Path, text_module: str) -> None:
+    """The saved folder reloads with the LM head equal to the embeddings (SmolLM2 ties them)."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32)
+    embed = model.get_submodule(text_module).embed_tokens.weight
+    assert torch.equal(model.lm_head.weight, embed), "lm_head is not tied to embed_tokens after reload"
+
+
+# ---------------------------------------------------------------------------------------------- SmolVLM
+
+
+def idefics3_processor(tokenizer, image_seq_len: int):
+    """An Idefics3Processor with the Pillow image processor, sized so an image is a few 64x64 tiles."""
+    from transformers import Idefics3Processor
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    image_processor = Idefics3ImageProcessorPil(size={"longest_edge": 128}, max_image_size={"longest_edge": 64})
+    return Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_len=image_seq_len,
+                             chat_template=chat_template("<image>"))
+
+
+def make_smolvlm(out: Path, base: Path = SMOL_DIR, seed: int = 0) -> Path:
+    """Save an Idefics3ForConditionalGeneration (SmolVLM) into ``out``: SmolLM2 at ``base`` as the text
+    model, a seeded random vision tower (64x64 tiles of 16x16 patches, pixel shuffle 2: 4 tokens a tile)."""
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration
+
+    out = Path(out)
+    tokenizer = extended_tokenizer(base, IDEFICS3_TOKENS)
+    text_config, state = smol_text_state(base, len(tokenizer))
+    vision = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  image_size=64, patch_size=16)
+    config = Idefics3Config(text_config=text_config, vision_config=vision, scale_factor=2,
+                            image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+                            tie_word_embeddings=True, pad_token_id=text_config["pad_token_id"])
+    config.architectures = ["Idefics3ForConditionalGeneration"]
+    torch.manual_seed(seed)
+    model = Idefics3ForConditionalGeneration(config).eval()
+    load_text_weights(model, "model.text_model", state)
+    match_embedding_scale(model.model.connector.modality_projection.proj, state["model.embed_tokens.weight"], seed)
+    model.save_pretrained(out)
+    image_seq_len = (vision["image_size"] // vision["patch_size"]) ** 2 // config.scale_factor**2
+    tokenizer.chat_template = chat_template("<image>")
+    processor = idefics3_processor(tokenizer, image_seq_len)
+    processor.save_pretrained(out)
+    save_generation_config(base, out)
+    check_tied(out, "model.text_model")
+    return out
+
+
+def save_generation_config(base: Path, out: Path) -> None:
+    """SmolLM2's generation_config.json (bos/eos/pad ids), so generate stops and pads as SmolLM2's does."""
+    source = Path(base) / "generation_config.json"
+    if source.exists():
+        (Path(out) / "generation_config.json").write_text(source.read_text())
+
+
+# ---------------------------------------------------------------------------------------------- oracle
+
+
+@functools.lru_cache(maxsize=8)
+def load(model_dir: Path):
+    """(processor, model) for ``model_dir``, float32, eval mode; cached, as loading dominates a test."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(model_dir)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return processor, model
+
+
+def model_type(model_dir: Path) -> str:
+    """``config.model_type`` of the folder (idefics3, llava, qwen2_vl)."""
+    return json.loads((Path(model_dir) / "config.json").read_text())["model_type"]
+
+
+def placeholder(model_dir: Path) -> str:
+    """The text to put where an image goes in a raw text prompt for ``model_dir``'s architecture."""
+    return PLACEHOLDERS[model_type(model_dir)]
+
+
+def hf_inputs(model_dir: Path, images: list, *, text: str | None = None, messages: list | None = None,
+              return_tensors: str = "pt"):
+    """The processor's outputs, as transformers documents: a chat through ``apply_chat_template``, or
+    raw ``text`` with ``placeholder(model_dir)`` where images go."""
+    processor, _ = load(Path(model_dir))
+    if (text is None) == (messages is None):
+        raise ValueError("give exactly one of text= or messages=")
+    if messages is not None:
+        text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return processor(text=text, images=list(images) or None, return_tensors=return_tensors)
+
+
+def hf_prompt_ids(model_dir: Path, images: list, *, text: str | None = None, messages: list | None = None) -> list[int]:
+    """The processor's input_ids: the prompt with each image placeholder expanded to its image tokens."""
+    return hf_inputs(model_dir, images, text=text, messages=messages)["input_ids"][0].tolist()
+
+
+def hf_generate(model_dir: Path, images: list, *, text: str | None = None, messages: list | None = None,
+                max_new_tokens: int = 16) -> list[int]:
+    """transformers' greedy generation for the prompt and PIL ``images``: only the new token ids."""
+    _, model = load(Path(model_dir))
+    inputs = hf_inputs(model_dir, images, text=text, messages=messages)
+    with torch.inference_mode():
+        out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+# ---------------------------------------------------------------------------------------------- images
+
+
+def test_image(seed: int, size=(96, 80)):
+    """A deterministic colourful RGB image (``size`` = width, height): seeded gradients plus seeded
+    noise, so two seeds give clearly different pixels (and different vision features)."""
+    from PIL import Image
+
+    width, height = size
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    channels = []
+    for _ in range(3):
+        fx, fy, phase = rng.uniform(0.02, 0.2), rng.uniform(0.02, 0.2), rng.uniform(0, 2 * np.pi)
+        channels.append(127.5 + 100 * np.sin(fx * x + fy * y + phase))
+    pixels = np.stack(channels, -1) + rng.normal(0, 20, (height, width, 3))
+    return Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8), "RGB")
+
+
+test_image.__test__ = False  # not a pytest test, despite the name
+
+
+def png_bytes(image) -> bytes:
+    """The image encoded as PNG."""
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def data_url(image) -> str:
+    """The image as a ``data:image/png;base64,...`` URL (what an OpenAI-style client sends)."""
+    return "data:image/png;base64," + base64.b64encode(png_bytes(image)).decode()
+
+
+BUILDERS = {"smolvlm": make_smolvlm}
+
+
+def main(argv=None) -> None:
+    """python -m tests.vlm_models DIR [--arch smolvlm|llava|qwen2_vl] [--base PATH]: a demo folder (README)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--arch", choices=sorted(BUILDERS), default="smolvlm")
+    parser.add_argument("--base", type=Path, default=SMOL_DIR)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    print(BUILDERS[args.arch](args.out, args.base, seed=args.seed))
+
+
+if __name__ == "__main__":
+    main()
