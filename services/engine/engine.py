@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from services.engine.block_manager import BlockManager, blocks_for
 from services.engine.isolation import Outcome, run_isolated
 from services.engine.model_runner import ModelRunner
+from services.engine.multimodal import salt
 from services.engine.sampler import raw_logprobs, sample, token_logprob
 from services.engine.scheduler import Finish, Limits, Scheduled, Scheduler
 from services.engine.sequence import Sequence
@@ -177,12 +178,16 @@ class Engine:
             error = ErrorInfo(ErrorKind.GENERATION, f"the request needs up to {needed} KV-cache blocks but the pool holds "
                                                     f"{self.blocks.num_blocks}; raise Switchboard.kvCacheMemoryMb")
             return [TokenEvent(req.id, [], "error", error)]
+        if req.media is not None and not self.runner.modalities:
+            error = ErrorInfo(ErrorKind.VALIDATION, "the served model is text-only: it takes no media")
+            return [TokenEvent(req.id, [], "error", error)]
         slot = self.runner.lora.acquire(req.adapter) if req.adapter else None
         if req.adapter and slot is None:
             error = ErrorInfo(ErrorKind.NOT_FOUND, f"LoRA adapter '{req.adapter}' is not loaded")
             return [TokenEvent(req.id, [], "error", error)]
         seq = Sequence(req.id, req.prompt_ids, req.sampling, priority=req.priority, deadline=req.deadline,
                        deadline_reason=req.deadline_reason, last_event_at=time.time(), arrival=req.arrival, lora=slot)
+        seq.media, seq.media_salt = req.media, salt(req.media)
         seq.token_ids.extend(req.generated_ids)  # resumed: its first prefill recomputes their cache too
         self.seqs[req.id] = seq
         self.scheduler.add(seq)

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from services.engine import kernels, linears
 from services.engine.devices import Device
 from services.engine.lora import GroupStack, LoraSet, Rows
+from services.engine.multimodal import FAMILIES, MediaEncoder, TextView, family_of
 from services.engine.scheduler import Scheduled
 
 log = logging.getLogger("switchboard.engine")
@@ -38,6 +39,11 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
 )
+
+
+# vision-language models whose text model is one of these (services/engine/multimodal.py)
+VISION_LANGUAGE = tuple(FAMILIES)
+TEXT_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 class UnsupportedModel(RuntimeError):
@@ -65,19 +71,17 @@ class Batch:
     chunks: list[Chunk]
     sample_rows: torch.Tensor  # [S] rows whose logits are sampled, in item order
     lora: Rows | None = None  # each row's adapter; None when no row has one
+    media_rows: torch.Tensor | None = None  # [M] rows that are media tokens; None when the step has none
+    media_embeds: torch.Tensor | None = None  # [M, hidden] their features (in place of token embeddings)
 
 
 class ModelRunner:
     def __init__(self, path: str, device: Device, block_size: int, kv_budget_bytes: int, max_blocks: int,
                  batch_hint: int = 16, cpu_kernels: bool = True, max_loras: int = 0, max_lora_rank: int = 64):
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        config = AutoConfig.from_pretrained(path)
-        check_architecture(config)
-        self.config = config
         self.device = device.torch_device
         self.dtype = device.dtype
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).to(self.device).eval()
+        self.model, self.encoder = load_model(path, self.device, self.dtype)
+        self.config = config = self.model.config
         self.linears = linears.build(self.model, self.device, self.dtype, batch_hint)
         self.ops = kernels.for_device(self.device, cpu_kernels)
         self.block_size = block_size
@@ -102,6 +106,11 @@ class ModelRunner:
     @property
     def vocab_size(self) -> int:
         return self.config.vocab_size
+
+    @property
+    def modalities(self) -> list[str]:
+        """Media kinds the model takes besides text; [] for a text model."""
+        return self.encoder.modalities if self.encoder is not None else []
 
     def _allocate_cache(self) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (self.config.num_hidden_layers, self.num_kv_heads, self.num_blocks * self.block_size, self.head_dim)
@@ -136,6 +145,7 @@ class ModelRunner:
         lens: list[int] = []
         chunks: list[Chunk] = []
         sample_rows: list[int] = []
+        media: list[tuple[torch.Tensor, torch.Tensor]] = []
         num_decode = 0
         for item in items:
             seq, start, n = item.seq, item.seq.num_computed, item.num_tokens
@@ -152,15 +162,34 @@ class ModelRunner:
                 chunks.append(self._chunk(seq, row, start, n))
             if item.samples:
                 sample_rows.append(len(ids) - 1)
+            if seq.media_rows is not None or seq.media is not None:
+                self._media(seq, row, start, n, media)
         self._rope_tables(max(positions) + 1)
         decode_tables = decode_lens = None
         if tables:
             width = max(len(t) for t in tables)
             decode_tables = self._long(b for t in tables for b in t + [0] * (width - len(t))).view(len(tables), width)
             decode_lens = self._long(lens)
-        return Batch(self._long(ids), self._long(positions), self._long(slots), num_decode, decode_tables,
-                     decode_lens, chunks, self._long(sample_rows),
-                     self.lora.rows([(item.seq.lora, item.num_tokens) for item in items], self.device))
+        batch = Batch(self._long(ids), self._long(positions), self._long(slots), num_decode, decode_tables,
+                      decode_lens, chunks, self._long(sample_rows),
+                      self.lora.rows([(item.seq.lora, item.num_tokens) for item in items], self.device))
+        if media:
+            batch.media_rows = torch.cat([rows for rows, _ in media])
+            batch.media_embeds = torch.cat([embeds for _, embeds in media])
+        return batch
+
+    def _media(self, seq, row: int, start: int, n: int, out: list) -> None:
+        """The step rows of ``seq``'s positions [start, start + n) that are media tokens, with their
+        features; the request's media are encoded on its first step (and kept for a recompute)."""
+        if seq.media_rows is None:
+            if self.encoder is None:
+                raise ValueError("the served model is text-only: it takes no media")
+            seq.media_rows = self.encoder.encode(seq.media, seq.prompt_ids)
+            seq.media = None
+        found = seq.media_rows.within(start, start + n)
+        if found is not None:
+            positions, embeds = found
+            out.append((positions - start + row, embeds))
 
     def _chunk(self, seq, row: int, start: int, n: int) -> Chunk:
         positions = torch.arange(start + n, device=self.device)
@@ -185,6 +214,8 @@ class ModelRunner:
         batch = self.prepare(items)
         inner = self.model.model
         residual = inner.embed_tokens(batch.input_ids)
+        if batch.media_rows is not None:
+            residual[batch.media_rows] = batch.media_embeds
         layers = inner.layers
         x = self.ops.rms_norm(residual, *_norm(layers[0].input_layernorm))
         for index, layer in enumerate(layers):
@@ -262,10 +293,29 @@ def _norm(module) -> tuple[torch.Tensor, float]:
     return module.weight, float(eps)
 
 
+def load_model(path: str, device: torch.device, dtype: torch.dtype):
+    """The model's text half (a ``*ForCausalLM``, or a vision-language model's ``TextView``) and, for a
+    vision-language model, its media encoder (None for a text model)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    config = AutoConfig.from_pretrained(path)
+    check_architecture(config)
+    family = family_of(config)
+    if family is None:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval(), None
+    full = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype).to(device).eval()
+    return TextView(full, family), MediaEncoder(full, family, device, dtype)
+
+
 def check_architecture(config) -> None:
-    archs = getattr(config, "architectures", None) or []
+    archs = list(getattr(config, "architectures", None) or [])
+    if family_of(config) is not None:
+        text = config.get_text_config()
+        if text.model_type in TEXT_MODEL_TYPES:
+            return
+        archs = [f"{archs[0]} with a {text.model_type} text model"]
     if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
         raise UnsupportedModel(
             f"unsupported model architecture {archs or config.model_type!r}; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES + VISION_LANGUAGE)}"
         )

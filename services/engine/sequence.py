@@ -41,6 +41,9 @@ class Sequence:
     num_preemptions: int = 0
     order: int = field(default_factory=lambda: next(_counter))
     lora: Any = None  # the LoRA adapter's Slot it runs with (held until it finishes); None = base model
+    media: Any = None  # MediaInputs until encoded, then dropped: ``media_rows`` keeps the features
+    media_rows: Any = None  # multimodal.MediaRows: features for its media tokens (kept for recompute)
+    media_salt: bytes = b""  # its media's digest: prefix-cache keys of a request with media are its own
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)
@@ -67,8 +70,9 @@ class Sequence:
 
     @property
     def cache_salt(self) -> bytes:
-        """The first block's hash parent: K/V computed with an adapter are that adapter's (load's) own."""
-        return self.lora.uid if self.lora is not None else b""
+        """The first block's hash parent: K/V computed with an adapter are that adapter's (load's) own, and
+        K/V of a prompt with media are those media's own (their tokens' ids are the same for any image)."""
+        return (self.lora.uid if self.lora is not None else b"") + self.media_salt
 
     @property
     def last_token(self) -> int:

@@ -168,6 +168,7 @@ class EngineService:
             prefix_queried_tokens_total=self.engine.blocks.prefix_queried_tokens,
             prefix_hit_tokens_total=self.engine.blocks.prefix_hit_tokens,
             adapters=runner.lora.listed(), unloading=runner.lora.unloading(), adapters_version=runner.lora.version,
+            modalities=runner.modalities,
         )
 
     async def run(self, stop: asyncio.Event) -> None:

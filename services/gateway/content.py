@@ -23,6 +23,7 @@ naming ``param``).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +34,7 @@ from shared.media import MediaPolicy, MediaRefused, check_request
 from shared.messages import ContentPart, MediaRef
 
 MEDIA_KINDS = {"image_url": "image", "video_url": "video", "audio_url": "audio"}
+MARKDOWN_IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)\)")
 AUDIO_MIME = {"mp3": "audio/mpeg", "wav": "audio/wav", "flac": "audio/flac"}
 ITEM_TYPES = "text, image_url, video_url, audio_url or input_audio"
 EMPTY_LIST = "Inputs arr is empty"
@@ -120,6 +122,24 @@ def _input_audio(item: dict[str, Any], where: str, fail: Fail) -> str:
     return f"data:{AUDIO_MIME.get(fmt.lower(), 'audio/' + fmt.lower())};base64,{data}"
 
 
+def markdown_images(text: str, where: str) -> ListInput | None:
+    """TGI's way of putting images in a string ``inputs`` for a vision-language model: each
+    ``![](<url>)`` is an image item in its place (TGI does this only for models that take images).
+    None when the text has no such image."""
+    parts: list[ContentPart] = []
+    end = 0
+    for match in MARKDOWN_IMAGE.finditer(text):
+        if match.start() > end:
+            parts.append(ContentPart("text", text=text[end:match.start()]))
+        parts.append(ContentPart("image", media=MediaRef("image", match.group(1))))
+        end = match.end()
+    if not parts:
+        return None
+    if end < len(text):
+        parts.append(ContentPart("text", text=text[end:]))
+    return ListInput(where, tuple(parts))
+
+
 def mindie_input(value: Any, where: str, check: Callable[[Any], str],
                  empty: str = EMPTY_LIST) -> tuple[str, ListInput | None]:
     """A MindIE-family text input (TGI, native, Triton, vLLM): a string, checked by the family's
@@ -130,17 +150,40 @@ def mindie_input(value: Any, where: str, check: Callable[[Any], str],
     return (listed.text if listed.has_media else check(listed.text)), listed
 
 
-def admit(inputs: Iterable[ListInput | None], policy: MediaPolicy, fail: Fail = validation) -> None:
+def admit(inputs: Iterable[ListInput | None], policy: MediaPolicy, fail: Fail = validation,
+          modalities: frozenset[str] = frozenset()) -> None:
     """Let a request's list-form inputs through, or raise: first ``shared.media``'s checks of every
     media item (the 20-item limit, then each item: the 4xx that says why, before anything is
-    fetched), then the refusal of any media item at all, since the served model is text-only."""
+    fetched), then the refusal of a media kind the served model does not take (``modalities``, from
+    the engines' heartbeats; none for a text-only model)."""
     lists = [listed for listed in inputs if listed is not None and listed.has_media]
     media = [located for listed in lists for located in listed.media()]
     if not media:
         return
     _check_safety(media, policy, fail, lists[0].where)
-    where, part = media[0]
-    raise fail(f"{where}: {part.type} inputs are not supported: the served model is text-only.", where)
+    for where, part in media:
+        if part.type not in modalities:
+            what = (f"the served model takes {', '.join(sorted(modalities))} inputs only" if modalities
+                    else "the served model is text-only")
+            raise fail(f"{where}: {part.type} inputs are not supported: {what}.", where)
+
+
+def prompt_parts(listed: ListInput | None) -> list[ContentPart]:
+    """What a raw prompt's list sends on (``GenerateRequest.parts``): all its items when it has media
+    (the tokenizer puts each media item's placeholder in its place), none for text only."""
+    return list(listed.parts) if listed is not None and listed.has_media else []
+
+
+def chat_media(lists: Iterable[ListInput]) -> list[ContentPart]:
+    """A chat's media items in order of appearance (their places are the messages' ``{"type": <kind>}``)."""
+    return [part for listed in lists for part in listed.parts if part.media is not None]
+
+
+def template_content(listed: ListInput) -> list[dict[str, str]]:
+    """A content list with media as the chat template reads it: text items, and ``{"type": <kind>}``
+    where each media item goes (transformers' chat-template format)."""
+    return [{"type": "text", "text": part.text} if part.media is None else {"type": part.type}
+            for part in listed.parts]
 
 
 def _check_safety(media: list[tuple[str, ContentPart]], policy: MediaPolicy, fail: Fail, where: str) -> None:

@@ -110,6 +110,10 @@ class Gateway:
         """The LoRA adapters that at least one live engine has loaded and takes requests for."""
         return set().union(*map(adapter_names, self.live_engines().values()))
 
+    def modalities(self) -> frozenset[str]:
+        """Media kinds the served model takes besides text, as live engines say; none for a text model."""
+        return frozenset().union(*(e.modalities for e in self.live_engines().values()))
+
     @property
     def pd_split(self) -> bool:
         """PD split mode (``inferMode`` "dmi", or a prefill/decode role): LoRA adapters are refused."""

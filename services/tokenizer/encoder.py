@@ -51,3 +51,15 @@ def render_chat(tokenizer, req: GenerateRequest) -> list[int]:
     except Exception as exc:  # a template error is the caller's messages not fitting the template
         raise validation(f"the messages do not fit the model's chat template: {exc}") from None
     return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def check_media_prompt(ids: list[int], req: GenerateRequest, deploy: ModelDeployConfig) -> list[int]:
+    """A prompt with media as it is: cutting it would part image tokens from their features, so a
+    prompt over the limit (or over ``truncate``) is refused instead of truncated."""
+    limit = min(deploy.effective_max_input_len, MAX_TOKENS_NUM)
+    if req.truncate and req.truncate < len(ids):
+        limit = min(limit, req.truncate)
+    if len(ids) > limit:
+        raise validation(f"the prompt with its media has {len(ids)} tokens, more than the limit of {limit}; "
+                         "a prompt with media is not truncated: send fewer or smaller media or a shorter text")
+    return ids

@@ -23,19 +23,22 @@ import msgspec
 from nats.aio.msg import Msg as NatsMsg
 
 from services.tokenizer.detokenizer import IncrementalDecoder, StopMatcher, token_pieces
-from services.tokenizer.encoder import check_token_ids, encode_prompt
+from services.tokenizer.encoder import check_media_prompt, check_token_ids, encode_prompt
+from services.tokenizer.multimodal import MediaProcessor
 from shared import bus, subjects, telemetry
 from shared.config import Config
 from services.tokenizer.routing import EngineRouter
 from shared.errors import ErrorInfo, ErrorKind, SwitchboardError
 from shared.leases import Leases
+from shared.media import MediaPolicy
 from shared.tombstones import Tombstones
 from shared.messages import (
-    Cancel, EngineInfo, EngineRequest, Failed, GenerateRequest, Heartbeat, Output, Started, TokenBatch,
-    TokenEvent, Tokenize, Tokenized, TokenizerInfo, TokenLogprob, TokenOut, TopToken, decoder,
+    Cancel, EngineInfo, EngineRequest, Failed, GenerateRequest, Heartbeat, MediaInputs, Output, Started,
+    TokenBatch, TokenEvent, Tokenize, Tokenized, TokenizerInfo, TokenLogprob, TokenOut, TopToken, decoder, encode,
 )
 
 log = logging.getLogger("switchboard.tokenizer")
+MB = 1 << 20
 
 
 def load_tokenizer(path: str):
@@ -56,10 +59,12 @@ class Pending:
 
 
 class TokenizerService:
-    def __init__(self, cfg: Config, nc, tokenizer):
+    def __init__(self, cfg: Config, nc, tokenizer, media: MediaProcessor | None = None):
         self.cfg = cfg
         self.nc = nc
         self.tok = tokenizer
+        self.media = media or MediaProcessor(None)
+        self.media_policy = MediaPolicy.from_config(cfg)
         self.model = cfg.model.model_name
         self.instance = uuid.uuid4().hex[:12]
         self.inbox = subjects.tokens_inbox(self.instance)
@@ -123,7 +128,7 @@ class TokenizerService:
         span = telemetry.start_span("tokenizer.request", req.trace, **{"switchboard.request_id": req.id,
                                                                         "switchboard.adapter": req.adapter})
         try:
-            ids = await self.encode(req)
+            ids, media = await self.encode(req)
             span.set_attribute("switchboard.prompt_tokens", len(ids))
             engine = await self.choose_engine(req.adapter)
         except SwitchboardError as exc:
@@ -133,9 +138,22 @@ class TokenizerService:
         seed = req.sampling.seed if req.sampling.seed is not None else random.randint(1, 2**31 - 1)
         self.pending[req.id] = self.pending_state(req, ids, span)
         await bus.publish(self.nc, req.reply_to, self.started(req, ids, seed, engine))
-        engine_request = self.engine_request(req, ids, seed)
+        engine_request = self.engine_request(req, ids, seed, media)
         engine_request.trace = telemetry.inject(span)
+        if media is not None and (error := self.too_large(engine_request)):
+            del self.pending[req.id]
+            telemetry.end_span(span, error.message)
+            await bus.publish(self.nc, req.reply_to, Failed(id=req.id, error=error))
+            return
         await bus.publish(self.nc, subjects.engine_instance(req.model, engine), engine_request)
+
+    def too_large(self, request: EngineRequest) -> ErrorInfo | None:
+        """A 413 for a request whose preprocessed media exceed what one bus message may carry."""
+        size, limit = len(encode(request)), self.nc.max_payload
+        if size <= limit:
+            return None
+        return ErrorInfo(ErrorKind.TOO_LARGE, f"the request's preprocessed media are {size / MB:.1f} MB, more than "
+                                              f"a bus message's limit of {limit / MB:.1f} MB: send fewer or smaller media")
 
     async def choose_engine(self, adapter: str = "") -> str:
         """The least loaded live engine (one with the LoRA ``adapter``, when one is named). When none is live,
@@ -162,7 +180,15 @@ class TokenizerService:
         state.generated = len(req.resume_ids)
         return state
 
-    async def encode(self, req: GenerateRequest) -> list[int]:
+    async def encode(self, req: GenerateRequest) -> tuple[list[int], MediaInputs | None]:
+        """The prompt's token ids, and for a request with media the processor's tensors."""
+        if any(part.media is not None for part in req.parts):
+            left = req.arrival + req.timeout_s - time.time() if req.timeout_s and req.arrival else req.timeout_s
+            prepared = await self.media.prepare(req, self.tok, self.media_policy, left)
+            return check_media_prompt(prepared.ids, req, self.cfg.deploy), prepared.media
+        return await self.encode_text(req), None
+
+    async def encode_text(self, req: GenerateRequest) -> list[int]:
         if req.prompt_ids is not None:
             check_token_ids(req.prompt_ids, self.vocab_size)
         if len(req.prompt) > 2048:  # long texts: keep the event loop free
@@ -176,7 +202,8 @@ class TokenizerService:
             started.prompt_texts = [self.tok.decode([i], skip_special_tokens=False) for i in ids]
         return started
 
-    def engine_request(self, req: GenerateRequest, ids: list[int], seed: int) -> EngineRequest:
+    def engine_request(self, req: GenerateRequest, ids: list[int], seed: int,
+                       media: MediaInputs | None = None) -> EngineRequest:
         sampling = req.sampling
         max_new = min(sampling.max_new_tokens, self.cfg.schedule.max_iter_times)
         e2e = float(self.cfg.server.e2e_timeout)
@@ -186,7 +213,7 @@ class TokenizerService:
             arrival=req.arrival, deadline=req.arrival + limit if req.arrival else None,
             deadline_reason="client timeout" if limit < e2e else "server e2eTimeout",
             sampling=msgspec.structs.replace(sampling, seed=seed, max_new_tokens=max_new),
-            generated_ids=req.resume_ids, tokenizer=self.instance, adapter=req.adapter,
+            generated_ids=req.resume_ids, tokenizer=self.instance, adapter=req.adapter, media=media,
         )
 
     # ---- token events -----------------------------------------------------------------------
@@ -272,8 +299,9 @@ class TokenizerService:
 
 async def serve(cfg: Config, nats_url: str, stop: asyncio.Event, ready=lambda: None) -> None:
     tokenizer = await asyncio.to_thread(load_tokenizer, str(cfg.model_path))
+    media = await asyncio.to_thread(MediaProcessor.load, str(cfg.model_path))
     nc = await bus.connect(nats_url, "switchboard-tokenizer")
-    service = TokenizerService(cfg, nc, tokenizer)
+    service = TokenizerService(cfg, nc, tokenizer, media)
     await service.start()
     heartbeat = asyncio.create_task(service.heartbeat(stop))
     ready()

@@ -18,7 +18,7 @@ def block_bytes(path) -> int:
     """K and V, every layer, one block of float32."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(path)
+    config = AutoConfig.from_pretrained(path).get_text_config()
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return 2 * config.num_hidden_layers * BLOCK * config.num_key_value_heads * head_dim * 4
 

@@ -9,7 +9,7 @@ from litestar import Request, Response, post
 
 from services.gateway import lifecycle
 from services.gateway.call import Call
-from services.gateway.content import admit
+from services.gateway.content import admit, prompt_parts
 from services.gateway.native.responses import collect, error_event, stream_events
 from services.gateway.native.schemas import parse_infer, parse_tokenize
 from services.gateway.session import Session
@@ -19,8 +19,9 @@ from services.gateway.session import Session
 async def infer(request: Request) -> Response:
     req = parse_infer(await request.body())
     gateway = request.app.state.gateway
-    admit([req.listed], gateway.media_policy)
+    admit([req.listed], gateway.media_policy, modalities=gateway.modalities())
     session = Session(gateway, req.text or "", req.sampling, prompt_ids=req.ids, priority=req.priority,
+                      parts=prompt_parts(req.listed),
                       timeout_s=req.timeout_s)
     call = Call(gateway, [session])
     full_text_mode = gateway.cfg.server.full_text_enabled

@@ -11,7 +11,7 @@ from litestar.params import FromPath
 
 from services.gateway import lifecycle
 from services.gateway.call import Call
-from services.gateway.content import admit
+from services.gateway.content import admit, chat_media
 from services.gateway.openai_api.chat_responses import chat_body, chat_chunks
 from services.gateway.openai_api.completion_responses import completion_body, completion_chunks
 from services.gateway.openai_api.errors import (
@@ -60,9 +60,9 @@ async def get_model(request: Request, model: FromPath[str]) -> Response:
 async def chat_completions(request: Request) -> Response:
     gateway = request.app.state.gateway
     req = parse_chat(await request.body(), gateway.cfg, gateway.served())
-    admit(req.listed, gateway.media_policy, content_error)
+    admit(req.listed, gateway.media_policy, content_error, gateway.modalities())
     prompt = {"messages": req.messages, "chat_template_kwargs": req.chat_template_kwargs,
-              "truncate": req.common.truncate}
+              "truncate": req.common.truncate, "parts": chat_media(req.listed)}
     call = build_call(gateway, [prompt], req.common.sampling, req.common.n, req.common.adapter)
     return await respond(request, req.common, call, "messages",
                          lambda: chat_body(req, call), lambda: chat_chunks(req, call))

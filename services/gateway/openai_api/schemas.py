@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from services.gateway.content import ListInput, parse_list
+from services.gateway.content import ListInput, parse_list, template_content
 from services.gateway.openai_api.errors import bad_param, content_error
 from services.gateway.openai_api.params import Common, parse_common
 from services.gateway.served import Served
@@ -76,7 +76,7 @@ def _messages(value: Any) -> tuple[list[dict[str, Any]], tuple[ListInput, ...]]:
         raise bad_param("messages", "messages must be a non-empty array.")
     read = [_message(m, i) for i, m in enumerate(value)]
     messages = [message for message, _ in read]
-    total = sum(len(m["content"]) for m in messages)
+    total = sum(len(m["content"]) if isinstance(m["content"], str) else len(listed.text) for m, listed in read)
     if total > MAX_INPUT_CHARS:
         raise bad_param("messages", f"messages must have at most {MAX_INPUT_CHARS} characters of content, got {total}.")
     return messages, tuple(listed for _, listed in read if listed is not None)
@@ -90,7 +90,7 @@ def _message(value: Any, i: int) -> tuple[dict[str, Any], ListInput | None]:
     if not isinstance(role, str) or not role:
         raise bad_param(f"{where}.role", f"{where}.role must be a non-empty string.")
     text, listed = _content(value.get("content"), f"{where}.content")
-    message = {"role": role, "content": text}
+    message = {"role": role, "content": template_content(listed) if listed is not None and listed.has_media else text}
     if isinstance(value.get("name"), str):
         message["name"] = value["name"]
     return message, listed

@@ -6,7 +6,7 @@ from litestar import Request, Response, Router, post
 
 from services.gateway import lifecycle
 from services.gateway.call import Call
-from services.gateway.content import admit
+from services.gateway.content import admit, markdown_images, prompt_parts
 from services.gateway.errors import TGI_EXCEPTION_HANDLERS
 from services.gateway.served import Served
 from services.gateway.session import Session
@@ -49,8 +49,10 @@ def _served(request: Request) -> Served:
 
 async def respond(request: Request, req: TgiRequest, as_array: bool) -> Response:
     gateway = request.app.state.gateway
-    admit([req.listed], gateway.media_policy)
-    session = Session(gateway, req.inputs, req.sampling, truncate=req.truncate,
+    modalities = gateway.modalities()
+    listed = req.listed or (markdown_images(req.inputs, "inputs") if "image" in modalities else None)
+    admit([listed], gateway.media_policy, modalities=modalities)
+    session = Session(gateway, req.inputs, req.sampling, truncate=req.truncate, parts=prompt_parts(listed),
                       return_prompt_ids=req.decoder_input_details, adapter=req.adapter)
     call = Call(gateway, [session])
     full_text_mode = gateway.cfg.server.full_text_enabled

@@ -14,7 +14,7 @@ from litestar.params import FromPath
 
 from services.gateway import lifecycle
 from services.gateway.call import Call
-from services.gateway.content import admit
+from services.gateway.content import admit, prompt_parts
 from services.gateway.errors import mindie_error
 from services.gateway.session import Session
 from services.gateway.triton import metadata
@@ -84,10 +84,10 @@ async def generate_stream(request: Request, model: FromPath[str]) -> Response:
 async def _text(request: Request, model: str, streaming: bool) -> Response:
     gateway = served(request, model)
     req = parse_text_request(await request.body())
-    admit([req.listed], gateway.media_policy)
+    admit([req.listed], gateway.media_policy, modalities=gateway.modalities())
     opts = req.options
     session = Session(gateway, req.text, opts.sampling, user_id=req.user_id, priority=opts.priority,
-                      timeout_s=opts.timeout_s)
+                      timeout_s=opts.timeout_s, parts=prompt_parts(req.listed))
     call = Call(gateway, [session])
     return await lifecycle.respond(request, call, streaming, lambda: collect_text(call, opts),
                                    lambda: stream_events(call, opts), error_event)

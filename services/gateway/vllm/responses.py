@@ -11,6 +11,7 @@ from typing import Any, AsyncIterator
 import msgspec
 
 from services.gateway.call import Call
+from services.gateway.content import prompt_parts
 from services.gateway.errors import mindie_body
 from services.gateway.sampling import choice_sampling
 from services.gateway.session import Session
@@ -24,8 +25,8 @@ def build_call(gateway, req: VllmRequest) -> Call:
     sampling = req.sampling
     if count > req.n:  # ranking needs each token's log-probability
         sampling = msgspec.structs.replace(sampling, logprobs=0)
-    return Call(gateway, [Session(gateway, req.prompt, choice_sampling(sampling, j), adapter=req.adapter)
-                          for j in range(count)])
+    return Call(gateway, [Session(gateway, req.prompt, choice_sampling(sampling, j), adapter=req.adapter,
+                                  parts=prompt_parts(req.listed)) for j in range(count)])
 
 
 async def collect(call: Call, req: VllmRequest) -> dict[str, Any]:

@@ -29,7 +29,7 @@ async def _generate(request: Request, data: dict[str, Any]) -> Response:
     schedule = gateway.cfg.schedule
     req = parse_vllm(data, gateway.served(), schedule.max_iter_times,
                      min(schedule.max_n, schedule.max_batch_size, schedule.prefill_batch_size))
-    admit([req.listed], gateway.media_policy)
+    admit([req.listed], gateway.media_policy, modalities=gateway.modalities())
     call = build_call(gateway, req)
     full_text_mode = gateway.cfg.server.full_text_enabled
     return await lifecycle.respond(request, call, req.stream, lambda: collect(call, req),

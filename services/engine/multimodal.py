@@ -1,0 +1,141 @@
+"""Vision-language models: the text decoder the engine's step runs, and the encoder that turns a
+request's preprocessed media into the features placed at its media tokens.
+
+A Hugging Face vision-language folder (SmolVLM / Idefics3, LLaVA) is a text decoder of an
+architecture the step already runs, plus a vision tower and a projector. The engine loads the whole
+model; the step runs the decoder as for a text model, and the vision tower and projector run here,
+once per request, on the tensors the tokenizer service made from the request's images
+(``MediaInputs``: the model's own processor's outputs). Their result is placed at the prompt's image
+tokens, in order, exactly as transformers' ``masked_scatter`` places them, and kept with the request:
+a preempted request recomputes its prompt from these features, not from the pixels.
+
+Why the encoder runs in the engine and not in the tokenizer: it is a transformer of its own (SigLIP
+400M beside SmolVLM-2B, a 675M ViT beside Qwen2-VL-7B) that wants the accelerator and the model's
+dtype, and its weights belong in the engine's memory once. The tokenizer keeps what is CPU work in
+every server (fetching, decoding, resizing, tiling, normalising), which scales out with its instances.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from operator import attrgetter
+from typing import Callable
+
+import torch
+from torch import nn
+
+from shared.messages import MediaInputs, Tensor
+
+
+@dataclass(frozen=True)
+class Family:
+    """What the engine needs to know of one vision-language architecture."""
+
+    text: str  # the text decoder's path in the loaded model (the module with .layers, .embed_tokens)
+    modalities: tuple[str, ...]
+    encode: Callable[[nn.Module, dict[str, torch.Tensor]], list[tuple[int, torch.Tensor]]]
+
+
+def _encode_images(model: nn.Module, tensors: dict[str, torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
+    """Image features from the processor's tensors through the model's own get_image_features."""
+    names = IMAGE_INPUTS[type(model).__name__]
+    missing = [name for name in names[:1] if name not in tensors]
+    if missing:
+        raise ValueError(f"the request's media lack {missing[0]}")
+    out = model.model.get_image_features(**{name: tensors[name] for name in names if name in tensors})
+    features = getattr(out, "pooler_output", out)
+    if isinstance(features, (list, tuple)):
+        features = torch.cat([f.reshape(-1, f.shape[-1]) for f in features])
+    return [(model.config.image_token_id, features.reshape(-1, features.shape[-1]))]
+
+
+IMAGE_INPUTS = {
+    "Idefics3ForConditionalGeneration": ("pixel_values", "pixel_attention_mask"),
+    "SmolVLMForConditionalGeneration": ("pixel_values", "pixel_attention_mask"),
+    "LlavaForConditionalGeneration": ("pixel_values", "image_sizes"),
+}
+
+FAMILIES = {
+    "Idefics3ForConditionalGeneration": Family("model.text_model", ("image",), _encode_images),
+    "SmolVLMForConditionalGeneration": Family("model.text_model", ("image",), _encode_images),
+    "LlavaForConditionalGeneration": Family("model.language_model", ("image",), _encode_images),
+}
+
+
+def family_of(config) -> Family | None:
+    """The vision-language family of a model's config, or None for a text model."""
+    return next((FAMILIES[a] for a in getattr(config, "architectures", None) or [] if a in FAMILIES), None)
+
+
+class TextView(nn.Module):
+    """The text half of a vision-language model, shaped like a ``*ForCausalLM``: ``.model`` is the
+    decoder and ``.lm_head`` the head, so the step and ``linears.build`` treat both kinds alike."""
+
+    def __init__(self, full: nn.Module, family: Family):
+        super().__init__()
+        self.model = attrgetter(family.text)(full)
+        self.lm_head = full.lm_head
+        self.config = full.config.get_text_config()
+        self.generation_config = getattr(full, "generation_config", None)
+
+
+@dataclass
+class MediaRows:
+    """A request's media features and the prompt positions they go to, both in position order."""
+
+    positions: torch.Tensor  # [K] long, ascending
+    embeds: torch.Tensor  # [K, hidden]
+
+    def within(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The positions in [start, end) and their features, or None when there are none."""
+        lo = int(torch.searchsorted(self.positions, start))
+        hi = int(torch.searchsorted(self.positions, end))
+        return None if lo == hi else (self.positions[lo:hi], self.embeds[lo:hi])
+
+
+class MediaEncoder:
+    """Runs a vision-language model's encoder for one request at a time."""
+
+    def __init__(self, full: nn.Module, family: Family, device: torch.device, dtype: torch.dtype):
+        self.full, self.family = full, family
+        self.device, self.dtype = device, dtype
+        self.media_token_ids = {full.config.image_token_id}
+
+    @property
+    def modalities(self) -> list[str]:
+        return list(self.family.modalities)
+
+    def encode(self, media: MediaInputs, prompt_ids: list[int]) -> MediaRows:
+        """The request's features and their prompt positions; ValueError when they do not match its
+        media tokens one for one (transformers raises the same)."""
+        tensors = {name: from_wire(t).to(self.device) for name, t in media.tensors.items()}
+        ids = torch.tensor(prompt_ids, dtype=torch.long)
+        positions, embeds = [], []
+        for token_id, features in self.family.encode(self.full, tensors):
+            where = (ids == token_id).nonzero().flatten()
+            if where.numel() != features.shape[0]:
+                raise ValueError(f"media features and media tokens do not match: {where.numel()} tokens "
+                                 f"(id {token_id}), {features.shape[0]} features")
+            positions.append(where)
+            embeds.append(features.to(self.dtype))
+        position = torch.cat(positions)
+        order = position.argsort()
+        return MediaRows(position[order].to(self.device), torch.cat(embeds)[order])
+
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+          "int64": torch.int64, "int32": torch.int32, "bool": torch.bool, "uint8": torch.uint8}
+
+
+def from_wire(t: Tensor) -> torch.Tensor:
+    """A bus tensor as a torch tensor (its own copy of the bytes)."""
+    if t.dtype not in DTYPES:
+        raise ValueError(f"media tensor dtype {t.dtype!r} is not one of {', '.join(DTYPES)}")
+    flat = torch.frombuffer(bytearray(t.data), dtype=DTYPES[t.dtype]) if t.data else torch.empty(0, dtype=DTYPES[t.dtype])
+    return flat.reshape(t.shape)
+
+
+def salt(media: MediaInputs | None) -> bytes:
+    """Prefix-cache salt of a request's media: K/V after an image are that image's own."""
+    return b"" if media is None else hashlib.blake2b(media.digest.encode(), digest_size=16).digest()

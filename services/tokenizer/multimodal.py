@@ -1,0 +1,141 @@
+"""A request's media made ready for the engine: fetched, decoded and run through the model's own processor.
+
+The served folder's processor (``AutoProcessor``: the Pillow image processor of SmolVLM / Idefics3 or
+LLaVA, and the tokenizer) resizes, tiles and normalises the images and expands each image placeholder
+of the prompt into the model's image tokens, exactly as transformers does for ``generate``. The engine
+gets the expanded prompt ids and the processor's tensors (``MediaInputs``); its encoder turns them into
+the features placed at the image tokens (``services/engine/multimodal.py``).
+
+Where the images go in the prompt: a chat's ``{"type": "image"}`` content items are rendered by the
+model's chat template; a raw prompt (TGI and native ``inputs``, vLLM, Triton) is its text items
+concatenated with the processor's image placeholder (``<image>``) where each image item was.
+
+All of this is CPU work off the event loop (``asyncio.to_thread``); the tokenizer service scales out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+import logging
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from services.tokenizer.media_fetch import fetch_refs
+from shared.errors import validation
+from shared.media import MediaPolicy
+from shared.messages import ContentPart, GenerateRequest, MediaInputs, Tensor
+
+log = logging.getLogger("switchboard.tokenizer")
+
+TEXT_ONLY = "the served model is text-only"
+DTYPES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16", np.dtype(np.int64): "int64",
+          np.dtype(np.int32): "int32", np.dtype(np.bool_): "bool", np.dtype(np.uint8): "uint8"}
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request with media, ready for the engine: its expanded prompt ids and the processor's tensors."""
+
+    ids: list[int]
+    media: MediaInputs
+
+
+class MediaProcessor:
+    """The served model's processor, or none for a text model (then every media item is refused)."""
+
+    def __init__(self, processor: Any | None):
+        self.processor = processor
+        self.modalities = ["image"] if processor is not None and getattr(processor, "image_processor", None) else []
+
+    @classmethod
+    def load(cls, path: str) -> MediaProcessor:
+        """The folder's processor when it has an image processor; a text model's folder has none."""
+        from transformers import AutoProcessor
+
+        try:
+            processor = AutoProcessor.from_pretrained(path)
+        except (OSError, ValueError, ImportError) as exc:
+            log.info("no media processor: the model is served text-only", extra={"reason": str(exc)})
+            return cls(None)
+        return cls(processor if getattr(processor, "image_processor", None) is not None else None)
+
+    @property
+    def placeholder(self) -> str:
+        """What marks an image's place in a raw text prompt (``<image>``)."""
+        return getattr(self.processor, "image_token", None) or "<image>"
+
+    async def prepare(self, req: GenerateRequest, tokenizer, policy: MediaPolicy,
+                      timeout_s: float | None = None) -> Prepared:
+        """Fetch, decode and process the request's media; 422 for a kind the model does not take."""
+        refs = [part.media for part in req.parts if part.media is not None]
+        for i, ref in enumerate(refs):
+            if ref.kind not in self.modalities:
+                what = TEXT_ONLY if not self.modalities else f"the served model takes {', '.join(self.modalities)} only"
+                raise validation(f"media item {i}: {ref.kind} inputs are not supported: {what}.")
+        contents = await fetch_refs(refs, policy, timeout_s)
+        text = self.prompt_text(req, tokenizer)
+        return await asyncio.to_thread(self.process, text, contents)
+
+    def prompt_text(self, req: GenerateRequest, tokenizer) -> str:
+        """The prompt with a placeholder where each image goes: a chat rendered by the model's template,
+        a raw prompt's text items joined around the processor's placeholder."""
+        if req.messages is not None:
+            try:
+                return tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False,
+                                                     **req.chat_template_kwargs)
+            except Exception as exc:  # a template error is the caller's messages not fitting the template
+                raise validation(f"the messages do not fit the model's chat template: {exc}") from None
+        return "".join(self._piece(part) for part in req.parts)
+
+    def _piece(self, part: ContentPart) -> str:
+        return part.text if part.media is None else self.placeholder
+
+    def process(self, text: str, contents: list[bytes]) -> Prepared:
+        """The processor on the prompt and the decoded images: the expanded ids and its tensors."""
+        images = [decode_image(data, i) for i, data in enumerate(contents)]
+        try:
+            out = self.processor(text=[text], images=[images], return_tensors="np")
+        except (ValueError, TypeError) as exc:  # e.g. placeholders and images that do not pair up
+            raise validation(f"the prompt and its images cannot be processed: {exc}") from None
+        ids = [int(i) for i in out["input_ids"][0]]
+        tensors = {name: to_wire(np.asarray(value)) for name, value in out.items()
+                   if name not in ("input_ids", "attention_mask")}
+        return Prepared(ids, MediaInputs(tensors, digest(tensors)))
+
+
+def decode_image(data: bytes, index: int):
+    """An RGB PIL image; 422 for bytes that are no image, or one so large it looks like a decompression bomb."""
+    from PIL import Image
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data))
+            image.load()
+    except (Image.DecompressionBombWarning, Image.DecompressionBombError) as exc:
+        raise validation(f"media item {index}: the image is too large to decode ({exc})") from None
+    except Exception as exc:  # PIL raises many kinds for bad data
+        raise validation(f"media item {index}: the image cannot be decoded: {exc}") from None
+    return image.convert("RGB")
+
+
+def to_wire(array: np.ndarray) -> Tensor:
+    array = np.ascontiguousarray(array)
+    if array.dtype not in DTYPES:
+        array = array.astype(np.float32 if array.dtype.kind == "f" else np.int64)
+    return Tensor(DTYPES[array.dtype], list(array.shape), array.astype(array.dtype.newbyteorder("<")).tobytes())
+
+
+def digest(tensors: dict[str, Tensor]) -> str:
+    """A hash of the tensors (names, dtypes, shapes and bytes): equal media give equal digests."""
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(tensors):
+        t = tensors[name]
+        h.update(f"{name}:{t.dtype}:{t.shape}".encode())
+        h.update(t.data)
+    return h.hexdigest()
