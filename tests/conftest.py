@@ -61,3 +61,12 @@ def write_config(directory: Path, model_dir: Path, **sections) -> Path:
     path = directory / "config.json"
     path.write_text(json.dumps(data, indent=2))
     return path
+
+
+@pytest.fixture(scope="session")
+def smolvlm_dir(tmp_path_factory, smol_dir) -> Path:
+    """A SmolVLM (Idefics3) whose text model is the real SmolLM2 and whose vision tower is tiny and
+    random (``tests.vlm_models``): transformers' own generate is the oracle for its outputs."""
+    from tests.vlm_models import make_smolvlm
+
+    return make_smolvlm(tmp_path_factory.mktemp("smolvlm"), smol_dir)

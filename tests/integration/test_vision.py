@@ -1,0 +1,164 @@
+"""Images through all four services on a SmolVLM (Idefics3) folder whose text model is the real SmolLM2:
+every family's outputs for a prompt with images equal transformers' own ``generate`` token for token;
+the same image as a data: URL, a local path under the media root, an allowed URL and TGI's markdown
+``![](…)`` in ``inputs`` gives the same tokens; two images give different outputs; text-only and image
+requests running together each answer as alone; a kind the model does not take and bytes that are no
+image are 422s, and unsafe items are refused before anything is fetched."""
+
+from __future__ import annotations
+
+import base64
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import openai
+import pytest
+from text_generation import Client
+from transformers import AutoTokenizer
+
+from tests.integration.stack import post, running_stack, sse_events
+from tests.integration.test_list_inputs import assert_422, send
+from tests.media_items import image, text
+from tests.vlm_models import data_url, hf_generate, placeholder, png_bytes, test_image
+
+NEW = 12
+GREEDY = {"max_new_tokens": NEW, "do_sample": False}
+CAT, DOG = test_image(1), test_image(2)
+
+
+class ImageServer:
+    """Serves cat.png over HTTP on 127.0.0.1 and counts requests."""
+
+    def __init__(self, body: bytes):
+        hits = self.hits = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                hits.append(self.path)
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ImageServer(png_bytes(CAT))
+    yield srv
+    srv.server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def media_root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vision-media")
+    (root / "cat.png").write_bytes(png_bytes(CAT))
+    (root / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 64)
+    (root / "clip.mp4").write_bytes(b"\0\0\0\x18ftypmp42")
+    return root
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, smolvlm_dir, media_root):
+    with running_stack(tmp_path_factory.mktemp("vision"), smolvlm_dir,
+                       Switchboard={"mediaRoot": str(media_root), "allowedMediaDomains": ["localhost"],
+                                    "allowPrivateMediaAddresses": ["127.0.0.0/8"]}) as stack:
+        yield stack
+
+
+@pytest.fixture(scope="module")
+def want(smolvlm_dir):
+    """transformers' greedy tokens, per image, for "Describe <image> briefly." as a raw prompt."""
+    prompt = f"Describe {placeholder(smolvlm_dir)} briefly."
+    return {name: hf_generate(smolvlm_dir, [img], text=prompt, max_new_tokens=NEW)
+            for name, img in (("cat", CAT), ("dog", DOG))}
+
+
+def described(source: str) -> list[dict]:
+    return [text("Describe "), image(source), text(" briefly.")]
+
+
+def tgi_ids(stack, inputs) -> list[int]:
+    r = post(stack, "/generate", {"inputs": inputs, "parameters": {**GREEDY, "details": True}})
+    assert r.status_code == 200, r.text
+    return [t["id"] for t in r.json()["details"]["tokens"]]
+
+
+def test_tgi_image_equals_transformers_from_every_source(stack, media_root, server, want):
+    sources = [data_url(CAT), "cat.png", str(media_root / "cat.png"), f"http://localhost:{server.port}/cat.png"]
+    for source in sources:
+        assert tgi_ids(stack, described(source)) == want["cat"], source
+    assert server.hits == ["/cat.png"]
+    markdown = f"Describe ![]({data_url(CAT)}) briefly."
+    assert tgi_ids(stack, markdown) == want["cat"]
+    by_client = Client(stack.url, timeout=60).generate(markdown, **GREEDY)
+    assert [t.id for t in by_client.details.tokens] == want["cat"]
+
+
+def test_two_images_give_different_outputs(stack, want):
+    assert want["cat"] != want["dog"]
+    assert tgi_ids(stack, described(data_url(DOG))) == want["dog"]
+
+
+def test_stream_native_vllm_and_triton_equal_transformers(stack, smolvlm_dir, want):
+    tok = AutoTokenizer.from_pretrained(smolvlm_dir)
+    expected = tok.decode(want["cat"], skip_special_tokens=True)
+    items = described(data_url(CAT))
+    events = sse_events(post(stack, "/generate_stream", {"inputs": items, "parameters": GREEDY}).text)
+    assert [e["token"]["id"] for e in events] == want["cat"]
+    infer = post(stack, "/infer", {"inputs": items, "stream": False, "parameters": {**GREEDY, "details": True}})
+    assert infer.status_code == 200, infer.text
+    assert infer.json()["details"]["generated_token_ids"] == want["cat"]
+    vllm = post(stack, "/generate", {"prompt": items, "max_tokens": NEW, "temperature": 0})
+    assert vllm.status_code == 200, vllm.text
+    assert vllm.json()["text"][0].endswith(expected)
+    triton = post(stack, f"/v2/models/{stack.model}/generate", {"text_input": items, "parameters": GREEDY})
+    assert triton.status_code == 200, triton.text
+    assert triton.json()["text_output"] == expected
+
+
+def test_openai_client_chat_with_an_image_equals_transformers(stack, smolvlm_dir):
+    question = "What is in this image?"
+    messages = [{"role": "user", "content": [{"type": "text", "text": question}, {"type": "image"}]}]
+    expected = hf_generate(smolvlm_dir, [CAT], messages=messages, max_new_tokens=NEW)
+    api = openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0, timeout=60)
+    out = api.chat.completions.create(model=stack.model, max_tokens=NEW, temperature=0, messages=[
+        {"role": "user", "content": [{"type": "text", "text": question},
+                                     {"type": "image_url", "image_url": {"url": data_url(CAT)}}]}])
+    tok = AutoTokenizer.from_pretrained(smolvlm_dir)
+    assert out.choices[0].message.content == tok.decode(expected, skip_special_tokens=True)
+    assert out.usage.prompt_tokens > 20  # the image's tokens count as prompt tokens
+
+
+def test_text_and_image_requests_together_answer_as_alone(stack, want):
+    plain = {"inputs": "The capital of France is", "parameters": {**GREEDY, "details": True}}
+    alone = [t["id"] for t in post(stack, "/generate", plain).json()["details"]["tokens"]]
+    jobs = [("plain", plain), ("cat", {"inputs": described(data_url(CAT))}), ("dog", {"inputs": described(data_url(DOG))})]
+    jobs = jobs * 2
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(lambda job: (job[0], post(stack, "/generate", {
+            "inputs": job[1]["inputs"], "parameters": {**GREEDY, "details": True}})), jobs))
+    for name, r in results:
+        assert r.status_code == 200, r.text
+        ids = [t["id"] for t in r.json()["details"]["tokens"]]
+        assert ids == (alone if name == "plain" else want[name]), name
+
+
+def test_what_the_model_cannot_take_is_a_422(stack, server):
+    r = send(stack, "/generate", [text("What is this?"), {"type": "video_url", "video_url": "clip.mp4"}])
+    assert assert_422(r, "/generate", "video inputs are not supported: the served model takes image inputs only")
+    broken = "data:image/png;base64," + base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\0" * 64).decode()
+    for source in (broken, "broken.png"):
+        assert_422(send(stack, "/generate", described(source)), "/generate", "the image cannot be decoded")
+    for source, why in (("../cat.png", "'..'"), (f"http://127.0.0.2:{server.port}/x.png", "not on the media allow-list"),
+                        ("http://169.254.169.254/cat.png", "link-local")):
+        assert_422(send(stack, "/generate", described(source)), "/generate", why)
+    assert server.hits.count("/x.png") == 0
+    assert post(stack, "/generate", {"inputs": described(data_url(CAT)), "parameters": GREEDY}).status_code == 200
