@@ -101,20 +101,23 @@ def load_text_weights(model, text_module: str, state: dict) -> None:
     assert torch.equal(model.lm_head.weight, decoder.embed_tokens.weight)
 
 
-def match_embedding_scale(projection: torch.nn.Linear, embed: torch.Tensor, seed: int) -> None:
-    """Redraw the last projector layer so image features have the RMS of SmolLM2's token embeddings.
+def match_embedding_scale(model, projection: torch.nn.Linear, embed: torch.Tensor, processor, seed: int) -> None:
+    """Redraw the projector's last layer so image features have the RMS of SmolLM2's token embeddings.
 
-    With the default init (std 0.02) the features are ~2.5x larger than any token embedding and SmolLM2
-    mostly ignores them (different images, same greedy text); on the embeddings' scale, the image
-    visibly steers the answer, so a test that drops or misplaces the features fails. The projector's
-    input is layer-normed (RMS ~1), so std = target / sqrt(fan_in) gives outputs of RMS ~target.
+    With the default init (std 0.02) SmolVLM's features are ~2.5x larger than any token embedding, and
+    LLaVA's ~10x smaller, and SmolLM2 mostly ignores them (different images, same greedy text); on the
+    embeddings' scale the image visibly steers the answer, so a test that drops or misplaces the
+    features fails. The layer is redrawn (seeded) then scaled by target / measured RMS on a test image.
     """
     generator = torch.Generator().manual_seed(seed)
-    std = embed.pow(2).mean().sqrt().item() / projection.in_features**0.5
     with torch.no_grad():
-        projection.weight.copy_(torch.randn(projection.weight.shape, generator=generator) * std)
+        projection.weight.copy_(torch.randn(projection.weight.shape, generator=generator))
         if projection.bias is not None:
             projection.bias.zero_()
+        inputs = processor(text=processor.image_token, images=[test_image(0)], return_tensors="pt")
+        pixels = {k: inputs[k] for k in ("pixel_values", "pixel_attention_mask") if k in inputs}
+        features = torch.cat(list(model.model.get_image_features(**pixels).pooler_output))
+        projection.weight.mul_(embed.pow(2).mean().sqrt() / features.pow(2).mean().sqrt())
 
 
 def check_tied(out: Path, text_module: str) -> None:
@@ -156,11 +159,12 @@ def make_smolvlm(out: Path, base: Path = SMOL_DIR, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = Idefics3ForConditionalGeneration(config).eval()
     load_text_weights(model, "model.text_model", state)
-    match_embedding_scale(model.model.connector.modality_projection.proj, state["model.embed_tokens.weight"], seed)
-    model.save_pretrained(out)
     image_seq_len = (vision["image_size"] // vision["patch_size"]) ** 2 // config.scale_factor**2
     tokenizer.chat_template = chat_template("<image>")
     processor = idefics3_processor(tokenizer, image_seq_len)
+    match_embedding_scale(model, model.model.connector.modality_projection.proj, state["model.embed_tokens.weight"],
+                          processor, seed)
+    model.save_pretrained(out)
     processor.save_pretrained(out)
     save_generation_config(base, out)
     check_tied(out, "model.text_model")
@@ -174,15 +178,165 @@ def save_generation_config(base: Path, out: Path) -> None:
         (Path(out) / "generation_config.json").write_text(source.read_text())
 
 
+# ---------------------------------------------------------------------------------------------- LLaVA
+
+
+def llava_processor(tokenizer, image_size: int, patch_size: int):
+    """A LlavaProcessor with CLIP's Pillow image processor (resize + centre crop to ``image_size``), as
+    the llava-1.5-hf checkpoints; the CLS token is dropped ("default" strategy), so (size/patch)^2 tokens."""
+    from transformers import LlavaProcessor
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    image_processor = CLIPImageProcessorPil(size={"shortest_edge": image_size},
+                                            crop_size={"height": image_size, "width": image_size})
+    return LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=patch_size,
+                          vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                          image_token="<image>", chat_template=chat_template("<image>"))
+
+
+def make_llava(out: Path, base: Path = SMOL_DIR, seed: int = 0) -> Path:
+    """Save a LlavaForConditionalGeneration into ``out``: SmolLM2 at ``base`` as the text model, a seeded
+    random CLIP tower (32x32 images, 8x8 patches: 16 image tokens) and a 2-layer GELU projector."""
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
+
+    out = Path(out)
+    tokenizer = extended_tokenizer(base, ["<image>"])
+    text_config, state = smol_text_state(base, len(tokenizer))
+    vision = dict(model_type="clip_vision_model", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, image_size=32, patch_size=8, projection_dim=64)
+    image_tokens = (vision["image_size"] // vision["patch_size"]) ** 2
+    config = LlavaConfig(text_config=text_config, vision_config=vision,
+                         image_token_id=tokenizer.convert_tokens_to_ids("<image>"), image_seq_length=image_tokens,
+                         vision_feature_layer=-2, vision_feature_select_strategy="default",
+                         tie_word_embeddings=True)
+    config.architectures = ["LlavaForConditionalGeneration"]
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config).eval()
+    load_text_weights(model, "model.language_model", state)
+    tokenizer.chat_template = chat_template("<image>")
+    processor = llava_processor(tokenizer, vision["image_size"], vision["patch_size"])
+    match_embedding_scale(model, model.model.multi_modal_projector.linear_2, state["model.embed_tokens.weight"],
+                          processor, seed)
+    model.save_pretrained(out)
+    processor.save_pretrained(out)
+    save_generation_config(base, out)
+    check_tied(out, "model.language_model")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- Qwen2-VL
+
+
+def qwen2_vl_processor(tokenizer, patch_size: int, merge_size: int, temporal_patch_size: int):
+    """A Qwen2VLProcessor with the Pillow image processor and NO video processor (Qwen2-VL's only video
+    processor imports torchvision); pixels are bounded so an image gives 4 to 16 image tokens."""
+    from transformers import Qwen2VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    unit = (patch_size * merge_size) ** 2  # the pixels of one image token
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=4 * unit, max_pixels=16 * unit, patch_size=patch_size,
+                                               merge_size=merge_size, temporal_patch_size=temporal_patch_size)
+    return processor_without_video(Qwen2VLProcessor, image_processor, tokenizer,
+                                   chat_template(QWEN2_VL_IMAGE, QWEN2_VL_VIDEO))
+
+
+def processor_without_video(cls, image_processor, tokenizer, template: str):
+    """A ``cls`` processor (e.g. Qwen2VLProcessor) whose ``video_processor`` is None.
+
+    ProcessorMixin requires every sub-processor in ``__init__``'s signature and checks its class against
+    VideoProcessorMixin, which transformers does not define without torchvision: even ``None`` is
+    refused (ValueError "Could not find module VideoProcessorMixin"). Images never touch the video
+    processor, so skip that one check, on this instance only; the class (and the saved
+    ``processor_class``) stays ``cls``.
+    """
+    processor = cls.__new__(cls)
+    check = processor.check_argument_for_proper_class
+    processor.check_argument_for_proper_class = lambda name, arg: None if arg is None else check(name, arg)
+    processor.__init__(image_processor=image_processor, tokenizer=tokenizer, video_processor=None,
+                       chat_template=template)
+    del processor.check_argument_for_proper_class
+    return processor
+
+
+def make_qwen2_vl(out: Path, base: Path = SMOL_DIR, seed: int = 0) -> Path:
+    """Save a tiny random Qwen2VLForConditionalGeneration into ``out``, with SmolLM2's tokenizer from
+    ``base`` plus the vision tokens: hidden 64, 2 layers, 4 heads (head_dim 16, M-RoPE sections
+    [2, 3, 3] = 8 rotary pairs for t/h/w), vision tower embed 32, depth 2, 14x14 patches, 2x2 merge.
+
+    Weights are drawn with std 0.1, not the default 0.02: at 0.02 the tied head's argmax is the last
+    input token (the residual stream is almost only its embedding), so every prompt and image gives
+    "\\n\\n\\n...", and a test could not tell images apart."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    out = Path(out)
+    tokenizer = extended_tokenizer(base, QWEN2_VL_TOKENS)
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in QWEN2_VL_TOKENS}
+    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True, initializer_range=0.1)
+    vision = dict(depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, initializer_range=0.1)
+    config = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                           video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                           vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=True,
+                           initializer_range=0.1)
+    config.architectures = ["Qwen2VLForConditionalGeneration"]
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(config).eval()
+    model.save_pretrained(out)
+    tokenizer.chat_template = chat_template(QWEN2_VL_IMAGE, QWEN2_VL_VIDEO)
+    processor = qwen2_vl_processor(tokenizer, vision["patch_size"], vision["spatial_merge_size"],
+                                   vision["temporal_patch_size"])
+    save_processor_without_video(processor, out, "Qwen2VLVideoProcessor")
+    save_generation_config(base, out)
+    check_tied(out, "model.language_model")
+    return out
+
+
+def save_processor_without_video(processor, out: Path, video_type: str) -> None:
+    """What ``processor.save_pretrained(out)`` writes (tokenizer files, chat_template.jinja, processor_config.json),
+    which itself fails on the None video processor.
+
+    processor_config.json also gets a ``video_processor`` section (class ``video_type``, the image
+    processor's sizes), as real checkpoints have: with torchvision, AutoProcessor then loads the folder
+    as is (without that section it raises OSError, even with torchvision, looking for one).
+    """
+    processor.tokenizer._set_processor_class(type(processor).__name__)
+    processor.tokenizer.save_pretrained(out)
+    (Path(out) / "chat_template.jinja").write_text(processor.chat_template)
+    config = {key: value for key, value in processor.to_dict().items() if value is not None}
+    video = {key: value for key, value in config["image_processor"].items() if key != "image_processor_type"}
+    config["video_processor"] = {**video, "video_processor_type": video_type}
+    (Path(out) / "processor_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def load_processor(model_dir: Path):
+    """``AutoProcessor.from_pretrained(model_dir)``; for Qwen2-VL without torchvision (where AutoProcessor
+    raises ImportError: Qwen2VLVideoProcessor requires torchvision), the same processor built from the
+    folder's image processor and tokenizer, with no video processor."""
+    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer, Qwen2VLProcessor
+
+    try:
+        return AutoProcessor.from_pretrained(model_dir)
+    except ImportError:
+        if model_type(model_dir) != "qwen2_vl":
+            raise
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return processor_without_video(Qwen2VLProcessor, AutoImageProcessor.from_pretrained(model_dir), tokenizer,
+                                   (Path(model_dir) / "chat_template.jinja").read_text())
+
+
 # ---------------------------------------------------------------------------------------------- oracle
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=4)
 def load(model_dir: Path):
     """(processor, model) for ``model_dir``, float32, eval mode; cached, as loading dominates a test."""
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoModelForImageTextToText
 
-    processor = AutoProcessor.from_pretrained(model_dir)
+    processor = load_processor(model_dir)
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     return processor, model
 
@@ -258,7 +412,7 @@ def data_url(image) -> str:
     return "data:image/png;base64," + base64.b64encode(png_bytes(image)).decode()
 
 
-BUILDERS = {"smolvlm": make_smolvlm}
+BUILDERS = {"smolvlm": make_smolvlm, "llava": make_llava, "qwen2_vl": make_qwen2_vl}
 
 
 def main(argv=None) -> None:

@@ -21,6 +21,42 @@ def smolvlm_dir(tmp_path_factory, smol_dir):
     return vm.make_smolvlm(tmp_path_factory.mktemp("smolvlm"), smol_dir, seed=0)
 
 
+@pytest.fixture(scope="session")
+def llava_dir(tmp_path_factory, smol_dir):
+    return vm.make_llava(tmp_path_factory.mktemp("llava"), smol_dir, seed=0)
+
+
+@pytest.fixture(scope="session")
+def qwen2_vl_dir(tmp_path_factory, smol_dir):
+    return vm.make_qwen2_vl(tmp_path_factory.mktemp("qwen2-vl"), smol_dir, seed=0)
+
+
+def image_features(model_dir, seed: int) -> torch.Tensor:
+    """The features transformers places at the image tokens for test image ``seed``, as one tensor."""
+    processor, model = vm.load(model_dir)
+    inputs = vm.hf_inputs(model_dir, [vm.test_image(seed)], text=vm.placeholder(model_dir))
+    with torch.inference_mode():
+        if model.config.model_type == "idefics3":
+            out = model.model.get_image_features(inputs["pixel_values"], inputs["pixel_attention_mask"])
+        elif model.config.model_type == "llava":
+            out = model.model.get_image_features(inputs["pixel_values"], vision_feature_layer=-2,
+                                                 vision_feature_select_strategy="default")
+        else:
+            out = model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"])
+    return torch.cat(list(out.pooler_output))
+
+
+def check_images_matter(model_dir, image_tokens: int, hidden: int) -> None:
+    """Image features have one row per image token, differ between images, and so do greedy outputs."""
+    processor, _ = vm.load(model_dir)
+    ids = vm.hf_prompt_ids(model_dir, [vm.test_image(0)], messages=image_chat())
+    assert ids.count(processor.image_token_id) == image_tokens
+    first, second = image_features(model_dir, 0), image_features(model_dir, 1)
+    assert first.shape == (image_tokens, hidden) and not torch.allclose(first, second, atol=1e-3)
+    outputs = [vm.hf_generate(model_dir, [vm.test_image(seed)], messages=image_chat()) for seed in (0, 1, 2)]
+    assert len({tuple(o) for o in outputs}) == 3, outputs
+
+
 def test_smolvlm_folder_loads_with_pil_processor(smolvlm_dir):
     processor, model = vm.load(smolvlm_dir)
     assert type(processor.image_processor).__name__ == "Idefics3ImageProcessorPil"
@@ -28,13 +64,6 @@ def test_smolvlm_folder_loads_with_pil_processor(smolvlm_dir):
     assert model.config.text_config.vocab_size == len(processor.tokenizer)
     assert torch.equal(model.lm_head.weight, model.model.text_model.embed_tokens.weight)
     assert vm.placeholder(smolvlm_dir) == "<image>"
-
-
-def test_smolvlm_prompt_expands_image_into_tiles(smolvlm_dir):
-    processor, _ = vm.load(smolvlm_dir)
-    ids = vm.hf_prompt_ids(smolvlm_dir, [vm.test_image(0)], messages=image_chat())
-    image_id = processor.tokenizer.convert_tokens_to_ids("<image>")
-    assert ids.count(image_id) == 5 * 4  # 2x2 tiles + the global image, 4 tokens each (96x80 -> 128x107)
 
 
 def test_smolvlm_text_only_equals_smollm2(smolvlm_dir, smol_dir):
@@ -58,16 +87,7 @@ def test_smolvlm_list_content_text_only_renders_as_string(smolvlm_dir):
 
 
 def test_smolvlm_images_change_the_features_and_output(smolvlm_dir):
-    _, model = vm.load(smolvlm_dir)
-    features = []
-    for seed in (0, 1):
-        inputs = vm.hf_inputs(smolvlm_dir, [vm.test_image(seed)], text="<image>")
-        with torch.inference_mode():
-            out = model.model.get_image_features(inputs["pixel_values"], inputs["pixel_attention_mask"])
-        features.append(torch.cat(out.pooler_output))
-    assert features[0].shape == (20, 576) and not torch.allclose(features[0], features[1], atol=1e-3)
-    outputs = [vm.hf_generate(smolvlm_dir, [vm.test_image(seed)], messages=image_chat()) for seed in (0, 1, 2)]
-    assert len({tuple(o) for o in outputs}) == 3
+    check_images_matter(smolvlm_dir, image_tokens=20, hidden=576)  # 2x2 tiles + global, 4 tokens each
 
 
 def test_smolvlm_raw_text_prompt(smolvlm_dir):
@@ -82,3 +102,27 @@ def test_test_images_are_deterministic_and_distinct():
     assert a.shape == (80, 96, 3) and np.array_equal(a, np.asarray(vm.test_image(0)))
     assert np.abs(a.astype(int) - b.astype(int)).mean() > 30
     assert vm.data_url(vm.test_image(0)).startswith("data:image/png;base64,iVBOR")
+
+
+def test_llava_folder_loads_and_images_matter(llava_dir):
+    processor, model = vm.load(llava_dir)
+    assert type(processor.image_processor).__name__ == "CLIPImageProcessorPil"
+    assert model.config.architectures == ["LlavaForConditionalGeneration"]
+    assert model.config.text_config.vocab_size == len(processor.tokenizer)
+    assert torch.equal(model.lm_head.weight, model.model.language_model.embed_tokens.weight)
+    check_images_matter(llava_dir, image_tokens=16, hidden=576)  # 32x32 image, 8x8 patches, CLS dropped
+
+
+def test_qwen2_vl_folder_loads_and_images_matter(qwen2_vl_dir):
+    processor, model = vm.load(qwen2_vl_dir)
+    assert type(processor.image_processor).__name__ == "Qwen2VLImageProcessorPil"
+    assert model.config.architectures == ["Qwen2VLForConditionalGeneration"]
+    assert model.config.image_token_id == processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    check_images_matter(qwen2_vl_dir, image_tokens=9, hidden=64)  # 96x80 -> 84x84: 6x6 patches, 2x2 merge
+
+
+@pytest.mark.parametrize("arch", ["smolvlm_dir", "llava_dir", "qwen2_vl_dir"])
+def test_processor_returns_numpy(arch, request):
+    model_dir = request.getfixturevalue(arch)
+    inputs = vm.hf_inputs(model_dir, [vm.test_image(0)], messages=image_chat(), return_tensors="np")
+    assert type(inputs["input_ids"]).__module__ == "numpy" and type(inputs["pixel_values"]).__module__ == "numpy"
