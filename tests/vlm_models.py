@@ -135,7 +135,9 @@ def check_tied(out: Path, text_module: str) -> None:
 def idefics3_processor(tokenizer, image_seq_len: int):
     """An Idefics3Processor with the Pillow image processor, sized so an image is a few 64x64 tiles."""
     from transformers import Idefics3Processor
-    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+    from transformers.models.idefics3.image_processing_pil_idefics3 import (
+        Idefics3ImageProcessorPil,
+    )
 
     image_processor = Idefics3ImageProcessorPil(size={"longest_edge": 128}, max_image_size={"longest_edge": 64})
     return Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_len=image_seq_len,
@@ -150,8 +152,8 @@ def make_smolvlm(out: Path, base: Path = SMOL_DIR, seed: int = 0) -> Path:
     out = Path(out)
     tokenizer = extended_tokenizer(base, IDEFICS3_TOKENS)
     text_config, state = smol_text_state(base, len(tokenizer))
-    vision = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  image_size=64, patch_size=16)
+    vision = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "image_size": 64, "patch_size": 16}
     config = Idefics3Config(text_config=text_config, vision_config=vision, scale_factor=2,
                             image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
                             tie_word_embeddings=True, pad_token_id=text_config["pad_token_id"])
@@ -202,8 +204,8 @@ def make_llava(out: Path, base: Path = SMOL_DIR, seed: int = 0) -> Path:
     out = Path(out)
     tokenizer = extended_tokenizer(base, ["<image>"])
     text_config, state = smol_text_state(base, len(tokenizer))
-    vision = dict(model_type="clip_vision_model", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, image_size=32, patch_size=8, projection_dim=64)
+    vision = {"model_type": "clip_vision_model", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "image_size": 32, "patch_size": 8, "projection_dim": 64}
     image_tokens = (vision["image_size"] // vision["patch_size"]) ** 2
     config = LlavaConfig(text_config=text_config, vision_config=vision,
                          image_token_id=tokenizer.convert_tokens_to_ids("<image>"), image_seq_length=image_tokens,
@@ -231,7 +233,9 @@ def qwen2_vl_processor(tokenizer, patch_size: int, merge_size: int, temporal_pat
     """A Qwen2VLProcessor with the Pillow image processor and NO video processor (Qwen2-VL's only video
     processor imports torchvision); pixels are bounded so an image gives 4 to 16 image tokens."""
     from transformers import Qwen2VLProcessor
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
 
     unit = (patch_size * merge_size) ** 2  # the pixels of one image token
     image_processor = Qwen2VLImageProcessorPil(min_pixels=4 * unit, max_pixels=16 * unit, patch_size=patch_size,
@@ -271,13 +275,13 @@ def make_qwen2_vl(out: Path, base: Path = SMOL_DIR, seed: int = 0) -> Path:
     out = Path(out)
     tokenizer = extended_tokenizer(base, QWEN2_VL_TOKENS)
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in QWEN2_VL_TOKENS}
-    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
-                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True, initializer_range=0.1)
-    vision = dict(depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2, patch_size=14,
-                  spatial_merge_size=2, temporal_patch_size=2, initializer_range=0.1)
+    text = {"vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+            "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id, "tie_word_embeddings": True, "initializer_range": 0.1}
+    vision = {"depth": 2, "embed_dim": 32, "hidden_size": 64, "mlp_ratio": 2, "num_heads": 2, "patch_size": 14,
+              "spatial_merge_size": 2, "temporal_patch_size": 2, "initializer_range": 0.1}
     config = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
                            video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
                            vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=True,
@@ -316,7 +320,12 @@ def load_processor(model_dir: Path):
     """``AutoProcessor.from_pretrained(model_dir)``; for Qwen2-VL without torchvision (where AutoProcessor
     raises ImportError: Qwen2VLVideoProcessor requires torchvision), the same processor built from the
     folder's image processor and tokenizer, with no video processor."""
-    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer, Qwen2VLProcessor
+    from transformers import (
+        AutoImageProcessor,
+        AutoProcessor,
+        AutoTokenizer,
+        Qwen2VLProcessor,
+    )
 
     try:
         return AutoProcessor.from_pretrained(model_dir)

@@ -33,7 +33,7 @@ def qwen2_vl_dir(tmp_path_factory, smol_dir):
 
 def image_features(model_dir, seed: int) -> torch.Tensor:
     """The features transformers places at the image tokens for test image ``seed``, as one tensor."""
-    processor, model = vm.load(model_dir)
+    _, model = vm.load(model_dir)
     inputs = vm.hf_inputs(model_dir, [vm.test_image(seed)], text=vm.placeholder(model_dir))
     with torch.inference_mode():
         if model.config.model_type == "idefics3":
