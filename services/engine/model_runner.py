@@ -43,7 +43,7 @@ SUPPORTED_ARCHITECTURES = (
 
 # vision-language models whose text model is one of these (services/engine/multimodal.py)
 VISION_LANGUAGE = tuple(FAMILIES)
-TEXT_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+TEXT_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_vl_text")
 
 
 class UnsupportedModel(RuntimeError):
@@ -73,6 +73,8 @@ class Batch:
     lora: Rows | None = None  # each row's adapter; None when no row has one
     media_rows: torch.Tensor | None = None  # [M] rows that are media tokens; None when the step has none
     media_embeds: torch.Tensor | None = None  # [M, hidden] their features (in place of token embeddings)
+    rope_cos: torch.Tensor | None = None  # M-RoPE: [T, head_dim / 2] each row's own cos and sin (rows
+    rope_sin: torch.Tensor | None = None  # then rotate by row index); None: by position, from the tables
 
 
 class ModelRunner:
@@ -96,6 +98,7 @@ class ModelRunner:
         self.cos = self.sin = torch.empty(0, self.head_dim // 2)
         self._rope_tables(1024)
         self.lora = LoraSet(config, self.device, self.dtype, max_loras, max_lora_rank)
+        self.mrope_axes = mrope_axes(self.model.model.rotary_emb, self.head_dim // 2, self.device)
         log.info("model runner ready", extra={"dtype": str(self.dtype), "fused_ops": self.ops.fused})
 
     @property
@@ -176,7 +179,26 @@ class ModelRunner:
         if media:
             batch.media_rows = torch.cat([rows for rows, _ in media])
             batch.media_embeds = torch.cat([embeds for _, embeds in media])
+        if any(item.seq.media_rows is not None and item.seq.media_rows.rope is not None for item in items):
+            self._mrope(items, batch)
         return batch
+
+    def _mrope(self, items: list[Scheduled], batch: Batch) -> None:
+        """Each row's cos and sin under Qwen2-VL's multimodal rotary embedding: frequency j of a row
+        rotates by the row's position on axis ``axes[j]`` (temporal, height or width); a row of a
+        request without media has its position on all three."""
+        rows = []
+        for item in items:
+            seq, start, n = item.seq, item.seq.num_computed, item.num_tokens
+            if seq.media_rows is not None and seq.media_rows.rope is not None:
+                rows.append(seq.media_rows.rope_positions(start, start + n))
+            else:
+                rows.append(torch.arange(start, start + n, device=self.device)[:, None].expand(-1, 3))
+        positions = torch.cat(rows)  # [T, 3]
+        self._rope_tables(int(positions.max()) + 1)
+        index = positions.gather(1, self.mrope_axes[None].expand(positions.shape[0], -1))  # [T, head_dim / 2]
+        batch.rope_cos = self.cos.gather(0, index)
+        batch.rope_sin = self.sin.gather(0, index)
 
     def _media(self, seq, row: int, start: int, n: int, out: list) -> None:
         """The step rows of ``seq``'s positions [start, start + n) that are media tokens, with their
@@ -231,14 +253,22 @@ class ModelRunner:
         attn = layer.self_attn
         if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm of each head's q and k before the rotation
             self._qk_norm(qkv, attn)
-        self.ops.rope_store(qkv, self.cos, self.sin, batch.positions, self.k_cache[index], self.v_cache[index],
-                            batch.slots, self.num_heads, self.num_kv_heads, self.head_dim)
+        if batch.rope_cos is None:
+            self.ops.rope_store(qkv, self.cos, self.sin, batch.positions, self.k_cache[index], self.v_cache[index],
+                                batch.slots, self.num_heads, self.num_kv_heads, self.head_dim)
+        else:
+            self.ops.rope_store(qkv, batch.rope_cos, batch.rope_sin, self._row_index(qkv.shape[0]),
+                                self.k_cache[index], self.v_cache[index], batch.slots, self.num_heads,
+                                self.num_kv_heads, self.head_dim)
         o = self._attend(index, qkv, batch)
         x = self.ops.add_rms_norm(self._lora(lin.o(o), o, stacks, "o", batch), residual,
                                   *_norm(layer.post_attention_layernorm))
         act = lin.act_mul(self.ops, self._lora(lin.gate_up(x), x, stacks, "gate_up", batch))
         x = self.ops.add_rms_norm(self._lora(lin.down(act), act, stacks, "down", batch), residual, *_norm(after))
         return x
+
+    def _row_index(self, n: int) -> torch.Tensor:
+        return torch.arange(n, device=self.device)
 
     def _lora(self, y: torch.Tensor, x: torch.Tensor, stacks: dict[str, GroupStack] | None, group: str,
               batch: Batch) -> torch.Tensor:
@@ -291,6 +321,18 @@ def _norm(module) -> tuple[torch.Tensor, float]:
     """An RMSNorm module's weight and epsilon."""
     eps = getattr(module, "variance_epsilon", None) or getattr(module, "eps")
     return module.weight, float(eps)
+
+
+def mrope_axes(rotary, half: int, device: torch.device) -> torch.Tensor | None:
+    """Qwen2-VL's multimodal rotary embedding: for each of the head's ``half`` frequencies, the axis
+    (0 temporal, 1 height, 2 width) whose position it rotates by; None for a 1-D rotary embedding."""
+    sections = getattr(rotary, "mrope_section", None)
+    if not sections:
+        return None
+    axes = [i % 3 for i, size in enumerate(sections) for _ in range(size)]
+    if len(axes) != half:
+        raise UnsupportedModel(f"mrope_section {list(sections)} does not cover the head's {half} frequencies")
+    return torch.tensor(axes, dtype=torch.long, device=device)
 
 
 def load_model(path: str, device: torch.device, dtype: torch.dtype):

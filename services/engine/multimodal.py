@@ -35,6 +35,7 @@ class Family:
     text: str  # the text decoder's path in the loaded model (the module with .layers, .embed_tokens)
     modalities: tuple[str, ...]
     encode: Callable[[nn.Module, dict[str, torch.Tensor]], list[tuple[int, torch.Tensor]]]
+    mrope: bool = False  # Qwen2-VL's multimodal rotary embedding: media tokens get 3-D positions
 
 
 def _encode_images(model: nn.Module, tensors: dict[str, torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
@@ -54,12 +55,14 @@ IMAGE_INPUTS = {
     "Idefics3ForConditionalGeneration": ("pixel_values", "pixel_attention_mask"),
     "SmolVLMForConditionalGeneration": ("pixel_values", "pixel_attention_mask"),
     "LlavaForConditionalGeneration": ("pixel_values", "image_sizes"),
+    "Qwen2VLForConditionalGeneration": ("pixel_values", "image_grid_thw"),
 }
 
 FAMILIES = {
     "Idefics3ForConditionalGeneration": Family("model.text_model", ("image",), _encode_images),
     "SmolVLMForConditionalGeneration": Family("model.text_model", ("image",), _encode_images),
     "LlavaForConditionalGeneration": Family("model.language_model", ("image",), _encode_images),
+    "Qwen2VLForConditionalGeneration": Family("model.language_model", ("image",), _encode_images, mrope=True),
 }
 
 
@@ -86,6 +89,16 @@ class MediaRows:
 
     positions: torch.Tensor  # [K] long, ascending
     embeds: torch.Tensor  # [K, hidden]
+    rope: torch.Tensor | None = None  # M-RoPE: [3, prompt length] (temporal, height, width) positions
+    rope_delta: int = 0  # M-RoPE: a generated token at position p rotates as p + rope_delta
+
+    def rope_positions(self, start: int, end: int) -> torch.Tensor:
+        """[n, 3] rotary positions of sequence positions [start, end): the prompt's from ``rope``, a
+        generated token's p + rope_delta on all three axes."""
+        prompt = self.rope.shape[1]
+        inside = self.rope[:, start:min(end, prompt)].T
+        after = torch.arange(max(start, prompt), max(end, prompt), device=self.rope.device) + self.rope_delta
+        return torch.cat([inside, after[:, None].expand(-1, 3)])
 
     def within(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The positions in [start, end) and their features, or None when there are none."""
@@ -121,7 +134,17 @@ class MediaEncoder:
             embeds.append(features.to(self.dtype))
         position = torch.cat(positions)
         order = position.argsort()
-        return MediaRows(position[order].to(self.device), torch.cat(embeds)[order])
+        rows = MediaRows(position[order].to(self.device), torch.cat(embeds)[order])
+        if self.family.mrope:
+            rope, delta = self.full.model.get_rope_index(ids[None].to(self.device), **_rope_inputs(tensors))
+            rows.rope, rows.rope_delta = rope[:, 0].long(), int(delta.flatten()[0])
+        return rows
+
+
+def _rope_inputs(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What Qwen2-VL's get_rope_index reads of the processor's tensors."""
+    return {name: tensors[name] for name in ("mm_token_type_ids", "image_grid_thw", "video_grid_thw")
+            if name in tensors}
 
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,

@@ -18,9 +18,11 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import io
+import json
 import logging
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -33,6 +35,7 @@ from shared.messages import ContentPart, GenerateRequest, MediaInputs, Tensor
 log = logging.getLogger("switchboard.tokenizer")
 
 TEXT_ONLY = "the served model is text-only"
+QWEN_VISION = "<|vision_start|>{}<|vision_end|>"
 DTYPES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16", np.dtype(np.int64): "int64",
           np.dtype(np.int32): "int32", np.dtype(np.bool_): "bool", np.dtype(np.uint8): "uint8"}
 
@@ -59,15 +62,19 @@ class MediaProcessor:
 
         try:
             processor = AutoProcessor.from_pretrained(path)
-        except (OSError, ValueError, ImportError) as exc:
+        except ImportError:  # a video processor that needs torchvision (Qwen2-VL's): images only
+            processor = _without_video(path)
+        except (OSError, ValueError) as exc:
             log.info("no media processor: the model is served text-only", extra={"reason": str(exc)})
             return cls(None)
         return cls(processor if getattr(processor, "image_processor", None) is not None else None)
 
     @property
     def placeholder(self) -> str:
-        """What marks an image's place in a raw text prompt (``<image>``)."""
-        return getattr(self.processor, "image_token", None) or "<image>"
+        """What marks an image's place in a raw text prompt: ``<image>`` (SmolVLM, LLaVA); Qwen2-VL's pad
+        token inside its vision markers, as its chat template writes an image."""
+        token = getattr(self.processor, "image_token", None) or "<image>"
+        return QWEN_VISION.format(token) if token == "<|image_pad|>" else token
 
     async def prepare(self, req: GenerateRequest, tokenizer, policy: MediaPolicy,
                       timeout_s: float | None = None) -> Prepared:
@@ -106,6 +113,28 @@ class MediaProcessor:
         tensors = {name: to_wire(np.asarray(value)) for name, value in out.items()
                    if name not in ("input_ids", "attention_mask")}
         return Prepared(ids, MediaInputs(tensors, digest(tensors)))
+
+
+def _without_video(path: str):
+    """The folder's processor class built from its image processor and tokenizer, without the video
+    processor that transformers cannot load here (its video processors need torchvision, which is not
+    installable next to this project's torch). transformers checks each sub-processor's class and
+    refuses even None for one whose base class it did not define; that one check is skipped for the
+    video processor only, on this instance only."""
+    import transformers
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    config = json.loads((Path(path) / "processor_config.json").read_text())
+    cls = getattr(transformers, config["processor_class"])
+    processor = cls.__new__(cls)
+    check = processor.check_argument_for_proper_class
+    processor.check_argument_for_proper_class = lambda name, arg: None if arg is None else check(name, arg)
+    template = Path(path) / "chat_template.jinja"
+    processor.__init__(image_processor=AutoImageProcessor.from_pretrained(path),
+                       tokenizer=AutoTokenizer.from_pretrained(path), video_processor=None,
+                       chat_template=template.read_text() if template.exists() else None)
+    del processor.check_argument_for_proper_class
+    return processor
 
 
 def decode_image(data: bytes, index: int):
