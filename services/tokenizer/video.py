@@ -63,7 +63,8 @@ def decode_video(data: bytes, index: int, fps: float = 2.0, max_frames: int = 32
     hundreds of thousands of tokens; 32 (16 seconds at 2 fps, longer videos spread 32 frames over
     their length) keeps a request's cost and memory bounded. Without ``do_sample_frames``
     transformers' default is to keep every frame, which nothing bounds. At least 2 frames come back:
-    a single-frame video gives its frame twice (the repeat the processor's temporal padding makes).
+    a single-frame video gives its frame twice (the repeat the processor's temporal padding makes);
+    a truncated video gives the sampled frames it has.
 
     Memory stays bounded by the kept frames: packets are decoded one at a time, a frame that is not
     kept is dropped at once, decoding stops after the last kept frame, and a frame size over
@@ -73,7 +74,7 @@ def decode_video(data: bytes, index: int, fps: float = 2.0, max_frames: int = 32
     import av
 
     try:
-        with av.open(io.BytesIO(data), mode="r") as container:
+        with av.open(io.BytesIO(data), mode="r", metadata_errors="replace") as container:
             stream = _video_stream(container, index)
             total = stream.frames or _count_frames(data)
             keep = sample_indices(total, _frame_rate(stream), fps, max_frames)
@@ -110,7 +111,7 @@ def _count_frames(data: bytes) -> int:
     demuxing without decoding reads the file once, cheaply."""
     import av
 
-    with av.open(io.BytesIO(data), mode="r") as container:
+    with av.open(io.BytesIO(data), mode="r", metadata_errors="replace") as container:
         return sum(1 for packet in container.demux(video=0) if packet.size)
 
 
@@ -131,9 +132,10 @@ def qwen2_vl_video(frames: list, image_processor, size: dict | None = None) -> d
     """What ``Qwen2VLVideoProcessor`` returns for ``frames`` (one video): ``pixel_values_videos``,
     float32 [t*h*w, C*temporal_patch_size*patch*patch], and ``video_grid_thw``, int64 [[t, h, w]].
 
-    Each frame goes through ``image_processor`` (the served ``Qwen2VLImageProcessorPil``): smart_resize
-    to multiples of patch*merge within the pixel bounds, its resampling (bicubic), rescale 1/255 and
-    normalise with its mean/std. The frame count is padded to a multiple of temporal_patch_size by
+    Each frame goes through ``image_processor`` itself (the served ``Qwen2VLImageProcessorPil``, called
+    on the frame, one temporal copy of its output kept), so images and video frames cannot drift
+    apart: smart_resize to multiples of patch*merge within the pixel bounds, its resampling
+    (bicubic), rescale 1/255 and normalise with its mean/std; its patch, merge and temporal sizes. The frame count is padded to a multiple of temporal_patch_size by
     repeating the last frame, and the patches are laid out as the video processor's ``patchify``:
     per temporal group, merge blocks in raster order, each row (C, temporal, patch, patch).
 
@@ -141,13 +143,15 @@ def qwen2_vl_video(frames: list, image_processor, size: dict | None = None) -> d
     None takes the image processor's, which is what transformers does for a checkpoint without
     its own video processor config (Qwen2-VL's: the video processor loads preprocessor_config.json).
 
-    Where this differs from transformers with torchvision: the video processor resizes uint8
-    tensors with torchvision's bicubic (antialiased, then rounded) and fuses rescale and normalise
-    in one float32 step; Pillow's bicubic and the separate numpy steps here can differ by a grey
-    level at some pixels and by float rounding. That is the price of the guarantee that matters more
-    to a server: a video of 2 identical frames is exactly the image processor's output for that
-    image (Qwen2-VL encodes an image as a 2-frame video of itself), bit for bit, and ``cap_pixels_per_frame``
-    (off by default in transformers 5.23) is not applied.
+    Where this differs from transformers with torchvision: its video processor resizes uint8 tensors
+    with torchvision's antialiased bicubic (torch's ``interpolate``, then rounded) and fuses rescale
+    and normalise in one float32 step. Pillow's bicubic differs by 1-2 grey levels at some pixels
+    (measured against torch's antialiased bicubic, 640x480 -> 308x224: 14% of values, max 2), and
+    the separate numpy steps by float rounding. Exact equality with an unrunnable reference is not
+    on offer; what is kept exactly is the guarantee a server needs more: a video of 2 identical
+    frames is the image processor's output for that image, bit for bit (Qwen2-VL encodes an image as
+    a 2-frame video of itself), so an image and a still video give the same features.
+    ``cap_pixels_per_frame`` (a total-pixel budget, off by default in transformers 5.23) is not applied.
     """
     if not frames:
         raise ValueError("a video needs at least one frame")

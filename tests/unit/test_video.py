@@ -115,6 +115,13 @@ def test_decode_other_containers(codec, fmt):
     assert [nearest_pattern(f, 12) for f in frames] == [0, 3, 6, 9]
 
 
+def test_truncated_video_gives_the_frames_it_has():
+    data = make_mp4(frames=40, fps=4, fmt="avi")  # 10 s: 20 frames sampled
+    frames = decode_video(data[: len(data) * 6 // 10], 0)
+    assert 2 <= len(frames) < 20
+    assert [nearest_pattern(f, 40) for f in frames] == list(range(0, 2 * len(frames), 2))
+
+
 def test_single_frame_video_gives_two_frames():
     frames = decode_video(make_mp4(frames=1), 0)
     assert len(frames) == 2 and frames[0].tobytes() == frames[1].tobytes()
