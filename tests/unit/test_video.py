@@ -119,7 +119,8 @@ def test_truncated_video_gives_the_frames_it_has():
     data = make_mp4(frames=40, fps=4, fmt="avi")  # 10 s: 20 frames sampled
     frames = decode_video(data[: len(data) * 6 // 10], 0)
     assert 2 <= len(frames) < 20
-    assert [nearest_pattern(f, 40) for f in frames] == list(range(0, 2 * len(frames), 2))
+    # the last frame may be cut short (ffmpeg conceals the missing part): compare the others
+    assert [nearest_pattern(f, 40) for f in frames[:-1]] == list(range(0, 2 * len(frames) - 2, 2))
 
 
 def test_single_frame_video_gives_two_frames():
