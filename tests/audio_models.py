@@ -12,8 +12,8 @@ seconds on a CPU:
 
 The feature extractor is Qwen2-Audio's real one (WhisperFeatureExtractor, 128 mel bins, 30 s windows
 of 3000 frames): the encoder only accepts exactly ``2 * max_source_positions`` frames, so the window
-is not shrunk. A clip of S samples gives ((S // 160 - 1) // 2 + 1 - 2) // 2 + 1 audio tokens (25 a
-second), expanded by the processor itself.
+is not shrunk. A clip of S samples gives ``num_audio_tokens(S)`` audio tokens (25 a second, 750 at
+most), expanded by the processor itself.
 
 ``hf_generate_audio`` / ``hf_audio_prompt_ids`` are the oracle: the processor and greedy ``generate``.
 ``test_clip`` and ``wav_bytes`` / ``flac_bytes`` make deterministic clips and their encoded files.
@@ -56,9 +56,10 @@ AUDIO_CHAT_TEMPLATE = (
 
 
 def num_audio_tokens(samples: int, hop_length: int = 160) -> int:
-    """The audio tokens a clip of ``samples`` samples becomes (Qwen2AudioProcessor's formula on the
-    feature mask's length: conv2 halves the frames, the average pool halves them again)."""
-    frames = min(samples // hop_length, 3000)
+    """The audio tokens a clip of ``samples`` 16 kHz samples becomes: Qwen2AudioProcessor's formula on
+    the feature mask's length (ceil(samples / 160) frames, at most 3000: the feature extractor cuts a
+    clip at 30 s); conv2 halves the frames, the average pool halves them again."""
+    frames = min(-(-samples // hop_length), 3000)
     return (((frames - 1) // 2 + 1) - 2) // 2 + 1
 
 
@@ -173,6 +174,42 @@ def hf_generate_audio(model_dir: Path, audios: list[np.ndarray], *, text: str | 
     return out[0, inputs["input_ids"].shape[1]:].tolist()
 
 
+def hf_audio_features(model_dir: Path, audios: list[np.ndarray]) -> torch.Tensor:
+    """What transformers' forward places at the <|AUDIO|> tokens for these clips (in prompt order, one
+    row per audio token), captured at the language model's input: the oracle for an engine's encoder."""
+    processor, model = load(Path(model_dir))
+    inputs = hf_audio_inputs(model_dir, audios, text=audio_placeholder(model_dir) * len(audios))
+    captured = {}
+    hook = model.model.language_model.register_forward_pre_hook(
+        lambda _, args, kwargs: captured.update(embeds=kwargs["inputs_embeds"]), with_kwargs=True)
+    try:
+        with torch.inference_mode():
+            model(**inputs)
+    finally:
+        hook.remove()
+    return captured["embeds"][inputs["input_ids"] == processor.audio_token_id]
+
+
+def audio_features_by_hand(model, input_features: torch.Tensor, feature_attention_mask: torch.Tensor) -> torch.Tensor:
+    """The same features computed as Qwen2AudioModel.forward does (there is no get_audio_features):
+    the encoder over the full 3000-frame window with a bidirectional mask hiding the conv2 outputs past
+    each clip's length, the projector, then each clip's first ``output_lengths`` rows, concatenated."""
+    from transformers.masking_utils import create_bidirectional_mask
+
+    tower = model.model.audio_tower
+    conv_lengths, output_lengths = tower._get_feat_extract_output_lengths(feature_attention_mask.sum(-1))
+    batch, _, frames = input_features.shape
+    positions = (frames - 2) // 2 + 1  # 1500: conv2's outputs
+    valid = (torch.arange(positions)[None, :] < conv_lengths[:, None]).long()
+    mask = create_bidirectional_mask(config=tower.config, inputs_embeds=torch.zeros(batch, positions, 1),
+                                     attention_mask=valid)
+    with torch.inference_mode():
+        hidden = tower(input_features, attention_mask=mask).last_hidden_state  # (clips, 750, d_model)
+        projected = model.model.multi_modal_projector(hidden)  # (clips, 750, text hidden)
+    keep = torch.arange(projected.shape[1])[None, :] < output_lengths[:, None]
+    return projected[keep]
+
+
 # ---------------------------------------------------------------------------------------------- clips
 
 
@@ -196,7 +233,7 @@ test_clip.__test__ = False  # not a pytest test, despite the name
 def wav_bytes(samples: np.ndarray, rate: int = RATE) -> bytes:
     """``samples`` (float in [-1, 1]; shape (n,) mono or (n, channels)) as a 16-bit PCM WAV file."""
     samples = np.asarray(samples, dtype=np.float64)
-    frames = samples.reshape(len(samples), -1)
+    frames = samples if samples.ndim == 2 else samples[:, None]
     pcm = np.clip(np.round(frames * 32767), -32768, 32767).astype("<i2")
     buffer = io.BytesIO()
     with wave.open(buffer, "wb") as out:
