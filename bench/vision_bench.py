@@ -87,7 +87,7 @@ def in_process(model_dir: Path, jpeg: bytes, repeats: int = 5) -> tuple[float, f
     runner = make_runner(model_dir, 64)
     for i in range(repeats):
         started = time.perf_counter()
-        prepared = processor.process(text, [jpeg])
+        prepared = processor.process(text, [("image", jpeg)])
         pre.append(time.perf_counter() - started)
         engine = Engine(runner, limits(), set())
         req = request(f"r{i}", prepared.ids, max_new_tokens=1)

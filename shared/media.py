@@ -4,7 +4,8 @@ By default nothing is fetched. ``Switchboard.mediaRoot`` admits local files unde
 own root is ``/data/multimodal_inputs/``; ours has no default), ``Switchboard.allowedMediaDomains``
 together with the comma-separated environment variable ``ALLOWED_MEDIA_DOMAINS_ENV`` (MindIE's name;
 the two lists are joined, so a deployment can add hosts without editing the file) admits http(s)
-URLs from those hosts and their subdomains, and base64 ``data:`` URLs carry images inline.
+URLs from those hosts and their subdomains, and base64 ``data:`` URLs carry media inline (images as the
+seed says; audio and video as OpenAI's ``input_audio`` and vLLM's clients send them).
 
 The rules (reference §2.6 and seed 003): at most 20 media items per request; images up to 20 MB
 (jpg, jpeg, png; base64 jpeg or png as a data: URL), video up to 512 MB (mp4, avi, wmv), audio up to
@@ -44,7 +45,11 @@ MB = 1024 * 1024
 MAX_ITEMS = 20  # "The number of multimodal url should be no more than 20" (reference §2.6)
 ITEM_LIMITS = {"image": 20 * MB, "video": 512 * MB, "audio": 20 * MB}
 EXTENSIONS = {"image": ("jpg", "jpeg", "png"), "video": ("mp4", "avi", "wmv"), "audio": ("mp3", "wav", "flac")}
-DATA_TYPES = {"image": ("image/jpeg", "image/jpg", "image/png")}  # data: URLs carry images only
+DATA_TYPES = {  # the data: URL types of each kind; the content's signature is checked too
+    "image": ("image/jpeg", "image/jpg", "image/png"),
+    "video": ("video/mp4", "video/avi", "video/x-msvideo", "video/x-ms-wmv"),
+    "audio": ("audio/wav", "audio/x-wav", "audio/wave", "audio/mpeg", "audio/mp3", "audio/flac", "audio/x-flac"),
+}
 KIND_NAMES = {"image": "images", "video": "videos", "audio": "audio clips"}
 MAX_REDIRECTS = 5
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
@@ -212,7 +217,7 @@ def _checked_data(index: int, kind: str, source: str, policy: MediaPolicy) -> Ch
         raise validation(f"{where}: a data: URL must be base64 (data:<type>;base64,<data>)")
     if params[0] not in allowed:
         raise validation(f"{where}: data: URL type {params[0] or '(none)'} is not allowed for {KIND_NAMES[kind]}"
-                         + (f" (allowed: {', '.join(allowed)})" if allowed else " (only images may be data: URLs)"))
+                         + f" (allowed: {', '.join(allowed)})")
     _check_size(where, kind, base64_size(payload), policy, "the data: URL's content")
     if len(payload) % 4 == 1 or ("=" in payload and len(payload) % 4) or not _BASE64.fullmatch(payload):
         raise validation(f"{where}: the data: URL's base64 content is malformed")

@@ -338,14 +338,16 @@ def mrope_axes(rotary, half: int, device: torch.device) -> torch.Tensor | None:
 def load_model(path: str, device: torch.device, dtype: torch.dtype):
     """The model's text half (a ``*ForCausalLM``, or a vision-language model's ``TextView``) and, for a
     vision-language model, its media encoder (None for a text model)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(path)
     check_architecture(config)
     family = family_of(config)
     if family is None:
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval(), None
-    full = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype).to(device).eval()
+    model_class = getattr(transformers, next(a for a in config.architectures if a in FAMILIES))
+    full = model_class.from_pretrained(path, dtype=dtype).to(device).eval()
     return TextView(full, family), MediaEncoder(full, family, device, dtype)
 
 

@@ -51,6 +51,39 @@ def _encode_images(model: nn.Module, tensors: dict[str, torch.Tensor]) -> list[t
     return [(model.config.image_token_id, features.reshape(-1, features.shape[-1]))]
 
 
+def _encode_qwen2_vl(model: nn.Module, tensors: dict[str, torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
+    """Qwen2-VL: images and videos through the vision tower, each kind to its own token."""
+    out = []
+    if "pixel_values" in tensors:
+        out += _encode_images(model, tensors)
+    if "pixel_values_videos" in tensors:
+        videos = model.model.get_video_features(tensors["pixel_values_videos"], tensors["video_grid_thw"])
+        out.append((model.config.video_token_id, torch.cat(list(videos.pooler_output))))
+    if not out:
+        raise ValueError("the request's media hold neither pixel_values nor pixel_values_videos")
+    return out
+
+
+def _encode_audio(model: nn.Module, tensors: dict[str, torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
+    """Qwen2-Audio: each clip's log-mel features through the audio tower (padding frames masked out)
+    and the projector, then only each clip's own frames, in order (what transformers' forward does)."""
+    from transformers.masking_utils import create_bidirectional_mask
+
+    inner = model.model
+    features, mask = tensors["input_features"], tensors["feature_attention_mask"]
+    tower = inner.audio_tower
+    lengths, out_lengths = tower._get_feat_extract_output_lengths(mask.sum(-1))
+    clips, _, frames = features.shape
+    width = (frames - 2) // 2 + 1
+    valid = (torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]).long()
+    dummy = torch.zeros((clips, width, 1), dtype=model.dtype, device=features.device)
+    attention = create_bidirectional_mask(config=tower.config, inputs_embeds=dummy, attention_mask=valid)
+    hidden = tower(features.to(model.dtype), attention_mask=attention).last_hidden_state
+    projected = inner.multi_modal_projector(hidden)
+    keep = torch.arange(projected.shape[1], device=projected.device)[None, :] < out_lengths[:, None]
+    return [(model.config.audio_token_id, projected[keep])]
+
+
 IMAGE_INPUTS = {
     "Idefics3ForConditionalGeneration": ("pixel_values", "pixel_attention_mask"),
     "SmolVLMForConditionalGeneration": ("pixel_values", "pixel_attention_mask"),
@@ -62,7 +95,9 @@ FAMILIES = {
     "Idefics3ForConditionalGeneration": Family("model.text_model", ("image",), _encode_images),
     "SmolVLMForConditionalGeneration": Family("model.text_model", ("image",), _encode_images),
     "LlavaForConditionalGeneration": Family("model.language_model", ("image",), _encode_images),
-    "Qwen2VLForConditionalGeneration": Family("model.language_model", ("image",), _encode_images, mrope=True),
+    "Qwen2VLForConditionalGeneration": Family("model.language_model", ("image", "video"), _encode_qwen2_vl,
+                                              mrope=True),
+    "Qwen2AudioForConditionalGeneration": Family("model.language_model", ("audio",), _encode_audio),
 }
 
 
@@ -113,7 +148,6 @@ class MediaEncoder:
     def __init__(self, full: nn.Module, family: Family, device: torch.device, dtype: torch.dtype):
         self.full, self.family = full, family
         self.device, self.dtype = device, dtype
-        self.media_token_ids = {full.config.image_token_id}
 
     @property
     def modalities(self) -> list[str]:

@@ -35,7 +35,9 @@ from shared.messages import ContentPart, GenerateRequest, MediaInputs, Tensor
 log = logging.getLogger("switchboard.tokenizer")
 
 TEXT_ONLY = "the served model is text-only"
-QWEN_VISION = "<|vision_start|>{}<|vision_end|>"
+# a media token and the markers its model's chat template puts around it
+MARKERS = {"<|image_pad|>": "<|vision_start|>{}<|vision_end|>", "<|video_pad|>": "<|vision_start|>{}<|vision_end|>",
+           "<|AUDIO|>": "<|audio_bos|>{}<|audio_eos|>"}
 DTYPES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16", np.dtype(np.int64): "int64",
           np.dtype(np.int32): "int32", np.dtype(np.bool_): "bool", np.dtype(np.uint8): "uint8"}
 
@@ -53,28 +55,34 @@ class MediaProcessor:
 
     def __init__(self, processor: Any | None):
         self.processor = processor
-        self.modalities = ["image"] if processor is not None and getattr(processor, "image_processor", None) else []
+        self.modalities = media_kinds(processor)
 
     @classmethod
     def load(cls, path: str) -> MediaProcessor:
-        """The folder's processor when it has an image processor; a text model's folder has none."""
+        """The folder's processor when it takes media (an image processor, an audio feature extractor);
+        a text model's folder has none."""
         from transformers import AutoProcessor
 
         try:
             processor = AutoProcessor.from_pretrained(path)
-        except ImportError:  # a video processor that needs torchvision (Qwen2-VL's): images only
+        except ImportError:  # a video processor that needs torchvision (Qwen2-VL's): built without it
             processor = _without_video(path)
         except (OSError, ValueError) as exc:
             log.info("no media processor: the model is served text-only", extra={"reason": str(exc)})
             return cls(None)
-        return cls(processor if getattr(processor, "image_processor", None) is not None else None)
+        return cls(processor if media_kinds(processor) else None)
 
     @property
     def placeholder(self) -> str:
-        """What marks an image's place in a raw text prompt: ``<image>`` (SmolVLM, LLaVA); Qwen2-VL's pad
-        token inside its vision markers, as its chat template writes an image."""
-        token = getattr(self.processor, "image_token", None) or "<image>"
-        return QWEN_VISION.format(token) if token == "<|image_pad|>" else token
+        """What marks an image's place in a raw text prompt."""
+        return self.placeholder_of("image")
+
+    def placeholder_of(self, kind: str) -> str:
+        """What marks a media item's place in a raw text prompt, as the model's chat template writes it:
+        ``<image>`` (SmolVLM, LLaVA); Qwen2-VL's pad tokens inside its vision markers; Qwen2-Audio's
+        ``<|AUDIO|>`` inside its audio markers."""
+        token = getattr(self.processor, f"{kind}_token", None) or f"<{kind}>"
+        return MARKERS.get(token, "{}").format(token)
 
     async def prepare(self, req: GenerateRequest, tokenizer, policy: MediaPolicy,
                       timeout_s: float | None = None) -> Prepared:
@@ -86,11 +94,11 @@ class MediaProcessor:
                 raise validation(f"media item {i}: {ref.kind} inputs are not supported: {what}.")
         contents = await fetch_refs(refs, policy, timeout_s)
         text = self.prompt_text(req, tokenizer)
-        return await asyncio.to_thread(self.process, text, contents)
+        return await asyncio.to_thread(self.process, text, list(zip([r.kind for r in refs], contents)))
 
     def prompt_text(self, req: GenerateRequest, tokenizer) -> str:
-        """The prompt with a placeholder where each image goes: a chat rendered by the model's template,
-        a raw prompt's text items joined around the processor's placeholder."""
+        """The prompt with a placeholder where each media item goes: a chat rendered by the model's
+        template, a raw prompt's text items joined around the processor's placeholders."""
         if req.messages is not None:
             try:
                 return tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False,
@@ -100,19 +108,80 @@ class MediaProcessor:
         return "".join(self._piece(part) for part in req.parts)
 
     def _piece(self, part: ContentPart) -> str:
-        return part.text if part.media is None else self.placeholder
+        return part.text if part.media is None else self.placeholder_of(part.type)
 
-    def process(self, text: str, contents: list[bytes]) -> Prepared:
-        """The processor on the prompt and the decoded images: the expanded ids and its tensors."""
-        images = [decode_image(data, i) for i, data in enumerate(contents)]
+    def process(self, text: str, items: list[tuple[str, bytes]]) -> Prepared:
+        """The processor on the prompt and the decoded media (``(kind, bytes)`` in prompt order): the
+        expanded ids and its tensors."""
+        images = [decode_image(data, i) for i, (kind, data) in enumerate(items) if kind == "image"]
+        audios = [self._audio(data, i) for i, (kind, data) in enumerate(items) if kind == "audio"]
+        videos = [_video(data, i) for i, (kind, data) in enumerate(items) if kind == "video"]
+        if videos:
+            return self._with_videos(text, images, videos)
+        kwargs: dict[str, Any] = {}
+        if images:
+            kwargs["images"] = [images]
+        if audios:
+            kwargs.update(audio=audios, sampling_rate=self.processor.feature_extractor.sampling_rate)
         try:
-            out = self.processor(text=[text], images=[images], return_tensors="np")
-        except (ValueError, TypeError) as exc:  # e.g. placeholders and images that do not pair up
-            raise validation(f"the prompt and its images cannot be processed: {exc}") from None
-        ids = [int(i) for i in out["input_ids"][0]]
-        tensors = {name: to_wire(np.asarray(value)) for name, value in out.items()
-                   if name not in ("input_ids", "attention_mask")}
-        return Prepared(ids, MediaInputs(tensors, digest(tensors)))
+            out = self.processor(text=[text], return_tensors="np", **kwargs)
+        except (ValueError, TypeError) as exc:  # e.g. placeholders and media that do not pair up
+            raise validation(f"the prompt and its media cannot be processed: {exc}") from None
+        return prepared(out["input_ids"][0], {name: value for name, value in out.items()
+                              if name not in ("input_ids", "attention_mask", "num_audio_tokens")})
+
+    def _with_videos(self, text: str, images: list, videos: list[list]) -> Prepared:
+        """Qwen2-VL with videos: transformers' processor refuses video placeholders without its video
+        processor (which needs torchvision), so the prompt is tokenized alone, the images go through the
+        image processor, each video's sampled frames through ``video.qwen2_vl_video`` (the video
+        processor's computation), and both kinds of placeholder are expanded as the processor would."""
+        from services.tokenizer.video import expand_video_tokens, qwen2_vl_video
+
+        image_processor = self.processor.image_processor
+        tensors: dict[str, np.ndarray] = {}
+        if images:
+            out = image_processor(images=images, return_tensors="np")
+            tensors.update(pixel_values=out["pixel_values"], image_grid_thw=out["image_grid_thw"])
+        clips = [qwen2_vl_video(frames, image_processor) for frames in videos]
+        grid = np.concatenate([clip["video_grid_thw"] for clip in clips])
+        ids, types = expand_video_tokens(
+            self.processor.tokenizer(text)["input_ids"], grid, video_token_id=self.processor.video_token_id,
+            image_token_id=self.processor.image_token_id, merge_size=image_processor.merge_size,
+            image_grid_thw=tensors.get("image_grid_thw"))
+        tensors.update(pixel_values_videos=np.concatenate([clip["pixel_values_videos"] for clip in clips]),
+                       video_grid_thw=grid, mm_token_type_ids=np.asarray([types], dtype=np.int64))
+        return prepared(ids, tensors)
+
+    def _audio(self, data: bytes, index: int) -> np.ndarray:
+        from services.tokenizer.audio import decode_audio
+
+        return decode_audio(data, index, self.processor.feature_extractor.sampling_rate)
+
+
+def prepared(ids: list[int], arrays: dict[str, Any]) -> Prepared:
+    tensors = {name: to_wire(np.asarray(value)) for name, value in arrays.items()}
+    return Prepared([int(i) for i in ids], MediaInputs(tensors, digest(tensors)))
+
+
+def _video(data: bytes, index: int) -> list:
+    from services.tokenizer.video import decode_video
+
+    return decode_video(data, index)
+
+
+def media_kinds(processor: Any | None) -> list[str]:
+    """The media kinds a processor takes: images with an image processor, videos with Qwen2-VL's (whose
+    video path ``video.py`` reproduces), audio with a feature extractor and an audio token."""
+    if processor is None:
+        return []
+    kinds = []
+    if getattr(processor, "image_processor", None) is not None:
+        kinds.append("image")
+        if getattr(processor, "video_token", None) == "<|video_pad|>":
+            kinds.append("video")
+    if getattr(processor, "feature_extractor", None) is not None and getattr(processor, "audio_token", None):
+        kinds.append("audio")
+    return kinds
 
 
 def _without_video(path: str):

@@ -46,3 +46,20 @@ def test_an_image_equals_transformers_in_tgi_chat_and_markdown(stack, model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     assert chat.json()["choices"][0]["message"]["content"] == tokenizer.decode(chat_want, skip_special_tokens=True)
     assert chat.json()["usage"]["completion_tokens"] == len(chat_want)
+
+
+def test_a_video_equals_transformers_and_an_image_model_refuses_nothing_it_takes(stack, model_dir):
+    from tests.video_items import hf_generate_video, make_mp4, video_data_url
+
+    clip = make_mp4(frames=8, seed=3)
+    want = hf_generate_video(model_dir, [clip], text="What happens in <|vision_start|><|video_pad|><|vision_end|>?",
+                             max_new_tokens=NEW)
+    items = [{"type": "text", "text": "What happens in "}, {"type": "video_url", "video_url": video_data_url(clip)},
+             {"type": "text", "text": "?"}]
+    r = post(stack, "/generate", {"inputs": items, "parameters": {**GREEDY, "details": True}})
+    assert r.status_code == 200, r.text
+    assert [t["id"] for t in r.json()["details"]["tokens"]] == want
+    audio = post(stack, "/generate", {"inputs": [{"type": "text", "text": "Hi"}, {
+        "type": "audio_url", "audio_url": "data:audio/wav;base64,UklGRgAAAABXQVZF"}], "parameters": GREEDY})
+    assert audio.status_code == 422
+    assert "audio inputs are not supported: the served model takes image, video inputs only" in audio.json()["error"]

@@ -205,9 +205,13 @@ def test_malformed_or_wrong_data_urls(url, reason):
     assert reason in refusal(image(url), MediaPolicy())
 
 
-def test_data_urls_carry_images_only():
-    assert "only images may be data: URLs" in refusal([MediaRef("audio", data_url(b"fLaC", "audio/flac"))],
-                                                      MediaPolicy())
+def test_data_urls_carry_each_kind_in_its_own_types():
+    assert check_request([MediaRef("audio", data_url(b"fLaC\0\0\0\x22", "audio/flac")),
+                          MediaRef("video", data_url(b"\0\0\0\x18ftypmp42", "video/mp4"))], MediaPolicy())
+    assert "type image/png is not allowed for audio" in refusal([MediaRef("audio", data_url(b"fLaC", "image/png"))],
+                                                               MediaPolicy())
+    assert "content is not MP4 or AVI or WMV" in refusal([MediaRef("video", data_url(b"RIFF", "video/mp4"))],
+                                                       MediaPolicy())
 
 
 def test_signatures():

@@ -52,7 +52,7 @@ def engine_request(processor, rid: str, **kw):
     if not images:  # what the tokenizer's text path does (services/tokenizer/encoder.py)
         return request(rid, processor.processor.tokenizer(text, add_special_tokens=False).input_ids,
                        max_new_tokens=NEW, **kw)
-    prepared = processor.process(text, [png_bytes(img) for img in images])
+    prepared = processor.process(text, [("image", png_bytes(img)) for img in images])
     req = request(rid, prepared.ids, max_new_tokens=NEW, **kw)
     req.media = prepared.media
     return req
