@@ -30,29 +30,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tests.vlm_models import SMOL_DIR, extended_tokenizer, save_generation_config
+from tests.vlm_models import SMOL_DIR, chat_template, extended_tokenizer, save_generation_config
 
 RATE = 16000  # Qwen2-Audio's (Whisper's) sampling rate
 AUDIO_TOKENS = ["<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>"]
 AUDIO_ITEM = "<|audio_bos|><|AUDIO|><|audio_eos|>"  # an audio clip's place in a prompt, before expansion
 
-# SmolLM2's ChatML template, list-aware: ``content`` may be a string (rendered exactly as SmolLM2's own
-# template does) or a list of text/audio items; an audio item is the audio markers around <|AUDIO|>.
-AUDIO_CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
-    "{% endif %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for item in message['content'] %}"
-    "{% if item['type'] == 'text' %}{{ item['text'] }}"
-    "{% elif item['type'] == 'audio' %}{{ '" + AUDIO_ITEM + "' }}"
-    "{% endif %}{% endfor %}{% endif %}"
-    "{{ '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
+# SmolLM2's ChatML template, list-aware (``tests.vlm_models``); an audio item is the markers around <|AUDIO|>.
+AUDIO_CHAT_TEMPLATE = chat_template(audio=AUDIO_ITEM)
 
 
 def num_audio_tokens(samples: int, hop_length: int = 160) -> int:

@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SMOL_DIR = ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct"
 
 # SmolLM2's ChatML template, list-aware: ``content`` may be a string (rendered exactly as SmolLM2's own
-# template does) or a list of text/image/video items; IMAGE and VIDEO are replaced per architecture.
+# template does) or a list of text/image/video/audio items; IMAGE, VIDEO and AUDIO are replaced per
+# architecture.
 _CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -40,6 +41,7 @@ _CHATML_TEMPLATE = (
     "{% if item['type'] == 'text' %}{{ item['text'] }}"
     "{% elif item['type'] == 'image' %}{{ '@IMAGE@' }}"
     "{% elif item['type'] == 'video' %}{{ '@VIDEO@' }}"
+    "{% elif item['type'] == 'audio' %}{{ '@AUDIO@' }}"
     "{% endif %}{% endfor %}{% endif %}"
     "{{ '<|im_end|>' + '\n' }}"
     "{% endfor %}"
@@ -57,9 +59,10 @@ QWEN2_VL_VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
 PLACEHOLDERS = {"idefics3": "<image>", "llava": "<image>", "qwen2_vl": QWEN2_VL_IMAGE}
 
 
-def chat_template(image: str, video: str = "") -> str:
-    """SmolLM2's ChatML template, rendering an image item as ``image`` (and a video item as ``video``)."""
-    return _CHATML_TEMPLATE.replace("@IMAGE@", image).replace("@VIDEO@", video)
+def chat_template(image: str = "", video: str = "", audio: str = "") -> str:
+    """SmolLM2's ChatML template, rendering an image item as ``image``, a video item as ``video`` and an
+    audio item as ``audio``."""
+    return _CHATML_TEMPLATE.replace("@IMAGE@", image).replace("@VIDEO@", video).replace("@AUDIO@", audio)
 
 
 # ---------------------------------------------------------------------------------------------- text part

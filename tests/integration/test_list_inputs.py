@@ -24,17 +24,19 @@ ALLOWED_HOST = "images.example.com"
 
 
 class Recorder:
-    """An HTTP server on 127.0.0.1 that counts the requests it gets: no media URL may ever reach it."""
+    """An HTTP server on 127.0.0.1 that answers every GET with ``body`` and records the paths asked for
+    (here no media URL may ever reach it)."""
 
-    def __init__(self):
+    def __init__(self, body: bytes = b"\x89PNG\r\n\x1a\n"):
         hits = self.hits = []
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):
                 hits.append(self.path)
                 self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
-                self.wfile.write(b"\x89PNG\r\n\x1a\n")
+                self.wfile.write(body)
 
             def log_message(self, *args):
                 pass

@@ -8,9 +8,7 @@ image are 422s, and unsafe items are refused before anything is fetched."""
 from __future__ import annotations
 
 import base64
-import threading
 from concurrent.futures import ThreadPoolExecutor
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import openai
 import pytest
@@ -18,7 +16,7 @@ from text_generation import Client
 from transformers import AutoTokenizer
 
 from tests.integration.stack import post, running_stack, sse_events
-from tests.integration.test_list_inputs import assert_422, send
+from tests.integration.test_list_inputs import Recorder, assert_422, send
 from tests.media_items import image, text
 from tests.vlm_models import data_url, hf_generate, placeholder, png_bytes, test_image
 
@@ -27,31 +25,9 @@ GREEDY = {"max_new_tokens": NEW, "do_sample": False}
 CAT, DOG = test_image(1), test_image(2)
 
 
-class ImageServer:
-    """Serves cat.png over HTTP on 127.0.0.1 and counts requests."""
-
-    def __init__(self, body: bytes):
-        hits = self.hits = []
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):
-                hits.append(self.path)
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.port = self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-
 @pytest.fixture(scope="module")
 def server():
-    srv = ImageServer(png_bytes(CAT))
+    srv = Recorder(png_bytes(CAT))
     yield srv
     srv.server.shutdown()
 

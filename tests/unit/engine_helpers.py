@@ -43,6 +43,24 @@ def request(rid: str, prompt_ids: list[int], priority: int = 3, deadline: float 
                          priority=priority, deadline=deadline)
 
 
+def media_request(processor, rid: str, content: list[dict], items: list[tuple[str, bytes]],
+                  max_new_tokens: int) -> EngineRequest:
+    """What the tokenizer service sends the engine for a one-turn chat: ``content`` rendered by the
+    model's template and the ``items`` ((kind, bytes) in order) through its processor
+    (``services.tokenizer.multimodal.MediaProcessor``); a chat without items takes the text path."""
+    from shared.messages import GenerateRequest
+
+    chat = GenerateRequest(id=rid, model="m", reply_to="x", messages=[{"role": "user", "content": content}])
+    text = processor.prompt_text(chat, processor.processor.tokenizer)
+    if not items:  # what services/tokenizer/encoder.py does
+        ids = processor.processor.tokenizer(text, add_special_tokens=False).input_ids
+        return request(rid, ids, max_new_tokens=max_new_tokens)
+    prepared = processor.process(text, items)
+    req = request(rid, prepared.ids, max_new_tokens=max_new_tokens)
+    req.media = prepared.media
+    return req
+
+
 def prompt(n: int, start: int = 100) -> list[int]:
     return [start + (7 * i) % 500 for i in range(n)]
 

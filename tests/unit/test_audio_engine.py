@@ -8,9 +8,8 @@ import pytest
 
 from services.engine.engine import Engine
 from services.tokenizer.multimodal import MediaProcessor
-from shared.messages import GenerateRequest
 from tests.audio_models import flac_bytes, hf_generate_audio, make_qwen2_audio, test_clip, wav_bytes
-from tests.unit.engine_helpers import assert_pool_whole, limits, make_runner, request, run_until_idle
+from tests.unit.engine_helpers import assert_pool_whole, limits, make_runner, media_request, run_until_idle
 
 NEW = 12
 RATE = 16000
@@ -28,15 +27,8 @@ def messages(case: str) -> list[dict]:
 
 
 def engine_request(processor: MediaProcessor, case: str, encode=wav_bytes):
-    text = processor.prompt_text(GenerateRequest(id=case, model="m", reply_to="x", messages=messages(case)),
-                                 processor.processor.tokenizer)
-    if not CLIPS[case]:
-        return request(case, processor.processor.tokenizer(text, add_special_tokens=False).input_ids,
-                       max_new_tokens=NEW)
-    prepared = processor.process(text, [("audio", encode(clip, RATE)) for clip in CLIPS[case]])
-    req = request(case, prepared.ids, max_new_tokens=NEW)
-    req.media = prepared.media
-    return req
+    return media_request(processor, case, messages(case)[0]["content"],
+                         [("audio", encode(clip, RATE)) for clip in CLIPS[case]], NEW)
 
 
 def test_audio_equals_transformers_alone_together_and_in_chunks(model_dir):

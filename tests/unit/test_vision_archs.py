@@ -9,8 +9,7 @@ import pytest
 
 from services.engine.engine import Engine
 from services.tokenizer.multimodal import MediaProcessor
-from shared.messages import GenerateRequest
-from tests.unit.engine_helpers import assert_pool_whole, limits, make_runner, request, run_until_idle
+from tests.unit.engine_helpers import assert_pool_whole, limits, make_runner, media_request, run_until_idle
 from tests.vlm_models import hf_generate, make_llava, make_qwen2_vl, png_bytes, test_image
 
 NEW = 12
@@ -29,21 +28,13 @@ def messages(case: str) -> list[dict]:
 
 
 def engine_request(processor: MediaProcessor, case: str):
-    """What the tokenizer service sends the engine: the rendered chat, the images through the processor."""
-    text = processor.prompt_text(GenerateRequest(id=case, model="m", reply_to="x", messages=messages(case)),
-                                 processor.processor.tokenizer)
-    if not IMAGES[case]:
-        return request(case, processor.processor.tokenizer(text, add_special_tokens=False).input_ids,
-                       max_new_tokens=NEW)
-    prepared = processor.process(text, [("image", png_bytes(img)) for img in IMAGES[case]])
-    req = request(case, prepared.ids, max_new_tokens=NEW)
-    req.media = prepared.media
-    return req
+    return media_request(processor, case, messages(case)[0]["content"],
+                         [("image", png_bytes(img)) for img in IMAGES[case]], NEW)
 
 
 def test_images_equal_transformers_alone_together_and_in_chunks(model_dir):
     processor = MediaProcessor.load(str(model_dir))
-    assert processor.modalities == ["image"]
+    assert "image" in processor.modalities
     reference = {case: hf_generate(model_dir, IMAGES[case], messages=messages(case), max_new_tokens=NEW)
                  for case in IMAGES}
     assert reference["one"] != reference["other"]
@@ -63,32 +54,24 @@ def test_images_equal_transformers_alone_together_and_in_chunks(model_dir):
 # ---- Qwen2-VL videos ------------------------------------------------------------------------
 
 
-def hf_from_prepared(model_dir, prepared, max_new_tokens: int = NEW) -> list[int]:
-    """transformers' greedy generate on exactly the tokenizer service's ids and tensors."""
+def hf_from_request(model_dir, req, max_new_tokens: int = NEW) -> list[int]:
+    """transformers' greedy generate on exactly the ids and tensors the tokenizer service prepared."""
     import torch
 
     from services.engine.multimodal import from_wire
     from tests.vlm_models import load
 
     _, model = load(model_dir)
-    ids = torch.tensor([prepared.ids])
-    tensors = {name: from_wire(t) for name, t in prepared.media.tensors.items()}
+    ids = torch.tensor([req.prompt_ids])
+    tensors = {name: from_wire(t) for name, t in req.media.tensors.items()}
     with torch.inference_mode():
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **tensors, do_sample=False,
                              max_new_tokens=max_new_tokens)
     return out[0, ids.shape[1]:].tolist()
 
 
-def video_request(processor: MediaProcessor, rid: str, items: list[tuple[str, bytes]]):
-    """A chat asking about ``items`` (kind, bytes) in order, prepared as the tokenizer service does."""
-    content = [{"type": "text", "text": "What happens here?"}] + [{"type": kind} for kind, _ in items]
-    text = processor.prompt_text(GenerateRequest(id=rid, model="m", reply_to="x",
-                                                 messages=[{"role": "user", "content": content}]),
-                                 processor.processor.tokenizer)
-    prepared = processor.process(text, items)
-    req = request(rid, prepared.ids, max_new_tokens=NEW)
-    req.media = prepared.media
-    return req, prepared, content
+def video_content(items: list[tuple[str, bytes]]) -> list[dict]:
+    return [{"type": "text", "text": "What happens here?"}] + [{"type": kind} for kind, _ in items]
 
 
 @pytest.fixture(scope="module")
@@ -104,18 +87,18 @@ def test_qwen2_vl_videos_equal_transformers_with_images_in_batches_and_chunks(qw
     clips = {"v1": make_mp4(frames=8, seed=1), "v2": make_mp4(frames=6, seed=2)}
     cases = {"v1": [("video", clips["v1"])], "v2": [("video", clips["v2"])],
              "mixed": [("image", png_bytes(test_image(1))), ("video", clips["v1"])]}
-    prepared = {rid: video_request(processor, rid, items) for rid, items in cases.items()}
-    reference = {rid: hf_from_prepared(qwen2_vl_dir, p) for rid, (_, p, _) in prepared.items()}
-    for rid in ("v1", "v2"):  # the helper's oracle builds transformers' inputs on its own
-        content = prepared[rid][2]
+    reqs = {rid: media_request(processor, rid, video_content(items), items, NEW) for rid, items in cases.items()}
+    reference = {rid: hf_from_request(qwen2_vl_dir, req) for rid, req in reqs.items()}
+    for rid in ("v1", "v2"):  # tests.video_items' oracle builds transformers' inputs on its own
+        content = video_content(cases[rid])
         assert hf_generate_video(qwen2_vl_dir, [clips[rid]], messages=[{"role": "user", "content": content}],
                                  max_new_tokens=NEW) == reference[rid]
     assert reference["v1"] != reference["v2"]
     runner = make_runner(qwen2_vl_dir, 64)
     for limit_kw in ({}, {"mix": True, "prefill_chunk_size": 7}):
         engine = Engine(runner, limits(**limit_kw), {2})
-        for rid in cases:
-            engine.add_request(video_request(processor, rid, cases[rid])[0])
+        for rid, items in cases.items():
+            engine.add_request(media_request(processor, rid, video_content(items), items, NEW))
         engine.add_request(engine_request(MediaProcessor.load(str(qwen2_vl_dir)), "text"))
         out = run_until_idle(engine, check_blocks=True)
         text_ref = hf_generate(qwen2_vl_dir, [], messages=messages("text"), max_new_tokens=NEW)

@@ -10,9 +10,8 @@ import pytest
 from services.engine.engine import Engine
 from services.tokenizer.multimodal import MediaProcessor
 from tests.unit.engine_helpers import (
-    Run, assert_pool_whole, limits, make_runner, request, run_until_idle,
+    Run, assert_pool_whole, limits, make_runner, media_request, run_until_idle,
 )
-from shared.messages import GenerateRequest
 from tests.vlm_models import hf_generate, png_bytes, test_image
 
 NEW = 24
@@ -43,19 +42,9 @@ def messages(rid: str) -> list[dict]:
     return [{"role": "user", "content": [{"type": "text", "text": question}] + [{"type": "image"}] * len(images)}]
 
 
-def engine_request(processor, rid: str, **kw):
-    """What the tokenizer service sends the engine for the case: the chat rendered by the model's
-    template, the images through the model's processor."""
-    _, images = CASES[rid]
-    text = processor.prompt_text(GenerateRequest(id=rid, model="m", reply_to="x", messages=messages(rid)),
-                                 processor.processor.tokenizer)
-    if not images:  # what the tokenizer's text path does (services/tokenizer/encoder.py)
-        return request(rid, processor.processor.tokenizer(text, add_special_tokens=False).input_ids,
-                       max_new_tokens=NEW, **kw)
-    prepared = processor.process(text, [("image", png_bytes(img)) for img in images])
-    req = request(rid, prepared.ids, max_new_tokens=NEW, **kw)
-    req.media = prepared.media
-    return req
+def engine_request(processor, rid: str):
+    return media_request(processor, rid, messages(rid)[0]["content"],
+                         [("image", png_bytes(img)) for img in CASES[rid][1]], NEW)
 
 
 def run(runner, reqs, prefix_cache=False, **limit_kw) -> Run:
