@@ -56,7 +56,7 @@ QWEN2_VL_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 QWEN2_VL_VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
 
 # The text to put where an image goes in a raw text prompt, per ``config.model_type``.
-PLACEHOLDERS = {"idefics3": "<image>", "llava": "<image>", "qwen2_vl": QWEN2_VL_IMAGE}
+PLACEHOLDERS = {"idefics3": "<image>", "llava": "<image>", "qwen2_vl": QWEN2_VL_IMAGE, "qwen2_5_vl": QWEN2_VL_IMAGE}
 
 
 def chat_template(image: str = "", video: str = "", audio: str = "") -> str:
@@ -232,9 +232,11 @@ def make_llava(out: Path, base: Path = SMOL_DIR, seed: int = 0) -> Path:
 # ---------------------------------------------------------------------------------------------- Qwen2-VL
 
 
-def qwen2_vl_processor(tokenizer, patch_size: int, merge_size: int, temporal_patch_size: int):
-    """A Qwen2VLProcessor with the Pillow image processor and NO video processor (Qwen2-VL's only video
-    processor imports torchvision); pixels are bounded so an image gives 4 to 16 image tokens."""
+def qwen2_vl_processor(tokenizer, patch_size: int, merge_size: int, temporal_patch_size: int,
+                       processor_cls=None):
+    """A Qwen2VLProcessor (or ``processor_cls``: Qwen2_5_VLProcessor) with the Pillow image processor and
+    NO video processor (Qwen2-VL's only video processor imports torchvision); pixels are bounded so an
+    image gives 4 to 16 image tokens."""
     from transformers import Qwen2VLProcessor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
@@ -243,7 +245,7 @@ def qwen2_vl_processor(tokenizer, patch_size: int, merge_size: int, temporal_pat
     unit = (patch_size * merge_size) ** 2  # the pixels of one image token
     image_processor = Qwen2VLImageProcessorPil(min_pixels=4 * unit, max_pixels=16 * unit, patch_size=patch_size,
                                                merge_size=merge_size, temporal_patch_size=temporal_patch_size)
-    return processor_without_video(Qwen2VLProcessor, image_processor, tokenizer,
+    return processor_without_video(processor_cls or Qwen2VLProcessor, image_processor, tokenizer,
                                    chat_template(QWEN2_VL_IMAGE, QWEN2_VL_VIDEO))
 
 
@@ -275,6 +277,26 @@ def make_qwen2_vl(out: Path, base: Path = SMOL_DIR, seed: int = 0) -> Path:
     "\\n\\n\\n...", and a test could not tell images apart."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
+    vision = {"depth": 2, "embed_dim": 32, "hidden_size": 64, "mlp_ratio": 2, "num_heads": 2, "patch_size": 14,
+              "spatial_merge_size": 2, "temporal_patch_size": 2, "initializer_range": 0.1}
+    return _make_qwen_vl(out, base, seed, Qwen2VLConfig, Qwen2VLForConditionalGeneration, None, vision)
+
+
+def make_qwen2_5_vl(out: Path, base: Path = SMOL_DIR, seed: int = 0) -> Path:
+    """Save a tiny random Qwen2_5_VLForConditionalGeneration into ``out``: the text model of
+    ``make_qwen2_vl``; a vision tower of 2 blocks (one windowed, one full attention), width 32, an RMSNorm
+    merger to 64; 2 temporal positions per second of video."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
+
+    vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+              "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 56,
+              "fullatt_block_indexes": [1], "tokens_per_second": 2, "initializer_range": 0.1}
+    return _make_qwen_vl(out, base, seed, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
+                         Qwen2_5_VLProcessor, vision)
+
+
+def _make_qwen_vl(out: Path, base: Path, seed: int, config_cls, model_cls, processor_cls, vision: dict) -> Path:
+    """A Qwen2-VL-family folder: ``vision`` is its vision config; the text model and tokens are shared."""
     out = Path(out)
     tokenizer = extended_tokenizer(base, QWEN2_VL_TOKENS)
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in QWEN2_VL_TOKENS}
@@ -283,19 +305,16 @@ def make_qwen2_vl(out: Path, base: Path = SMOL_DIR, seed: int = 0) -> Path:
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
             "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
             "pad_token_id": tokenizer.pad_token_id, "tie_word_embeddings": True, "initializer_range": 0.1}
-    vision = {"depth": 2, "embed_dim": 32, "hidden_size": 64, "mlp_ratio": 2, "num_heads": 2, "patch_size": 14,
-              "spatial_merge_size": 2, "temporal_patch_size": 2, "initializer_range": 0.1}
-    config = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
-                           video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-                           vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=True,
-                           initializer_range=0.1)
-    config.architectures = ["Qwen2VLForConditionalGeneration"]
+    config = config_cls(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=True, initializer_range=0.1)
+    config.architectures = [model_cls.__name__]
     torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(config).eval()
+    model = model_cls(config).eval()
     model.save_pretrained(out)
     tokenizer.chat_template = chat_template(QWEN2_VL_IMAGE, QWEN2_VL_VIDEO)
     processor = qwen2_vl_processor(tokenizer, vision["patch_size"], vision["spatial_merge_size"],
-                                   vision["temporal_patch_size"])
+                                   vision["temporal_patch_size"], processor_cls)
     save_processor_without_video(processor, out, "Qwen2VLVideoProcessor")
     save_generation_config(base, out)
     check_tied(out, "model.language_model")
@@ -320,23 +339,21 @@ def save_processor_without_video(processor, out: Path, video_type: str) -> None:
 
 
 def load_processor(model_dir: Path):
-    """``AutoProcessor.from_pretrained(model_dir)``; for Qwen2-VL without torchvision (where AutoProcessor
-    raises ImportError: Qwen2VLVideoProcessor requires torchvision), the same processor built from the
-    folder's image processor and tokenizer, with no video processor."""
-    from transformers import (
-        AutoImageProcessor,
-        AutoProcessor,
-        AutoTokenizer,
-        Qwen2VLProcessor,
-    )
+    """``AutoProcessor.from_pretrained(model_dir)``; for Qwen2-VL and Qwen2.5-VL without torchvision (where
+    AutoProcessor raises ImportError: Qwen2VLVideoProcessor requires torchvision), the folder's processor
+    class built from its image processor and tokenizer, with no video processor."""
+    import transformers
+    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
 
     try:
         return AutoProcessor.from_pretrained(model_dir)
     except ImportError:
-        if model_type(model_dir) != "qwen2_vl":
+        if model_type(model_dir) not in ("qwen2_vl", "qwen2_5_vl"):
             raise
+    config = json.loads((Path(model_dir) / "processor_config.json").read_text())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return processor_without_video(Qwen2VLProcessor, AutoImageProcessor.from_pretrained(model_dir), tokenizer,
+    return processor_without_video(getattr(transformers, config["processor_class"]),
+                                   AutoImageProcessor.from_pretrained(model_dir), tokenizer,
                                    (Path(model_dir) / "chat_template.jinja").read_text())
 
 
@@ -424,11 +441,11 @@ def data_url(image) -> str:
     return "data:image/png;base64," + base64.b64encode(png_bytes(image)).decode()
 
 
-BUILDERS = {"smolvlm": make_smolvlm, "llava": make_llava, "qwen2_vl": make_qwen2_vl}
+BUILDERS = {"smolvlm": make_smolvlm, "llava": make_llava, "qwen2_vl": make_qwen2_vl, "qwen2_5_vl": make_qwen2_5_vl}
 
 
 def main(argv=None) -> None:
-    """python -m tests.vlm_models DIR [--arch smolvlm|llava|qwen2_vl] [--base PATH]: a demo folder (README)."""
+    """python -m tests.vlm_models DIR [--arch smolvlm|llava|qwen2_vl|qwen2_5_vl] [--base PATH]: a demo folder (README)."""
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

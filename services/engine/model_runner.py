@@ -43,7 +43,7 @@ SUPPORTED_ARCHITECTURES = (
 
 # vision-language models whose text model is one of these (services/engine/multimodal.py)
 VISION_LANGUAGE = tuple(FAMILIES)
-TEXT_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_vl_text")
+TEXT_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_vl_text", "qwen2_5_vl_text")
 
 
 class UnsupportedModel(RuntimeError):

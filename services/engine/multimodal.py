@@ -89,6 +89,7 @@ IMAGE_INPUTS = {
     "SmolVLMForConditionalGeneration": ("pixel_values", "pixel_attention_mask"),
     "LlavaForConditionalGeneration": ("pixel_values", "image_sizes"),
     "Qwen2VLForConditionalGeneration": ("pixel_values", "image_grid_thw"),
+    "Qwen2_5_VLForConditionalGeneration": ("pixel_values", "image_grid_thw"),
 }
 
 FAMILIES = {
@@ -97,6 +98,8 @@ FAMILIES = {
     "LlavaForConditionalGeneration": Family("model.language_model", ("image",), _encode_images),
     "Qwen2VLForConditionalGeneration": Family("model.language_model", ("image", "video"), _encode_qwen2_vl,
                                               mrope=True),
+    "Qwen2_5_VLForConditionalGeneration": Family("model.language_model", ("image", "video"), _encode_qwen2_vl,
+                                                 mrope=True),
     "Qwen2AudioForConditionalGeneration": Family("model.language_model", ("audio",), _encode_audio),
 }
 
@@ -176,9 +179,9 @@ class MediaEncoder:
 
 
 def _rope_inputs(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """What Qwen2-VL's get_rope_index reads of the processor's tensors."""
-    return {name: tensors[name] for name in ("mm_token_type_ids", "image_grid_thw", "video_grid_thw")
-            if name in tensors}
+    """What Qwen2-VL's (and Qwen2.5-VL's) get_rope_index reads of the processor's tensors."""
+    names = ("mm_token_type_ids", "image_grid_thw", "video_grid_thw", "second_per_grid_ts")
+    return {name: tensors[name] for name in names if name in tensors}
 
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,

@@ -35,6 +35,7 @@ from shared.messages import ContentPart, GenerateRequest, MediaInputs, Tensor
 log = logging.getLogger("switchboard.tokenizer")
 
 TEXT_ONLY = "the served model is text-only"
+VIDEO_FPS = 2.0  # frames sampled per second of video (transformers' Qwen2-VL default)
 # a media token and the markers its model's chat template puts around it
 MARKERS = {"<|image_pad|>": "<|vision_start|>{}<|vision_end|>", "<|video_pad|>": "<|vision_start|>{}<|vision_end|>",
            "<|AUDIO|>": "<|audio_bos|>{}<|audio_eos|>"}
@@ -150,6 +151,9 @@ class MediaProcessor:
             image_grid_thw=tensors.get("image_grid_thw"))
         tensors.update(pixel_values_videos=np.concatenate([clip["pixel_values_videos"] for clip in clips]),
                        video_grid_thw=grid, mm_token_type_ids=np.asarray([types], dtype=np.int64))
+        if type(self.processor).__name__ == "Qwen2_5_VLProcessor":  # seconds per temporal patch, for M-RoPE
+            step = image_processor.temporal_patch_size / VIDEO_FPS
+            tensors["second_per_grid_ts"] = np.full(len(clips), step, dtype=np.float32)
         return prepared(ids, tensors)
 
     def _audio(self, data: bytes, index: int) -> np.ndarray:
@@ -166,7 +170,7 @@ def prepared(ids: list[int], arrays: dict[str, Any]) -> Prepared:
 def _video(data: bytes, index: int) -> list:
     from services.tokenizer.video import decode_video
 
-    return decode_video(data, index)
+    return decode_video(data, index, fps=VIDEO_FPS)
 
 
 def media_kinds(processor: Any | None) -> list[str]:

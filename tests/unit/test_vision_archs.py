@@ -1,4 +1,4 @@
-"""LLaVA and Qwen2-VL through the tokenizer's processing and the engine's step: outputs with images
+"""LLaVA, Qwen2-VL and Qwen2.5-VL through the tokenizer's processing and the engine's step: outputs with images
 equal transformers' ``generate`` token for token. Qwen2-VL's image tokens rotate by 3-D (temporal,
 height, width) positions (M-RoPE) and the tokens after them by a shifted position, so its batches mix
 rows of both kinds with text-only rows, in Mix chunks too."""
@@ -10,16 +10,16 @@ import pytest
 from services.engine.engine import Engine
 from services.tokenizer.multimodal import MediaProcessor
 from tests.unit.engine_helpers import assert_pool_whole, limits, make_runner, media_request, run_until_idle
-from tests.vlm_models import hf_generate, make_llava, make_qwen2_vl, png_bytes, test_image
+from tests.vlm_models import hf_generate, make_llava, make_qwen2_5_vl, make_qwen2_vl, png_bytes, test_image
 
 NEW = 12
 IMAGES = {"one": [test_image(1)], "other": [test_image(2)], "two": [test_image(1), test_image(3)], "text": []}
 QUESTION = "What colour is it?"
 
 
-@pytest.fixture(scope="module", params=["llava", "qwen2_vl"])
+@pytest.fixture(scope="module", params=["llava", "qwen2_vl", "qwen2_5_vl"])
 def model_dir(request, tmp_path_factory, smol_dir):
-    make = {"llava": make_llava, "qwen2_vl": make_qwen2_vl}[request.param]
+    make = {"llava": make_llava, "qwen2_vl": make_qwen2_vl, "qwen2_5_vl": make_qwen2_5_vl}[request.param]
     return make(tmp_path_factory.mktemp(request.param), smol_dir)
 
 
@@ -74,9 +74,10 @@ def video_content(items: list[tuple[str, bytes]]) -> list[dict]:
     return [{"type": "text", "text": "What happens here?"}] + [{"type": kind} for kind, _ in items]
 
 
-@pytest.fixture(scope="module")
-def qwen2_vl_dir(tmp_path_factory, smol_dir):
-    return make_qwen2_vl(tmp_path_factory.mktemp("qwen2-vl-video"), smol_dir)
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def qwen2_vl_dir(request, tmp_path_factory, smol_dir):
+    make = {"qwen2_vl": make_qwen2_vl, "qwen2_5_vl": make_qwen2_5_vl}[request.param]
+    return make(tmp_path_factory.mktemp(f"{request.param}-video"), smol_dir)
 
 
 def test_qwen2_vl_videos_equal_transformers_with_images_in_batches_and_chunks(qwen2_vl_dir):
