@@ -128,8 +128,12 @@ class TokenizerService:
         span = telemetry.start_span("tokenizer.request", req.trace, **{"switchboard.request_id": req.id,
                                                                         "switchboard.adapter": req.adapter})
         try:
+            started = time.perf_counter()
             ids, media = await self.encode(req)
             span.set_attribute("switchboard.prompt_tokens", len(ids))
+            if media is not None:  # fetching, decoding and the processor, for the trace
+                span.set_attribute("switchboard.media_items", sum(p.media is not None for p in req.parts))
+                span.set_attribute("switchboard.media_prepare_ms", round((time.perf_counter() - started) * 1000, 1))
             engine = await self.choose_engine(req.adapter)
         except SwitchboardError as exc:
             telemetry.end_span(span, exc.message)
