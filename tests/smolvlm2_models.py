@@ -7,7 +7,7 @@ steer the answer. The processor is a ``SmolVLMProcessor`` with the Pillow image 
 video processor (``SmolVLMVideoProcessor`` needs torchvision); it is saved as
 ``save_processor_without_video`` saves Qwen2-VL's, with ``video_sampling`` in the image processor's
 settings and a ``video_processor`` section as SmolVLM2's checkpoints have them, and it loads back with
-``services.tokenizer.smolvlm_video.load_processor`` (``AutoProcessor`` cannot: ImportError).
+``services.tokenizer.multimodal.MediaProcessor.load`` (``AutoProcessor`` cannot: ImportError).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from services.tokenizer.smolvlm_video import use_number_words
 from tests.vlm_models import (
     IDEFICS3_TOKENS,
     SMOL_DIR,
@@ -45,24 +46,13 @@ def smolvlm2_processor(tokenizer, image_seq_len: int):
         SmolVLMImageProcessorPil,
     )
 
-    ensure_num2words()
+    use_number_words()
     image_processor = SmolVLMImageProcessorPil(size={"longest_edge": 128}, max_image_size={"longest_edge": 64},
                                                video_sampling=VIDEO_SAMPLING)
     processor = processor_without_video(SmolVLMProcessor, image_processor, tokenizer,
                                         chat_template("<image>", "<video>"))
     processor.image_seq_len = image_seq_len
     return processor
-
-
-def ensure_num2words() -> None:
-    """SmolVLMProcessor refuses to be built without num2words (not installed); stand in for it as the
-    tokenizer service does (``smolvlm_video.number_words``, num2words' English cardinals)."""
-    import transformers.models.smolvlm.processing_smolvlm as smolvlm
-
-    from services.tokenizer.smolvlm_video import number_words
-
-    if smolvlm.num2words is None:
-        smolvlm.num2words = number_words
 
 
 def make_smolvlm2(out: Path, base: Path = SMOL_DIR, seed: int = 0) -> Path:

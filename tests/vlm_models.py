@@ -56,7 +56,8 @@ QWEN2_VL_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 QWEN2_VL_VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
 
 # The text to put where an image goes in a raw text prompt, per ``config.model_type``.
-PLACEHOLDERS = {"idefics3": "<image>", "llava": "<image>", "qwen2_vl": QWEN2_VL_IMAGE, "qwen2_5_vl": QWEN2_VL_IMAGE}
+PLACEHOLDERS = {"idefics3": "<image>", "smolvlm": "<image>", "llava": "<image>", "qwen2_vl": QWEN2_VL_IMAGE,
+                "qwen2_5_vl": QWEN2_VL_IMAGE}
 
 
 def chat_template(image: str = "", video: str = "", audio: str = "") -> str:
@@ -249,7 +250,7 @@ def qwen2_vl_processor(tokenizer, patch_size: int, merge_size: int, temporal_pat
                                    chat_template(QWEN2_VL_IMAGE, QWEN2_VL_VIDEO))
 
 
-def processor_without_video(cls, image_processor, tokenizer, template: str):
+def processor_without_video(cls, image_processor, tokenizer, template: str, **extra):
     """A ``cls`` processor (e.g. Qwen2VLProcessor) whose ``video_processor`` is None.
 
     ProcessorMixin requires every sub-processor in ``__init__``'s signature and checks its class against
@@ -262,7 +263,7 @@ def processor_without_video(cls, image_processor, tokenizer, template: str):
     check = processor.check_argument_for_proper_class
     processor.check_argument_for_proper_class = lambda name, arg: None if arg is None else check(name, arg)
     processor.__init__(image_processor=image_processor, tokenizer=tokenizer, video_processor=None,
-                       chat_template=template)
+                       chat_template=template, **extra)
     del processor.check_argument_for_proper_class
     return processor
 
@@ -348,13 +349,18 @@ def load_processor(model_dir: Path):
     try:
         return AutoProcessor.from_pretrained(model_dir)
     except ImportError:
-        if model_type(model_dir) not in ("qwen2_vl", "qwen2_5_vl"):
+        if model_type(model_dir) not in ("qwen2_vl", "qwen2_5_vl", "smolvlm"):
             raise
     config = json.loads((Path(model_dir) / "processor_config.json").read_text())
+    if model_type(model_dir) == "smolvlm":  # SmolVLMProcessor needs num2words for videos' frame counts
+        from services.tokenizer.smolvlm_video import use_number_words
+
+        use_number_words()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    extra = {key: config[key] for key in ("image_seq_len",) if key in config}
     return processor_without_video(getattr(transformers, config["processor_class"]),
                                    AutoImageProcessor.from_pretrained(model_dir), tokenizer,
-                                   (Path(model_dir) / "chat_template.jinja").read_text())
+                                   (Path(model_dir) / "chat_template.jinja").read_text(), **extra)
 
 
 # ---------------------------------------------------------------------------------------------- oracle
@@ -441,11 +447,19 @@ def data_url(image) -> str:
     return "data:image/png;base64," + base64.b64encode(png_bytes(image)).decode()
 
 
-BUILDERS = {"smolvlm": make_smolvlm, "llava": make_llava, "qwen2_vl": make_qwen2_vl, "qwen2_5_vl": make_qwen2_5_vl}
+def _make_smolvlm2(out: Path, base: Path = SMOL_DIR, seed: int = 0) -> Path:
+    from tests.smolvlm2_models import make_smolvlm2  # it builds on this module
+
+    return make_smolvlm2(out, base, seed)
+
+
+BUILDERS = {"smolvlm": make_smolvlm, "smolvlm2": _make_smolvlm2, "llava": make_llava, "qwen2_vl": make_qwen2_vl,
+            "qwen2_5_vl": make_qwen2_5_vl}
 
 
 def main(argv=None) -> None:
-    """python -m tests.vlm_models DIR [--arch smolvlm|llava|qwen2_vl|qwen2_5_vl] [--base PATH]: a demo folder (README)."""
+    """python -m tests.vlm_models DIR [--arch smolvlm|smolvlm2|llava|qwen2_vl|qwen2_5_vl] [--base PATH]: a demo
+    folder (README)."""
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -94,7 +94,7 @@ IMAGE_INPUTS = {
 
 FAMILIES = {
     "Idefics3ForConditionalGeneration": Family("model.text_model", ("image",), _encode_images),
-    "SmolVLMForConditionalGeneration": Family("model.text_model", ("image",), _encode_images),
+    "SmolVLMForConditionalGeneration": Family("model.text_model", ("image", "video"), _encode_images),
     "LlavaForConditionalGeneration": Family("model.language_model", ("image",), _encode_images),
     "Qwen2VLForConditionalGeneration": Family("model.language_model", ("image", "video"), _encode_qwen2_vl,
                                               mrope=True),

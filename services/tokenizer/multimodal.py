@@ -35,6 +35,7 @@ from shared.messages import ContentPart, GenerateRequest, MediaInputs, Tensor
 log = logging.getLogger("switchboard.tokenizer")
 
 TEXT_ONLY = "the served model is text-only"
+SMOLVLM_VIDEO = "<video>"  # SmolVLM2's video placeholder (``smolvlm_video.py``)
 VIDEO_FPS = 2.0  # frames sampled per second of video (transformers' Qwen2-VL default)
 # a media token and the markers its model's chat template puts around it
 MARKERS = {"<|image_pad|>": "<|vision_start|>{}<|vision_end|>", "<|video_pad|>": "<|vision_start|>{}<|vision_end|>",
@@ -54,8 +55,9 @@ class Prepared:
 class MediaProcessor:
     """The served model's processor, or none for a text model (then every media item is refused)."""
 
-    def __init__(self, processor: Any | None):
+    def __init__(self, processor: Any | None, path: str = ""):
         self.processor = processor
+        self.path = path  # the model folder (SmolVLM's video settings are read from it)
         self.modalities = media_kinds(processor)
 
     @classmethod
@@ -71,7 +73,7 @@ class MediaProcessor:
         except (OSError, ValueError) as exc:
             log.info("no media processor: the model is served text-only", extra={"reason": str(exc)})
             return cls(None)
-        return cls(processor if media_kinds(processor) else None)
+        return cls(processor if media_kinds(processor) else None, path)
 
     @property
     def placeholder(self) -> str:
@@ -116,9 +118,11 @@ class MediaProcessor:
         expanded ids and its tensors."""
         images = [decode_image(data, i) for i, (kind, data) in enumerate(items) if kind == "image"]
         audios = [self._audio(data, i) for i, (kind, data) in enumerate(items) if kind == "audio"]
-        videos = [_video(data, i) for i, (kind, data) in enumerate(items) if kind == "video"]
-        if videos:
-            return self._with_videos(text, images, videos)
+        if any(kind == "video" for kind, _ in items):
+            if getattr(self.processor, "video_token", None) == SMOLVLM_VIDEO:
+                return self._smolvlm_videos(text, images, items)
+            return self._with_videos(text, images, [_video(data, i) for i, (kind, data) in enumerate(items)
+                                                    if kind == "video"])
         kwargs: dict[str, Any] = {}
         if images:
             kwargs["images"] = [images]
@@ -162,6 +166,18 @@ class MediaProcessor:
         return decode_audio(data, index, self.processor.feature_extractor.sampling_rate)
 
 
+    def _smolvlm_videos(self, text: str, images: list, items: list[tuple[str, bytes]]) -> Prepared:
+        """SmolVLM2 with videos: each video's sampled frames become single images of the model (its
+        ``<video>`` placeholder the processor's text: duration, frame timestamps, image tokens), as
+        ``smolvlm_video`` computes what transformers' torchvision video processor would."""
+        from services.tokenizer.smolvlm_video import decode_smolvlm_video, expand_smolvlm_prompt, video_settings
+
+        settings = video_settings(self.path)
+        videos = [decode_smolvlm_video(data, i, settings) for i, (kind, data) in enumerate(items) if kind == "video"]
+        expanded, tensors = expand_smolvlm_prompt(text, videos, self.processor, settings, images=images or None)
+        return prepared(self.processor.tokenizer(expanded)["input_ids"], tensors)
+
+
 def prepared(ids: list[int], arrays: dict[str, Any]) -> Prepared:
     tensors = {name: to_wire(np.asarray(value)) for name, value in arrays.items()}
     return Prepared([int(i) for i in ids], MediaInputs(tensors, digest(tensors)))
@@ -181,7 +197,7 @@ def media_kinds(processor: Any | None) -> list[str]:
     kinds = []
     if getattr(processor, "image_processor", None) is not None:
         kinds.append("image")
-        if getattr(processor, "video_token", None) == "<|video_pad|>":
+        if getattr(processor, "video_token", None) in ("<|video_pad|>", SMOLVLM_VIDEO):
             kinds.append("video")
     if getattr(processor, "feature_extractor", None) is not None and getattr(processor, "audio_token", None):
         kinds.append("audio")
@@ -191,21 +207,27 @@ def media_kinds(processor: Any | None) -> list[str]:
 def _without_video(path: str):
     """The folder's processor class built from its image processor and tokenizer, without the video
     processor that transformers cannot load here (its video processors need torchvision, which is not
-    installable next to this project's torch). transformers checks each sub-processor's class and
-    refuses even None for one whose base class it did not define; that one check is skipped for the
-    video processor only, on this instance only."""
+    installable next to this project's torch; ``video.py`` and ``smolvlm_video.py`` do their work).
+    transformers checks each sub-processor's class and refuses even None for one whose base class it did
+    not define; that one check is skipped for the video processor only, on this instance only."""
     import transformers
     from transformers import AutoImageProcessor, AutoTokenizer
 
-    config = json.loads((Path(path) / "processor_config.json").read_text())
+    folder = Path(path)
+    config = json.loads((folder / "processor_config.json").read_text())
     cls = getattr(transformers, config["processor_class"])
+    if cls.__name__ == "SmolVLMProcessor":
+        from services.tokenizer.smolvlm_video import use_number_words
+
+        use_number_words()
     processor = cls.__new__(cls)
     check = processor.check_argument_for_proper_class
     processor.check_argument_for_proper_class = lambda name, arg: None if arg is None else check(name, arg)
-    template = Path(path) / "chat_template.jinja"
+    template = folder / "chat_template.jinja"
+    extra = {key: config[key] for key in ("image_seq_len",) if key in config}
     processor.__init__(image_processor=AutoImageProcessor.from_pretrained(path),
                        tokenizer=AutoTokenizer.from_pretrained(path), video_processor=None,
-                       chat_template=template.read_text() if template.exists() else None)
+                       chat_template=template.read_text() if template.exists() else None, **extra)
     del processor.check_argument_for_proper_class
     return processor
 

@@ -305,27 +305,10 @@ def _below_hundred(n: int) -> str:
 # ---------------------------------------------------------------------------------------------- processor
 
 
-def load_processor(model_dir):
-    """The folder's SmolVLMProcessor for images (and this module's videos), without torchvision and
-    without num2words: ``AutoProcessor`` raises ImportError here twice over (SmolVLMVideoProcessor
-    needs torchvision; SmolVLMProcessor.__init__ refuses to run without num2words). The processor is
-    built from the folder's image processor and tokenizer with no video processor, and, when
-    num2words is absent, ``number_words`` stands in for it in transformers' SmolVLM processor module
-    (used there only to write a video's frame count, which is what it writes)."""
+def use_number_words() -> None:
+    """Let transformers' SmolVLMProcessor exist without the ``num2words`` package, which it needs only to
+    write a video's frame count in words: ``number_words`` writes the same words."""
     import transformers.models.smolvlm.processing_smolvlm as smolvlm
-    from transformers import AutoImageProcessor, AutoTokenizer, SmolVLMProcessor
 
     if smolvlm.num2words is None:
         smolvlm.num2words = number_words
-    folder = Path(model_dir)
-    processor = SmolVLMProcessor.__new__(SmolVLMProcessor)
-    check = processor.check_argument_for_proper_class
-    processor.check_argument_for_proper_class = lambda name, arg: None if arg is None else check(name, arg)
-    template = folder / "chat_template.jinja"
-    config = json.loads((folder / "processor_config.json").read_text()) if (folder / "processor_config.json").exists() else {}
-    processor.__init__(image_processor=AutoImageProcessor.from_pretrained(folder),
-                       tokenizer=AutoTokenizer.from_pretrained(folder), video_processor=None,
-                       image_seq_len=config.get("image_seq_len", 169),
-                       chat_template=template.read_text() if template.exists() else None)
-    del processor.check_argument_for_proper_class
-    return processor

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 import torch
 
+from services.tokenizer.multimodal import MediaProcessor
 from services.tokenizer.smolvlm_video import (
     SampledVideo,
     VideoSettings,
     decode_smolvlm_video,
     expand_smolvlm_prompt,
-    load_processor,
     number_words,
     sample_indices,
     smolvlm_video,
@@ -40,7 +40,7 @@ def loaded(smolvlm2_dir):
     from transformers import AutoModelForImageTextToText
 
     model = AutoModelForImageTextToText.from_pretrained(smolvlm2_dir, dtype=torch.float32).eval()
-    return load_processor(smolvlm2_dir), model, video_settings(smolvlm2_dir)
+    return MediaProcessor.load(str(smolvlm2_dir)).processor, model, video_settings(smolvlm2_dir)
 
 
 def transformers_sample_frames():

@@ -104,3 +104,27 @@ def test_qwen2_vl_videos_equal_transformers_with_images_in_batches_and_chunks(qw
         out = run_until_idle(engine, check_blocks=True)
         text_ref = hf_generate(qwen2_vl_dir, [], messages=messages("text"), max_new_tokens=NEW)
         assert out.tokens == {**reference, "text": text_ref}, limit_kw
+
+
+# ---- SmolVLM2 videos ------------------------------------------------------------------------
+
+
+def test_smolvlm2_videos_and_images_equal_transformers_in_batches_and_chunks(tmp_path_factory, smol_dir):
+    from tests.smolvlm2_models import make_smolvlm2
+    from tests.video_items import make_mp4
+
+    model_dir = make_smolvlm2(tmp_path_factory.mktemp("smolvlm2"), smol_dir)
+    processor = MediaProcessor.load(str(model_dir))
+    assert processor.modalities == ["image", "video"]
+    cases = {"v1": [("video", make_mp4(frames=16, fps=4, seed=0))], "v2": [("video", make_mp4(frames=8, fps=4, seed=5))],
+             "img": [("image", png_bytes(test_image(1)))]}
+    reqs = {rid: media_request(processor, rid, video_content(items), items, NEW) for rid, items in cases.items()}
+    reference = {rid: hf_from_request(model_dir, req) for rid, req in reqs.items()}
+    assert reference["v1"] != reference["v2"]
+    runner = make_runner(model_dir, 64)
+    assert runner.modalities == ["image", "video"]
+    for limit_kw in ({}, {"mix": True, "prefill_chunk_size": 11}):
+        engine = Engine(runner, limits(**limit_kw), {2})
+        for rid, items in cases.items():
+            engine.add_request(media_request(processor, rid, video_content(items), items, NEW))
+        assert run_until_idle(engine, check_blocks=True).tokens == reference, limit_kw
