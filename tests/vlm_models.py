@@ -403,6 +403,21 @@ def hf_prompt_ids(model_dir: Path, images: list, *, text: str | None = None, mes
     return hf_inputs(model_dir, images, text=text, messages=messages)["input_ids"][0].tolist()
 
 
+def hf_generate_prepared(model_dir: Path, prompt_ids: list[int], media, max_new_tokens: int = 16) -> list[int]:
+    """transformers' greedy generate on exactly the ids and tensors the tokenizer service prepared (an
+    ``EngineRequest``'s ``prompt_ids`` and ``media``): the oracle where transformers' own processor
+    cannot run here (video processors need torchvision)."""
+    from services.engine.multimodal import from_wire
+
+    _, model = load(Path(model_dir))
+    ids = torch.tensor([prompt_ids])
+    tensors = {name: from_wire(t) for name, t in media.tensors.items()}
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **tensors, do_sample=False,
+                             max_new_tokens=max_new_tokens)
+    return out[0, ids.shape[1]:].tolist()
+
+
 def hf_generate(model_dir: Path, images: list, *, text: str | None = None, messages: list | None = None,
                 max_new_tokens: int = 16) -> list[int]:
     """transformers' greedy generation for the prompt and PIL ``images``: only the new token ids."""

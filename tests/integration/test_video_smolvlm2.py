@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine.multimodal import from_wire
 from services.tokenizer.multimodal import MediaProcessor
 from tests.integration.stack import post, running_stack
 from tests.smolvlm2_models import make_smolvlm2
 from tests.video_items import make_mp4, video_data_url
-from tests.vlm_models import data_url, load, test_image
+from tests.vlm_models import data_url, hf_generate_prepared, test_image
 
 NEW = 12
 GREEDY = {"max_new_tokens": NEW, "do_sample": False}
@@ -32,16 +31,8 @@ def stack(tmp_path_factory, model_dir):
 
 def transformers_tokens(model_dir, text: str) -> list[int]:
     """transformers' greedy generate on the prompt ``text`` with CLIP where its ``<video>`` is."""
-    import torch
-
     prepared = MediaProcessor.load(str(model_dir)).process(text, [("video", CLIP)])
-    _, model = load(model_dir)
-    ids = torch.tensor([prepared.ids])
-    tensors = {name: from_wire(t) for name, t in prepared.media.tensors.items()}
-    with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **tensors, do_sample=False,
-                             max_new_tokens=NEW)
-    return out[0, ids.shape[1]:].tolist()
+    return hf_generate_prepared(model_dir, prepared.ids, prepared.media, NEW)
 
 
 def test_a_video_equals_transformers_in_tgi_and_chat(stack, model_dir):

@@ -10,7 +10,9 @@ import pytest
 from services.engine.engine import Engine
 from services.tokenizer.multimodal import MediaProcessor
 from tests.unit.engine_helpers import assert_pool_whole, limits, make_runner, media_request, run_until_idle
-from tests.vlm_models import hf_generate, make_llava, make_qwen2_5_vl, make_qwen2_vl, png_bytes, test_image
+from tests.vlm_models import (
+    hf_generate, hf_generate_prepared, make_llava, make_qwen2_5_vl, make_qwen2_vl, png_bytes, test_image,
+)
 
 NEW = 12
 IMAGES = {"one": [test_image(1)], "other": [test_image(2)], "two": [test_image(1), test_image(3)], "text": []}
@@ -54,20 +56,8 @@ def test_images_equal_transformers_alone_together_and_in_chunks(model_dir):
 # ---- Qwen2-VL videos ------------------------------------------------------------------------
 
 
-def hf_from_request(model_dir, req, max_new_tokens: int = NEW) -> list[int]:
-    """transformers' greedy generate on exactly the ids and tensors the tokenizer service prepared."""
-    import torch
-
-    from services.engine.multimodal import from_wire
-    from tests.vlm_models import load
-
-    _, model = load(model_dir)
-    ids = torch.tensor([req.prompt_ids])
-    tensors = {name: from_wire(t) for name, t in req.media.tensors.items()}
-    with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **tensors, do_sample=False,
-                             max_new_tokens=max_new_tokens)
-    return out[0, ids.shape[1]:].tolist()
+def hf_from_request(model_dir, req) -> list[int]:
+    return hf_generate_prepared(model_dir, req.prompt_ids, req.media, NEW)
 
 
 def video_content(items: list[tuple[str, bytes]]) -> list[dict]:
