@@ -118,6 +118,7 @@ class EngineRequest(Msg):
     tokenizer: str = ""  # the tokenizer instance it reports to: when its lease runs out, the request ends
     adapter: str = ""  # the LoRA adapter it runs with; "" = the base model
     media: MediaInputs | None = None  # preprocessed media; their features go at the media tokens of prompt_ids
+    handoff: bool = False  # PD split: compute the prompt and the first token, then hand over to a decode engine
 
 
 class Cancel(Msg):

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from services.engine.block_manager import BlockManager, blocks_for
 from services.engine.isolation import Outcome, run_isolated
+from services.engine.kv_transfer import KvImport, KvLayout, export_blocks, import_blocks
 from services.engine.model_runner import ModelRunner
 from services.engine.multimodal import salt
 from services.engine.sampler import raw_logprobs, sample, token_logprob
@@ -56,12 +57,32 @@ class _Abort:
     reason: str
 
 
+@dataclass(frozen=True)
+class Handoff:
+    """A request whose prompt this (prefill) engine computed and whose first token it sampled, to go on
+    on a decode engine: the request as received, its tokens so far and its prompt's K/V."""
+
+    request: EngineRequest
+    generated_ids: list[int]
+    kv: KvImport
+
+
+@dataclass(frozen=True)
+class _Received:
+    """A handed-off request arriving at this (decode) engine with its prompt's K/V."""
+
+    request: EngineRequest
+    kv: KvImport | None
+
+
 class Engine:
     def __init__(self, runner: ModelRunner, limits: Limits, eos_token_ids: set[int], prefix_cache: bool = False):
         self.runner = runner
         self.blocks = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_cache=prefix_cache)
-        self.scheduler = Scheduler(limits, self.blocks, eos_token_ids, on_finish=self._release_adapter)
-        self.inbox: queue.SimpleQueue[EngineRequest | _Abort] = queue.SimpleQueue()
+        self.scheduler = Scheduler(limits, self.blocks, eos_token_ids, on_finish=self._release_adapter,
+                                   on_admit=self._write_received_kv)
+        self.inbox: queue.SimpleQueue[EngineRequest | _Abort | _Received] = queue.SimpleQueue()
+        self.handoffs: list[Handoff] = []  # prefill role: requests ready for a decode engine (taken by the service)
         self.seqs: dict[str, Sequence] = {}
         self.stats = Stats()
         self.held_until: float | None = None  # set by a step that held a small first batch back
@@ -70,6 +91,15 @@ class Engine:
 
     def add_request(self, req: EngineRequest) -> None:
         self.inbox.put(req)
+
+    def add_handoff(self, req: EngineRequest, kv: KvImport | None) -> None:
+        """A request a prefill engine handed over: ``req.generated_ids`` holds its first token, ``kv`` its
+        prompt's K/V (None, or K/V that do not fit this engine: its prompt is recomputed instead)."""
+        self.inbox.put(_Received(req, kv))
+
+    def take_handoffs(self) -> list[Handoff]:
+        taken, self.handoffs = self.handoffs, []
+        return taken
 
     def abort(self, request_id: str, reason: str = "cancelled") -> None:
         self.inbox.put(_Abort(request_id, reason))
@@ -121,6 +151,7 @@ class Engine:
         """Append each drawn token, finish the sequences that are done, and say so."""
         ran = [seq for seq, _ in results]
         finished = {f.seq.id: f for f in self.scheduler.postprocess(ran, [d.token_id for _, d in results])}
+        self._hand_off([seq for seq in ran if seq.handoff and seq.id not in finished and seq.num_generated == 1])
         now = time.time()
         events = []
         for seq, drawn in results:
@@ -133,6 +164,30 @@ class Engine:
             if done:
                 self.seqs.pop(seq.id, None)
         return events
+
+    def _hand_off(self, seqs: list[Sequence]) -> None:
+        """Prefill role: each of ``seqs`` has its prompt's K/V and its first token; export the K/V, end the
+        sequence here (its first token is still reported) and queue it for a decode engine."""
+        for seq in seqs:
+            kv = KvImport(KvLayout.of(self.runner), seq.num_prompt_tokens,
+                          export_blocks(self.runner, seq.block_table, seq.num_prompt_tokens))
+            self.handoffs.append(Handoff(seq.request, list(seq.token_ids[seq.num_prompt_tokens:]), kv))
+            self.scheduler.finish(seq, "handoff")
+            self.seqs.pop(seq.id, None)
+
+    def _write_received_kv(self, seq: Sequence) -> None:
+        """A handed-off sequence got its blocks: write the received K/V of its prompt (less the prefix
+        its blocks already hold); if they do not fit, the prompt is recomputed, as for any resumed request."""
+        kv, seq.kv_import = seq.kv_import, None
+        if kv is None or seq.num_computed >= kv.num_tokens:
+            return
+        try:
+            done = import_blocks(self.runner, seq.block_table, kv, seq.num_computed // self.blocks.block_size)
+        except ValueError as exc:
+            log.warning("received K/V refused: recomputing the prompt", extra={"request_id": seq.id, "error": str(exc)})
+            return
+        start, seq.num_computed = seq.num_computed, done
+        self.blocks.cache_computed(seq, start)
 
     def _end_failed(self, outcome: Outcome[Drawn | None]) -> list[TokenEvent]:
         """End each request the step fails for, alone, with an internal error; free its blocks."""
@@ -167,11 +222,13 @@ class Engine:
             item = self.inbox.get_nowait()
             if isinstance(item, _Abort):
                 events += self._abort_now(item)
+            elif isinstance(item, _Received):
+                events += self._admit(item.request, item.kv)
             else:
                 events += self._admit(item)
         return events
 
-    def _admit(self, req: EngineRequest) -> list[TokenEvent]:
+    def _admit(self, req: EngineRequest, kv: KvImport | None = None) -> list[TokenEvent]:
         longest = min(len(req.prompt_ids) + req.sampling.max_new_tokens, self.scheduler.limits.max_seq_len)
         needed = blocks_for(max(len(req.prompt_ids) + 1, longest), self.blocks.block_size)
         if needed > self.blocks.num_blocks:
@@ -188,6 +245,9 @@ class Engine:
         seq = Sequence(req.id, req.prompt_ids, req.sampling, priority=req.priority, deadline=req.deadline,
                        deadline_reason=req.deadline_reason, last_event_at=time.time(), arrival=req.arrival, lora=slot)
         seq.media, seq.media_salt = req.media, salt(req.media)
+        # a prompt with media stays: its decode needs what the encoder computed (Qwen2-VL's rope delta)
+        seq.request, seq.kv_import = req, kv
+        seq.handoff = req.handoff and not req.generated_ids and req.media is None
         seq.token_ids.extend(req.generated_ids)  # resumed: its first prefill recomputes their cache too
         self.seqs[req.id] = seq
         self.scheduler.add(seq)

@@ -52,11 +52,13 @@ class Finish:
 
 class Scheduler:
     def __init__(self, limits: Limits, blocks: BlockManager, eos_token_ids: set[int],
-                 on_finish: Callable[[Sequence], None] = lambda seq: None):
+                 on_finish: Callable[[Sequence], None] = lambda seq: None,
+                 on_admit: Callable[[Sequence], None] = lambda seq: None):
         self.limits = limits
         self.blocks = blocks
         self.eos_token_ids = eos_token_ids
         self.on_finish = on_finish  # called once per sequence, however it ends
+        self.on_admit = on_admit  # called when a sequence gets its blocks (it may fill them: KV received)
         self.waiting: list[Sequence] = []  # sorted by (priority, arrival)
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -150,6 +152,7 @@ class Scheduler:
             return False
         self.waiting.pop(0)
         self.blocks.allocate(seq, reserve)
+        self.on_admit(seq)
         seq.status = Status.RUNNING
         self.running.append(seq)
         return True

@@ -44,6 +44,9 @@ class Sequence:
     media: Any = None  # MediaInputs until encoded, then dropped: ``media_rows`` keeps the features
     media_rows: Any = None  # multimodal.MediaRows: features for its media tokens (kept for recompute)
     media_salt: bytes = b""  # its media's digest: prefix-cache keys of a request with media are its own
+    handoff: bool = False  # prefill role: after its first token its K/V go to a decode engine
+    request: Any = None  # the EngineRequest it came as (what a handoff sends on)
+    kv_import: Any = None  # kv_transfer.KvImport: K/V received for its prompt, written when it gets blocks
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)

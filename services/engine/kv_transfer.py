@@ -1,0 +1,82 @@
+"""A sequence's KV cache as bytes, out of one engine and into another (prefill/decode disaggregation).
+
+A prefill engine computes a prompt's K/V and its first token; a decode engine continues from there. What
+moves is the prompt's K/V, block by block, in the cache's own layout: for each block, K then V of every
+layer, ``[2, layers, kv_heads, block_size, head_dim]`` in the cache's dtype (720 KiB for a 16-token
+block of SmolLM2-135M in float32). A block is the unit because both caches are paged by it: the
+receiver writes each chunk into one of its own blocks with one copy, and skips the blocks its prefix
+cache already holds.
+
+Both engines must run the same model in the same dtype and block size (``KvLayout``); a chunk that
+does not fit is refused, and the receiver then recomputes the prompt instead (the request's tokens
+are all it needs for that).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KvLayout:
+    """What a KV chunk's bytes mean; the sender's and the receiver's must be equal."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+
+    @classmethod
+    def of(cls, runner) -> KvLayout:
+        k = runner.k_cache
+        return cls(k.shape[0], k.shape[1], k.shape[3], runner.block_size, str(k.dtype).removeprefix("torch."))
+
+    @property
+    def chunk_bytes(self) -> int:
+        itemsize = torch.empty(0, dtype=getattr(torch, self.dtype)).element_size()
+        return 2 * self.layers * self.kv_heads * self.block_size * self.head_dim * itemsize
+
+
+@dataclass
+class KvImport:
+    """K/V received for a sequence's first ``num_tokens`` positions, one chunk per block, not yet written."""
+
+    layout: KvLayout
+    num_tokens: int
+    chunks: list[bytes]
+
+
+def export_blocks(runner, block_table: list[int], num_tokens: int) -> list[bytes]:
+    """The K/V of positions [0, num_tokens) of the sequence holding ``block_table``, one chunk per block
+    (the last block's positions past ``num_tokens`` travel too, and are overwritten at the receiver)."""
+    count = -(-num_tokens // runner.block_size)
+    return [_block(runner, block).numpy().tobytes() for block in block_table[:count]]
+
+
+def _block(runner, block: int) -> torch.Tensor:
+    size = runner.block_size
+    span = slice(block * size, (block + 1) * size)
+    return torch.stack([runner.k_cache[:, :, span], runner.v_cache[:, :, span]]).contiguous().cpu()
+
+
+def import_blocks(runner, block_table: list[int], kv: KvImport, first: int = 0) -> int:
+    """Write ``kv``'s chunks from block ``first`` on (earlier blocks hold a cached prefix already) into the
+    sequence's blocks; the number of positions whose K/V are now in place. ValueError when the chunks do
+    not fit this engine's cache (another model, dtype or block size) or the sequence's blocks."""
+    layout = KvLayout.of(runner)
+    if kv.layout != layout:
+        raise ValueError(f"KV layout {kv.layout} does not match this engine's {layout}")
+    if len(kv.chunks) > len(block_table) or any(len(chunk) != layout.chunk_bytes for chunk in kv.chunks):
+        raise ValueError("KV chunks do not fit the sequence's blocks")
+    dtype = getattr(torch, layout.dtype)
+    shape = (2, layout.layers, layout.kv_heads, layout.block_size, layout.head_dim)
+    size = runner.block_size
+    for chunk, block in list(zip(kv.chunks, block_table))[first:]:
+        data = torch.frombuffer(bytearray(chunk), dtype=dtype).view(shape).to(runner.k_cache.device)
+        span = slice(block * size, (block + 1) * size)
+        runner.k_cache[:, :, span] = data[0]
+        runner.v_cache[:, :, span] = data[1]
+    return kv.num_tokens
