@@ -189,6 +189,13 @@ class SwitchboardConfig(Struct, kw_only=True):
     operations as PyTorch calls."""
     torch_threads: Annotated[int, Meta(ge=0, le=1024)] = 0
     """intra-op threads of the engine's torch; 0 = torch's default (one per core)."""
+    engine_role: Literal["both", "prefill", "decode"] = "both"
+    """an engine's part in prefill/decode disaggregation: ``both`` (co-located), ``prefill`` (computes
+    prompts and first tokens, then hands each request to a decode engine) or ``decode`` (continues
+    handed-over requests; takes new ones only when no other engine does). ``switchboard engine --role``."""
+    kv_trans_timeout_seconds: Annotated[float, Meta(gt=0, le=3600)] = 10.0
+    """a prefill engine's limit for handing one request's K/V to a decode engine; past it the request
+    is recomputed where it is (MindIE's kv_trans_timeout)."""
     kv_cache_memory_mb: Annotated[int, Meta(ge=16, le=1048576)] = 1024
     """KV-cache budget in MiB on cpu (accelerators follow npuMemSize: -1 = 80% of free memory)."""
     otlp_endpoint: str = ""

@@ -158,6 +158,27 @@ class TokenBatch(msgspec.Struct, omit_defaults=True):
 
     events: list[TokenEvent]
     trace: dict[str, str] = {}
+    engine: str = ""  # the engine instance that sent them
+    moved: dict[str, str] = {}  # request id -> the decode engine that took it over (a prefill engine says so)
+
+
+class KvPart(msgspec.Struct, omit_defaults=True):
+    """Prefill engine -> decode engine (``subjects.engine_kv``, request/reply, one part at a time): a
+    handed-off request's K/V, one or more per-block chunks per part; the first part carries the request
+    and its layout. The decode engine answers each part with KvAck and takes the request on the last."""
+
+    id: str
+    index: int
+    count: int
+    chunks: list[bytes]
+    request: EngineRequest | None = None  # first part: the request, its first token in generated_ids
+    layout: list[Any] = []  # first part: kv_transfer.KvLayout's fields
+    num_tokens: int = 0  # first part: positions whose K/V travel
+
+
+class KvAck(msgspec.Struct, omit_defaults=True):
+    ok: bool
+    error: str = ""
 
 
 # ---- to the gateway ---------------------------------------------------------------------------
@@ -273,6 +294,7 @@ class EngineInfo(msgspec.Struct, omit_defaults=True):
     unloading: list[str] = []  # adapters unloaded that still finish the requests using them
     adapters_version: int = 0  # the adapter set's version: a peer with a newer one is followed
     modalities: list[str] = []  # media kinds the model takes besides text (image, video, audio); [] = text-only
+    role: str = "both"  # prefill/decode disaggregation: both | prefill | decode
 
 
 class LoraCommand(msgspec.Struct, omit_defaults=True):

@@ -41,6 +41,11 @@ def engine_lora(model: str, instance: str) -> str:
     return f"{PREFIX}.engine.{model}.{instance}.lora"
 
 
+def engine_kv(model: str, instance: str) -> str:
+    """prefill engine -> one decode engine: a handed-off request's K/V (request/reply, part by part)."""
+    return f"{PREFIX}.engine.{model}.{instance}.kv"
+
+
 def tokenizer_instance(instance: str) -> str:
     """gateway -> one tokenizer instance: a retried or resumed request goes to one known to be live."""
     return f"{PREFIX}.tokenizer.{instance}.generate"

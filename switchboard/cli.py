@@ -30,6 +30,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     engine = sub.choices["engine"]
     engine.add_argument("--torch-threads", type=_positive, default=0,
                         help="intra-op torch threads, instead of Switchboard.torchThreads (serve splits the cores)")
+    engine.add_argument("--role", choices=["both", "prefill", "decode"], default=None,
+                        help="prefill/decode disaggregation role, instead of Switchboard.engineRole")
     engine.add_argument("--device-index", type=_natural, default=None,
                         help="logical cuda/npu device id to run on (serve gives engine i npuDeviceIds[i][0])")
     return parser.parse_args(argv)
@@ -134,6 +136,8 @@ def place_engine(cfg: Config, args: argparse.Namespace) -> None:
     """Apply ``--torch-threads`` and ``--device-index`` (before torch starts)."""
     from switchboard.replicas import pin_device
 
+    if getattr(args, "role", None):
+        cfg.switchboard.engine_role = args.role
     if args.torch_threads:
         cfg.switchboard.torch_threads = args.torch_threads
     elif cfg.switchboard.device == "cpu":

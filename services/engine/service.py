@@ -16,6 +16,7 @@ from nats.aio.msg import Msg as NatsMsg
 from services.engine.adapters import AdapterControl
 from services.engine.devices import kv_budget_bytes, resolve_device
 from services.engine.engine import Engine
+from services.engine.pd import KvLink
 from services.engine.model_runner import ModelRunner
 from services.engine.scheduler import Limits
 from shared import bus, subjects, telemetry
@@ -93,6 +94,9 @@ class EngineService:
         self.requests = decoder(EngineRequest)
         self.cancels = decoder(Cancel)
         self.adapters = AdapterControl(nc, self.model, self.instance, engine.runner.lora, stepper, self.announce)
+        self.role = cfg.switchboard.engine_role
+        self.kv_link = KvLink(self)
+        self.transfers: set[asyncio.Task] = set()  # handoffs under way (referenced until done)
 
     async def start(self) -> None:
         await bus.subscribe(self.nc, subjects.engine_generate(self.model), self.on_request,
@@ -102,6 +106,7 @@ class EngineService:
         await bus.subscribe(self.nc, subjects.engine_health(self.model), self.on_health)
         await bus.subscribe(self.nc, subjects.heartbeat("tokenizer"), self.on_tokenizer_heartbeat)
         await self.adapters.start()
+        await self.kv_link.start()
 
     async def announce(self) -> None:
         await bus.publish(self.nc, subjects.engine_heartbeat(self.model), self.info())
@@ -134,22 +139,62 @@ class EngineService:
         req = self.requests.decode(msg.data)
         if req.id in self.cancelled:
             return  # its client is gone already
+        self.track(req)
+        self.engine.add_request(req)
+        self.wake.set()
+
+    def track(self, req: EngineRequest) -> None:
+        """Where the request's token events go, who owns it, and its span here."""
         self.routes[req.id] = req.reply_to
         if req.tokenizer:
             self.owners[req.id] = req.tokenizer
         self.spans[req.id] = telemetry.start_span("engine.generate", req.trace, **{
             "switchboard.request_id": req.id, "switchboard.prompt_tokens": len(req.prompt_ids),
-            "switchboard.priority": req.priority, "switchboard.adapter": req.adapter})
-        self.engine.add_request(req)
+            "switchboard.priority": req.priority, "switchboard.adapter": req.adapter,
+            "switchboard.role": self.role, "switchboard.handed_over": bool(req.generated_ids and not req.handoff)})
+
+    # ---- prefill/decode handoffs (pd.py) -----------------------------------------------------
+
+    def start_handoffs(self) -> None:
+        """Send on the requests the last step finished prefilling (prefill role)."""
+        for handoff in self.engine.take_handoffs():
+            task = asyncio.ensure_future(self.kv_link.hand_off(handoff))
+            self.transfers.add(task)
+            task.add_done_callback(self.transfers.discard)
+
+    def keep(self, req: EngineRequest) -> None:
+        """A handoff that did not happen: the request goes on here, its prompt recomputed."""
+        if req.id in self.routes and req.id not in self.cancelled:
+            self.engine.add_request(req)
+            self.wake.set()
+        elif req.id in self.routes:  # cancelled during the transfer: it ends here
+            del self.routes[req.id]
+            self.owners.pop(req.id, None)
+            telemetry.end_span(self.spans.pop(req.id, None), **{"switchboard.finish_reason": "cancelled"})
+
+    async def moved(self, req: EngineRequest, target: str) -> None:
+        """A decode engine took the request: forget it here and tell its tokenizer who has it now."""
+        inbox = self.routes.pop(req.id, None)
+        self.owners.pop(req.id, None)
+        telemetry.end_span(self.spans.pop(req.id, None), **{"switchboard.finish_reason": "handed off",
+                                                             "switchboard.decode_engine": target})
+        if inbox is not None:
+            await bus.publish(self.nc, inbox, TokenBatch([], engine=self.instance, moved={req.id: target}))
+
+    def accept(self, req: EngineRequest, kv) -> None:
+        """Decode role: a request handed over with its prompt's K/V."""
+        if req.id in self.cancelled:
+            return  # its client left during the transfer
+        self.track(req)
+        self.engine.add_handoff(req, kv)
         self.wake.set()
 
     async def on_cancel(self, msg: NatsMsg) -> None:
         cancel = self.cancels.decode(msg.data)
+        self.cancelled.add(cancel.id)  # also stops a request whose handoff is under way from being kept here
         if cancel.id in self.routes:
             self.engine.abort(cancel.id, cancel.reason)
             self.wake.set()
-        else:
-            self.cancelled.add(cancel.id)
 
     async def on_health(self, msg: NatsMsg) -> None:
         await bus.respond(msg, self.info())
@@ -168,7 +213,7 @@ class EngineService:
             prefix_queried_tokens_total=self.engine.blocks.prefix_queried_tokens,
             prefix_hit_tokens_total=self.engine.blocks.prefix_hit_tokens,
             adapters=runner.lora.listed(), unloading=runner.lora.unloading(), adapters_version=runner.lora.version,
-            modalities=runner.modalities,
+            modalities=runner.modalities, role=self.role,
         )
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -179,6 +224,7 @@ class EngineService:
                 await self._wait(stop)
                 continue
             await self.publish(await self._step())
+            self.start_handoffs()
             if self.engine.held_until is not None:  # a small first batch waits for company
                 self.wake.clear()
                 await self._wait(stop, timeout=max(0.0, self.engine.held_until - time.time()))
@@ -191,6 +237,7 @@ class EngineService:
         deadline = time.monotonic() + DRAIN_MAX_S
         while self.engine.has_work and time.monotonic() < deadline:
             await self.publish(await self._step())
+            self.start_handoffs()
             if self.engine.held_until is not None:
                 await asyncio.sleep(0.005)
 
@@ -220,7 +267,7 @@ class EngineService:
                 telemetry.end_span(self.spans.pop(event.id, None), event.error and event.error.message,
                                    **{"switchboard.finish_reason": event.finish_reason})
         for inbox, batch in by_inbox.items():
-            await bus.publish(self.nc, inbox, TokenBatch(batch))
+            await bus.publish(self.nc, inbox, TokenBatch(batch, engine=self.instance))
         queued = self.engine.stats.take_queue_times()
         if queued:
             await bus.publish(self.nc, subjects.METRICS_EVENTS, Queued(model=self.model, seconds=queued))

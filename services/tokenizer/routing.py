@@ -37,13 +37,22 @@ class EngineRouter:
 
     def choose(self, adapter: str = "") -> str | None:
         """The least loaded live engine that has the LoRA ``adapter`` ("" = the base model: any engine),
-        None when there is none."""
+        None when there is none. Decode-role engines take new requests only when no other engine does."""
         candidates = {i: e for i, e in self.serving().items() if not adapter or adapter in adapter_names(e)}
+        if any(e.role != "decode" for e in candidates.values()):
+            candidates = {i: e for i, e in candidates.items() if e.role != "decode"}
         if not candidates:
             return None
         best = min(candidates, key=lambda i: self._load(i, candidates[i]))
         self.sent.setdefault(best, []).append(time.monotonic())
         return best
+
+    def hands_off(self, instance: str) -> bool:
+        """Whether a request sent to ``instance`` should go on on a decode engine: it is a prefill engine
+        and a decode engine is live (else it serves the request whole)."""
+        engines = self.serving()
+        chosen = engines.get(instance)
+        return chosen is not None and chosen.role == "prefill" and any(e.role == "decode" for e in engines.values())
 
     def _load(self, instance: str, info: EngineInfo) -> tuple[float, float]:
         """Requests per batch slot (running, waiting and just sent), then the share of KV blocks in use."""

@@ -56,6 +56,8 @@ class Pending:
     stops: StopMatcher
     span: Any = None  # this service's span of the request's trace
     generated: int = 0
+    engine: str = ""  # the engine serving it now (a decode engine after a handoff)
+    moved: bool = False  # a prefill engine handed it to ``engine``: this instance watches that engine
 
 
 class TokenizerService:
@@ -99,6 +101,7 @@ class TokenizerService:
         while not stop.is_set():
             await bus.publish(self.nc, subjects.heartbeat("tokenizer"), beat)
             await self.drop_orphans()
+            await self.resume_lost_handoffs()
             try:
                 await asyncio.wait_for(stop.wait(), self.cfg.switchboard.heartbeat_s)
             except asyncio.TimeoutError:
@@ -118,6 +121,19 @@ class TokenizerService:
             state = self.pending.pop(request_id)
             telemetry.end_span(state.span, **{"switchboard.finish_reason": "gateway gone"})
             await bus.publish(self.nc, subjects.CANCEL, Cancel(id=request_id, reason="gateway gone"))
+
+    async def resume_lost_handoffs(self) -> None:
+        """A decode engine that took a request over died (its lease ran out): the gateway, which watches
+        the engine it was told of (the prefill engine), would not notice; end the attempt here as
+        retryable, so the gateway resumes the request from what its client has."""
+        live = self.router.engines.live()
+        for state in [s for s in self.pending.values() if s.moved and s.engine not in live]:
+            req = state.request
+            del self.pending[req.id]
+            telemetry.end_span(state.span, f"decode engine {state.engine} died")
+            await bus.publish(self.nc, subjects.CANCEL, Cancel(id=req.id, reason="engine gone"))
+            error = ErrorInfo(ErrorKind.UNAVAILABLE, f"decode engine {state.engine} died")
+            await bus.publish(self.nc, req.reply_to, Failed(id=req.id, error=error, retryable=True))
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -144,6 +160,8 @@ class TokenizerService:
         await bus.publish(self.nc, req.reply_to, self.started(req, ids, seed, engine))
         engine_request = self.engine_request(req, ids, seed, media)
         engine_request.trace = telemetry.inject(span)
+        engine_request.handoff = media is None and not req.adapter and self.router.hands_off(engine)
+        self.pending[req.id].engine = engine
         if media is not None and (error := self.too_large(engine_request)):
             del self.pending[req.id]
             telemetry.end_span(span, error.message)
@@ -223,7 +241,12 @@ class TokenizerService:
     # ---- token events -----------------------------------------------------------------------
 
     async def on_tokens(self, msg: NatsMsg) -> None:
-        for event in self.batches.decode(msg.data).events:
+        batch = self.batches.decode(msg.data)
+        for request_id, engine in batch.moved.items():
+            state = self.pending.get(request_id)
+            if state is not None:
+                state.engine, state.moved = engine, True
+        for event in batch.events:
             state = self.pending.get(event.id)
             if state is not None:
                 await self.forward(state, event)

@@ -18,7 +18,8 @@ from tests.conftest import write_config
 
 
 class Cluster:
-    def __init__(self, folder: Path, model_dir: Path, engines: int = 2, tokenizers: int = 2, **sections):
+    def __init__(self, folder: Path, model_dir: Path, engines: int = 2, tokenizers: int = 2,
+                 args: dict[str, list[str]] | None = None, **sections):
         self.nats = EmbeddedNats()
         self.url = self.nats.start()
         sections["Switchboard"] = {"natsUrl": self.url, "kvCacheMemoryMb": 64, **sections.get("Switchboard", {})}
@@ -27,6 +28,7 @@ class Cluster:
         self.base = f"http://127.0.0.1:{server['port']}"
         self.mgmt = f"http://127.0.0.1:{server['managementPort']}"
         self.logs = folder
+        self.args = args or {}  # extra command-line arguments per process name ("engine-0": ["--role", "prefill"])
         self.procs: dict[str, subprocess.Popen] = {}
         for name in ["metrics", *[f"tokenizer-{i}" for i in range(tokenizers)],
                      *[f"engine-{i}" for i in range(engines)], "gateway"]:
@@ -36,7 +38,8 @@ class Cluster:
         service = name.split("-")[0]
         log = open(self.logs / f"{name}.log", "ab")
         self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "switchboard.cli", service, "--config", str(self.config), "--nats", self.url],
+            [sys.executable, "-m", "switchboard.cli", service, "--config", str(self.config), "--nats", self.url,
+             *self.args.get(name, [])],
             stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
         return self.procs[name]
 

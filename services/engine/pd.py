@@ -1,0 +1,135 @@
+"""Prefill/decode disaggregation over the bus: a prefill engine hands each request on to a decode engine.
+
+After a prefill engine has computed a request's prompt and first token (``Engine.take_handoffs``), it
+picks the least loaded live decode engine from the engines' heartbeats and sends it the request and
+the prompt's K/V (``kv_transfer``) as ``KvPart`` messages of at most ``PART_BYTES``, one at a time,
+each answered by a ``KvAck``: the receiver is never sent more than one part ahead, so several
+transfers at once cannot swamp a slow one. The decode engine takes the request when the last part
+arrives, and the prefill engine then tells the request's tokenizer where it went (``TokenBatch.moved``),
+so that the tokenizer watches the decode engine from then on.
+
+One owner at each step: until the last part is acknowledged the prefill engine owns the request; if no
+decode engine is live, or the transfer fails or takes longer than ``kvTransTimeoutSeconds``, it keeps
+the request and recomputes its prompt itself (the request's tokens are all that needs). A decode engine
+that dies after taking it is the tokenizer's to notice (its lease runs out): the gateway then resumes
+the request from what its client has. A decode engine drops a transfer whose sender went silent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import msgspec
+from nats.aio.msg import Msg as NatsMsg
+
+from services.engine.engine import Handoff
+from services.engine.kv_transfer import KvImport, KvLayout
+from shared import bus, subjects
+from shared.leases import Leases
+from shared.messages import EngineInfo, EngineRequest, KvAck, KvPart, decoder, encode
+
+log = logging.getLogger("switchboard.engine")
+
+PART_BYTES = 8 << 20  # K/V bytes per message: well under the bus's 64 MiB, a few blocks at a time
+
+
+class KvLink:
+    def __init__(self, service):
+        self.service = service
+        self.cfg = service.cfg
+        self.nc = service.nc
+        self.model = service.model
+        self.peers: Leases[EngineInfo] = Leases(self.cfg.switchboard.lease_seconds)
+        self.incoming: dict[str, tuple[KvPart, list[bytes], float]] = {}  # id -> (first part, chunks, deadline)
+        self.parts = decoder(KvPart)
+        self.acks = decoder(KvAck)
+        self.infos = decoder(EngineInfo)
+
+    @property
+    def timeout_s(self) -> float:
+        return self.cfg.switchboard.kv_trans_timeout_seconds
+
+    async def start(self) -> None:
+        await bus.subscribe(self.nc, subjects.engine_heartbeat(self.model), self.on_peer)
+        await bus.subscribe(self.nc, subjects.engine_kv(self.model, self.service.instance), self.on_part)
+
+    async def on_peer(self, msg: NatsMsg) -> None:
+        info = self.infos.decode(msg.data)
+        if info.instance and info.instance != self.service.instance:
+            self.peers.beat(info.instance, info)
+
+    def decode_target(self) -> str | None:
+        """The least loaded live decode engine that takes requests, None when there is none."""
+        live = {i: e for i, e in self.peers.live().items() if e.role == "decode" and e.loaded and not e.stopping}
+        if not live:
+            return None
+        return min(live, key=lambda i: (live[i].running + live[i].waiting) / max(1, live[i].max_batch_size))
+
+    # ---- prefill side -----------------------------------------------------------------------
+
+    async def hand_off(self, handoff: Handoff) -> None:
+        """Send one request on; keep it here (recomputed) when that is not possible in time."""
+        req = msgspec.structs.replace(handoff.request, generated_ids=handoff.generated_ids, handoff=False)
+        target = self.decode_target()
+        started = time.monotonic()
+        try:
+            if target is None:
+                raise RuntimeError("no decode engine is live")
+            await asyncio.wait_for(self._send(target, req, handoff.kv), self.timeout_s)
+        except Exception as exc:  # noqa: BLE001 - any failure: the request stays here
+            log.warning("handoff failed: recomputing here", extra={"request_id": req.id, "error": repr(exc)})
+            self.service.keep(req)
+            return
+        log.info("handed off", extra={"request_id": req.id, "engine": target,
+                                      "kv_bytes": sum(map(len, handoff.kv.chunks)),
+                                      "seconds": round(time.monotonic() - started, 4)})
+        await self.service.moved(req, target)
+
+    async def _send(self, target: str, req: EngineRequest, kv: KvImport) -> None:
+        per_part = max(1, PART_BYTES // max(1, kv.layout.chunk_bytes))
+        groups = [kv.chunks[i:i + per_part] for i in range(0, len(kv.chunks), per_part)] or [[]]
+        subject = subjects.engine_kv(self.model, target)
+        for index, chunks in enumerate(groups):
+            part = KvPart(id=req.id, index=index, count=len(groups), chunks=chunks)
+            if index == 0:
+                part.request, part.num_tokens = req, kv.num_tokens
+                layout = kv.layout
+                part.layout = [layout.layers, layout.kv_heads, layout.head_dim, layout.block_size, layout.dtype]
+            reply = await self.nc.request(subject, encode(part), timeout=self.timeout_s)
+            ack = self.acks.decode(reply.data)
+            if not ack.ok:
+                raise RuntimeError(f"decode engine {target} refused part {index}: {ack.error}")
+
+    # ---- decode side ------------------------------------------------------------------------
+
+    async def on_part(self, msg: NatsMsg) -> None:
+        part = self.parts.decode(msg.data)
+        self._expire()
+        try:
+            ack = self._take(part)
+        except Exception as exc:  # noqa: BLE001 - a bad part is refused; the sender keeps the request
+            self.incoming.pop(part.id, None)
+            ack = KvAck(ok=False, error=str(exc))
+        await bus.respond(msg, ack)
+
+    def _take(self, part: KvPart) -> KvAck:
+        if part.index == 0:
+            if part.request is None or len(part.layout) != 5:
+                raise ValueError("the first part lacks the request or its layout")
+            self.incoming[part.id] = (part, [], time.monotonic() + self.timeout_s)
+        first, chunks, deadline = self.incoming[part.id]
+        chunks.extend(part.chunks)
+        if part.index < part.count - 1:
+            return KvAck(ok=True)
+        del self.incoming[part.id]
+        kv = KvImport(KvLayout(*first.layout), first.num_tokens, chunks)
+        self.service.accept(first.request, kv)
+        return KvAck(ok=True)
+
+    def _expire(self) -> None:
+        """Drop transfers whose sender went silent (it keeps and recomputes those requests itself)."""
+        now = time.monotonic()
+        for request_id in [i for i, (_, _, deadline) in self.incoming.items() if deadline < now]:
+            del self.incoming[request_id]

@@ -1,0 +1,107 @@
+"""Prefill/decode disaggregation in one deployment, as separate processes on a real nats-server: engine-0
+prefills (``--role prefill``), engine-1 decodes (``--role decode``). Greedy and seeded streams equal an
+in-process co-located engine token for token, the decode engine computes no prompt token (the K/V came
+over the bus), and killing the decode engine mid-stream loses nothing (the gateway resumes; the prefill
+engine, alone, serves whole)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgspec
+import pytest
+from transformers import AutoTokenizer
+
+from services.engine.engine import Engine
+from services.engine.service import eos_token_ids
+from shared import subjects
+from shared.messages import EngineInfo
+from tests.integration import test_failover
+from tests.integration.cluster import Cluster
+from tests.unit.engine_helpers import limits, make_runner, request, run_until_idle
+
+TOKENS = 40
+STREAMS = 4
+
+
+def pd_body(i: int, seeded: bool) -> dict:
+    params = {"max_new_tokens": TOKENS}
+    if seeded:
+        params.update(do_sample=True, temperature=0.9, top_k=50, seed=1000 + i)
+    return {"inputs": f"Request number {i}: " + "once upon a time, " * (10 + 15 * i), "parameters": params}
+
+
+@pytest.fixture
+def cluster(tmp_path, tiny_model_dir, monkeypatch):
+    monkeypatch.setattr(test_failover, "body", pd_body)
+    monkeypatch.setattr(test_failover, "STREAMS", STREAMS)
+    c = Cluster(tmp_path, tiny_model_dir, engines=2, tokenizers=1,
+                args={"engine-0": ["--role", "prefill"], "engine-1": ["--role", "decode"]})
+    try:
+        c.wait_ready()
+        c.wait_started("engine-1", 1)
+        c.wait_started("engine-0", 1)
+        yield c
+    finally:
+        c.stop()
+
+
+def co_located(model_dir, seeded: bool) -> list[list[int]]:
+    """The same requests on one in-process engine that does both (what a co-located deployment gives)."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    runner = make_runner(model_dir, 128)
+    engine = Engine(runner, limits(), eos_token_ids(runner))
+    for i in range(STREAMS):
+        sampling = {"do_sample": True, "temperature": 0.9, "top_k": 50, "seed": 1000 + i} if seeded else {}
+        ids = tokenizer(pd_body(i, seeded)["inputs"]).input_ids
+        engine.add_request(request(str(i), ids, max_new_tokens=TOKENS, **sampling))
+    run = run_until_idle(engine)
+    return [run.tokens[str(i)] for i in range(STREAMS)]
+
+
+async def engine_infos(nats_url: str, model: str, wait_s: float = 1.5) -> dict[str, EngineInfo]:
+    """Each engine's latest heartbeat, by role."""
+    import nats
+
+    latest: dict[str, EngineInfo] = {}
+    nc = await nats.connect(nats_url)
+
+    async def on_beat(msg) -> None:
+        info = msgspec.msgpack.decode(msg.data, type=EngineInfo)
+        latest[info.role] = info
+
+    await nc.subscribe(subjects.engine_heartbeat(model), cb=on_beat)
+    try:
+        await asyncio.sleep(wait_s)
+    finally:
+        await nc.close()
+    return latest
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
+def test_prefill_and_decode_engines_answer_as_one_engine_with_no_re_prefill(cluster, tiny_model_dir, seeded):
+    streams = test_failover.Streams(cluster.base, seeded)
+    asyncio.run(streams.run())
+    assert not any(streams.errors), (streams.errors, cluster.log_tails())
+    assert streams.tokens == co_located(tiny_model_dir, seeded), cluster.log_tails()
+    infos = asyncio.run(engine_infos(cluster.nats.url, model_name(cluster)))
+    assert infos["decode"].prompt_tokens_total == 0, infos  # no silent re-prefill
+    assert infos["decode"].generation_tokens_total == sum(len(t) - 1 for t in streams.tokens)
+    assert infos["prefill"].generation_tokens_total == STREAMS  # the first tokens
+
+
+def test_the_decode_engine_killed_mid_stream_loses_nothing(cluster, tiny_model_dir):
+    expected = co_located(tiny_model_dir, seeded=False)
+    streams = test_failover.Streams(cluster.base, seeded=False)
+    started = time.monotonic()
+    asyncio.run(streams.run(fault=lambda: cluster.kill("engine-1"), after_tokens=5))
+    assert not any(streams.errors), (streams.errors, cluster.log_tails())
+    assert streams.tokens == expected, cluster.log_tails()
+    assert time.monotonic() - started < 60
+
+
+def model_name(cluster) -> str:
+    import json
+
+    return json.loads(cluster.config.read_text())["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["modelName"]
