@@ -253,7 +253,15 @@ class Finished(Msg, tag="finished"):
     adapter: str = ""
 
 
-MetricsEvent = Union[Received, Queued, FirstToken, Finished]
+class KvTransferred(msgspec.Struct, tag="kv", omit_defaults=True):
+    """Prefill engine: one request's K/V handed to a decode engine (bytes sent, seconds it took)."""
+
+    model: str
+    bytes: int
+    seconds: float
+
+
+MetricsEvent = Union[Received, Queued, FirstToken, Finished, KvTransferred]
 
 
 # ---- request/reply ----------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from services.engine.engine import Handoff
 from services.engine.kv_transfer import KvImport, KvLayout
 from shared import bus, subjects
 from shared.leases import Leases
-from shared.messages import EngineInfo, EngineRequest, KvAck, KvPart, decoder, encode
+from shared.messages import EngineInfo, EngineRequest, KvAck, KvPart, KvTransferred, decoder, encode
 
 log = logging.getLogger("switchboard.engine")
 
@@ -82,9 +82,10 @@ class KvLink:
             log.warning("handoff failed: recomputing here", extra={"request_id": req.id, "error": repr(exc)})
             self.service.keep(req)
             return
-        log.info("handed off", extra={"request_id": req.id, "engine": target,
-                                      "kv_bytes": sum(map(len, handoff.kv.chunks)),
-                                      "seconds": round(time.monotonic() - started, 4)})
+        sent, seconds = sum(map(len, handoff.kv.chunks)), time.monotonic() - started
+        log.info("handed off", extra={"request_id": req.id, "engine": target, "kv_bytes": sent,
+                                      "seconds": round(seconds, 4)})
+        await bus.publish(self.nc, subjects.METRICS_EVENTS, KvTransferred(model=self.model, bytes=sent, seconds=seconds))
         await self.service.moved(req, target)
 
     async def _send(self, target: str, req: EngineRequest, kv: KvImport) -> None:

@@ -38,8 +38,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from shared.engines import cache_usage, combined, prefix_hit_rate
 from shared.leases import Leases
-from shared.messages import EngineInfo, Finished, FirstToken, MetricsEvent, Queued, Received
+from shared.messages import EngineInfo, Finished, FirstToken, KvTransferred, MetricsEvent, Queued, Received
 
+KV_BYTES_BUCKETS = tuple(float(1 << k) for k in range(16, 33, 2))  # 64 KiB .. 4 GiB
+KV_SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10)
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5)
 E2E_BUCKETS = (1, 2.5, 5, 10, 15, 20, 30, 40, 50, 60)
@@ -83,6 +85,10 @@ class PrometheusMetrics:
                                        buckets=TOKEN_BUCKETS, registry=r)
         self.gen_tokens = Histogram("request_generation_tokens", "Generated tokens per request.", label,
                                     buckets=TOKEN_BUCKETS, registry=r)
+        self.kv_bytes = Histogram("kv_transfer_bytes", "K/V bytes a prefill engine handed to a decode engine, per "
+                                  "request.", label, buckets=KV_BYTES_BUCKETS, registry=r)
+        self.kv_seconds = Histogram("kv_transfer_seconds", "Seconds a prefill engine took to hand one request's K/V "
+                                    "to a decode engine.", label, buckets=KV_SECONDS_BUCKETS, registry=r)
         self.prompt_total = Counter("prompt_tokens", "Number of prefill tokens processed.", label, registry=r)
         self.gen_total = Counter("generation_tokens", "Number of generation tokens processed.", label, registry=r)
         self.failed_perc = Gauge("failed_request_perc", "Failed requests ratio (1 = 100%).", label, registry=r)
@@ -111,6 +117,9 @@ class PrometheusMetrics:
                 self.queue.labels(m).observe(seconds)
         elif isinstance(event, FirstToken):
             self.ttft.labels(m).observe(event.ttft_s)
+        elif isinstance(event, KvTransferred):
+            self.kv_bytes.labels(m).observe(event.bytes)
+            self.kv_seconds.labels(m).observe(event.seconds)
         elif isinstance(event, Finished):
             self._finished(event)
 

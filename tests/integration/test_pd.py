@@ -89,6 +89,20 @@ def test_prefill_and_decode_engines_answer_as_one_engine_with_no_re_prefill(clus
     assert infos["decode"].prompt_tokens_total == 0, infos  # no silent re-prefill
     assert infos["decode"].generation_tokens_total == sum(len(t) - 1 for t in streams.tokens)
     assert infos["prefill"].generation_tokens_total == STREAMS  # the first tokens
+    assert transfers(cluster)["kv_transfer_seconds_count"] >= STREAMS
+
+
+def transfers(cluster) -> dict[str, float]:
+    """The K/V transfer histograms' samples from the Prometheus endpoint."""
+    import json
+
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    port = json.loads(cluster.config.read_text())["ServerConfig"].get("metricsPort", 1027)
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    return {sample.name: sample.value for family in text_string_to_metric_families(text)
+            if family.name.startswith("kv_transfer") for sample in family.samples if not sample.labels.get("le")}
 
 
 def test_the_decode_engine_killed_mid_stream_loses_nothing(cluster, tiny_model_dir):
@@ -105,3 +119,33 @@ def model_name(cluster) -> str:
     import json
 
     return json.loads(cluster.config.read_text())["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["modelName"]
+
+
+def test_four_concurrent_thousand_token_handoffs_all_complete(cluster, tiny_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    words = [f"Story {i}: " + " ".join(f"word{j}" for j in range(400)) for i in range(4)]
+    prompts = [tokenizer.decode(tokenizer(w).input_ids[:1000]) for w in words]
+    assert all(len(tokenizer(p).input_ids) >= 990 for p in prompts)
+
+    async def one(client, prompt: str) -> list[int]:
+        r = await client.post(cluster.base + "/generate", json={"inputs": prompt, "parameters": {
+            "max_new_tokens": 8, "details": True}})
+        assert r.status_code == 200, r.text
+        return [t["id"] for t in r.json()["details"]["tokens"]]
+
+    async def all_four() -> list[list[int]]:
+        import httpx
+
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    before = asyncio.run(engine_infos(cluster.nats.url, model_name(cluster)))["decode"].prompt_tokens_total
+    got = asyncio.run(all_four())
+    runner = make_runner(tiny_model_dir, 512)
+    engine = Engine(runner, limits(), eos_token_ids(runner))
+    for i, p in enumerate(prompts):
+        engine.add_request(request(str(i), tokenizer(p).input_ids, max_new_tokens=8))
+    run = run_until_idle(engine)
+    assert got == [run.tokens[str(i)] for i in range(4)]
+    after = asyncio.run(engine_infos(cluster.nats.url, model_name(cluster)))["decode"].prompt_tokens_total
+    assert after == before  # all four prompts' K/V came over the bus
