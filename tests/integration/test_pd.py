@@ -149,3 +149,30 @@ def test_four_concurrent_thousand_token_handoffs_all_complete(cluster, tiny_mode
     assert got == [run.tokens[str(i)] for i in range(4)]
     after = asyncio.run(engine_infos(cluster.nats.url, model_name(cluster)))["decode"].prompt_tokens_total
     assert after == before  # all four prompts' K/V came over the bus
+
+
+def test_a_frozen_decode_engine_ends_in_recompute_within_the_transfer_timeout(tmp_path, tiny_model_dir, monkeypatch):
+    """SIGSTOP the decode engine: its lease is still good, so prefill engines hand requests to it, and the
+    transfers go unanswered; after kvTransTimeoutSeconds each request is recomputed on the prefill engine."""
+    import os
+    import signal
+
+    monkeypatch.setattr(test_failover, "body", pd_body)
+    monkeypatch.setattr(test_failover, "STREAMS", STREAMS)
+    c = Cluster(tmp_path, tiny_model_dir, engines=2, tokenizers=1, Switchboard={"kvTransTimeoutSeconds": 2},
+                args={"engine-0": ["--role", "prefill"], "engine-1": ["--role", "decode"]})
+    try:
+        c.wait_ready()
+        c.wait_started("engine-1", 1)
+        os.kill(c.procs["engine-1"].pid, signal.SIGSTOP)
+        streams = test_failover.Streams(c.base, seeded=False)
+        started = time.monotonic()
+        asyncio.run(streams.run())
+        elapsed = time.monotonic() - started
+        os.kill(c.procs["engine-1"].pid, signal.SIGCONT)
+        assert not any(streams.errors), (streams.errors, c.log_tails())
+        assert streams.tokens == co_located(tiny_model_dir, seeded=False), c.log_tails()
+        assert elapsed < 2 + 20, elapsed
+        assert "handoff failed" in (tmp_path / "engine-0.log").read_text()
+    finally:
+        c.stop()
