@@ -328,6 +328,24 @@ class Heartbeat(msgspec.Struct, omit_defaults=True):
     instance: str
     model: str = ""
     stopping: bool = False
+    server: str = ""  # a gateway's business listener, "ip:port" (what a coordinator's d-target names)
+    role: str = ""  # a gateway's PD role (MindIE's /v1/role): prefill | decode | flex; "" = none
+    dmi: bool = False  # a gateway in inferMode "dmi"
+
+
+class DResultFrame(msgspec.Struct, omit_defaults=True):
+    """Prefill gateway to the decode gateway a coordinator named (``subjects.gateway_dresult``): one frame
+    of a PD-split request's results, which that gateway pushes down its ``GET /dresult`` connection.
+
+    ``kind``: ``open`` (first, not pushed: ``body`` is the request to send back as ``retry:`` should the
+    prefill gateway die), then ``data`` frames, then one ``lastData`` or ``error``. ``seq`` counts from 0 per
+    request, so a frame lost on the bus is noticed."""
+
+    req_id: str
+    kind: str
+    seq: int
+    origin: str  # the prefill gateway's instance
+    body: bytes = b""
 
 
 class Tokenize(msgspec.Struct, omit_defaults=True):

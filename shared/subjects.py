@@ -65,6 +65,11 @@ def tokens_inbox(instance: str) -> str:
     return f"{PREFIX}.tokens.{instance}"
 
 
+def gateway_dresult(instance: str) -> str:
+    """prefill gateway -> one decode gateway: PD-split results for its ``GET /dresult`` (DResultFrame)."""
+    return f"{PREFIX}.dresult.{instance}"
+
+
 def gateway_inbox(instance: str) -> str:
     """tokenizer -> one gateway instance; the gateway subscribes to ``<inbox>.>``."""
     return f"{PREFIX}.gw.{instance}"

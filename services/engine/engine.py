@@ -246,8 +246,9 @@ class Engine:
                        deadline_reason=req.deadline_reason, last_event_at=time.time(), arrival=req.arrival, lora=slot)
         seq.media, seq.media_salt = req.media, salt(req.media)
         # a prompt with media stays: its decode needs what the encoder computed (Qwen2-VL's rope delta)
-        seq.request, seq.kv_import = req, kv
+        seq.kv_import = kv
         seq.handoff = req.handoff and not req.generated_ids and req.media is None
+        seq.request = req if seq.handoff else None  # only a handoff needs it; others would pin their media
         seq.token_ids.extend(req.generated_ids)  # resumed: its first prefill recomputes their cache too
         self.seqs[req.id] = seq
         self.scheduler.add(seq)

@@ -45,7 +45,7 @@ class Sequence:
     media_rows: Any = None  # multimodal.MediaRows: features for its media tokens (kept for recompute)
     media_salt: bytes = b""  # its media's digest: prefix-cache keys of a request with media are its own
     handoff: bool = False  # prefill role: after its first token its K/V go to a decode engine
-    request: Any = None  # the EngineRequest it came as (what a handoff sends on)
+    request: Any = None  # the EngineRequest it came as, kept only while it may be handed off (what the handoff sends on)
     kv_import: Any = None  # kv_transfer.KvImport: K/V received for its prompt, written when it gets blocks
 
     def __post_init__(self) -> None:

@@ -74,6 +74,18 @@ class Call:
             for pump in pumps:
                 pump.cancel()
 
+    def has_first_tokens(self) -> bool:
+        """Every choice has its first token (or has ended)."""
+        return all(s.first_token.is_set() for s in self.sessions)
+
+    def ended(self) -> bool:
+        """Every choice has ended."""
+        return all(s.finish_reason is not None for s in self.sessions)
+
+    async def first_tokens(self) -> None:
+        """Until every choice has its first token (or has ended)."""
+        await asyncio.gather(*(s.first_token.wait() for s in self.sessions))
+
     def prompt_of(self, index: int) -> int:
         return index // self.n
 

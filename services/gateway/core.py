@@ -10,7 +10,9 @@ import msgspec
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 
 from services.gateway.failover import Failover
+from services.gateway.dresult import DResults
 from services.gateway.mailbox import Mailboxes
+from services.gateway.roles import Roles
 from services.gateway.served import Served
 from services.gateway.slots import Slots
 from shared import bus, subjects
@@ -43,7 +45,8 @@ class Gateway:
         self._stops = decoder(StopInfer)
         self.live: dict[str, object] = {}  # session id -> every in-flight Session (the stop drain waits on it)
         self.by_user: dict[str, object] = {}  # user id -> in-flight Session, for stopInfer
-        self.role = "none"  # PD role set by /v1/role, /v2/role; "none" while co-located
+        self.roles = Roles(self)  # PD role set by /v1/role, /v2/role, its peers, and every gateway heard
+        self.dresults = DResults(self)  # decode role: PD-split results for GET /dresult
         self.stopping = False  # set by /stopService: new inference is refused
         self.slots = Slots(cfg.server.max_link_num)  # maxLinkNum in progress, 2 x maxLinkNum waiting (§2.2)
         self.lora_lock = asyncio.Lock()  # this gateway's LoRA loads and unloads, one at a time
@@ -54,6 +57,8 @@ class Gateway:
         await self.mailboxes.start()
         await bus.subscribe(self.nc, subjects.engine_heartbeat(self.model), self.on_heartbeat)
         await bus.subscribe(self.nc, subjects.STOP_INFER, self.on_stop_infer)
+        await self.roles.start()
+        await self.dresults.start()
         await self.failover.start()
 
     @property
@@ -117,7 +122,7 @@ class Gateway:
     @property
     def pd_split(self) -> bool:
         """PD split mode (``inferMode`` "dmi", or a prefill/decode role): LoRA adapters are refused."""
-        return self.cfg.server.infer_mode == "dmi" or self.role in ("prefill", "decode")
+        return self.roles.dmi or self.roles.role in ("prefill", "decode")
 
     def served(self) -> Served:
         """The names a request may run under now: the model and every adapter a live engine holds."""

@@ -51,10 +51,9 @@ class Failover:
         return subjects.tokenizer_instance(random.choice(live)) if live else subjects.TOKENIZER_GENERATE
 
     async def run(self) -> None:
-        beat = Heartbeat(service="gateway", instance=self.gw.instance, model=self.gw.model)
         while not self.gw.nc.is_closed:
             try:
-                await bus.publish(self.gw.nc, subjects.heartbeat("gateway"), beat)
+                await bus.publish(self.gw.nc, subjects.heartbeat("gateway"), self.gw.roles.heartbeat())
                 self.check()
             except Exception:  # noqa: BLE001 - the watch must outlive any one failure
                 log.exception("failover watch failed")

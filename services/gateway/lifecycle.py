@@ -18,6 +18,7 @@ from litestar import Request, Response
 from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 
+from services.gateway import dmi
 from services.gateway.call import Call
 from services.gateway.disconnect import ClientDisconnected, unless_disconnected
 from shared.errors import ErrorKind, SwitchboardError
@@ -75,9 +76,27 @@ async def _framed(call: Call, chunks: AsyncIterator[bytes], error_chunk: ErrorCh
 
 async def respond(request: Request, call: Call, streaming: bool, body: Callable[[], Awaitable[Any]],
                   chunks: Callable[[], AsyncIterator[bytes]], error_chunk: ErrorChunk,
-                  media_type: str = "text/event-stream", trailer: bytes = b"") -> Response:
-    """The whole lifecycle: start, then a JSON body or a stream."""
+                  media_type: str = "text/event-stream", trailer: bytes = b"", stop_ok: bool = False) -> Response:
+    """The whole lifecycle: start, then a JSON body or a stream. In ``inferMode`` "dmi" the request came from
+    a coordinator: it is admitted by its headers, and answered with the first-token JSON (``dmi.py``);
+    ``stop_ok`` says the family takes stop words there (the OpenAI routes)."""
+    if call.gw.roles.dmi:
+        return await _respond_dmi(request, call, streaming, body, chunks, trailer, stop_ok)
     await start(request, call)
     if streaming:
         return stream(call, chunks(), error_chunk, media_type, trailer)
     return await collect(request, call, body())
+
+
+async def _respond_dmi(request: Request, call: Call, streaming: bool, body: Callable[[], Awaitable[Any]],
+                       chunks: Callable[[], AsyncIterator[bytes]], trailer: bytes, stop_ok: bool) -> Response:
+    try:
+        ticket = dmi.admit(request, call, stop_ok)
+    except dmi.Refused as refused:
+        call.close()
+        return refused.response()
+    except BaseException:
+        call.close()
+        raise
+    await start(request, call)
+    return await dmi.respond(request, call, ticket, streaming, body, chunks, trailer)

@@ -79,6 +79,7 @@ class Session:
         self.published = False
         self.closed = False
         self.first_token_at: float | None = None
+        self.first_token = asyncio.Event()  # set with the first token, or at the end (PD split answers then)
         self.finish_reason: str | None = None
         self.generated = 0
         self.tokens: list[TokenOut] = []
@@ -233,6 +234,8 @@ class Session:
         self.tokens.extend(event.tokens)
         self.generated = event.generated_tokens
         self.finish_reason = event.finish_reason
+        if self.tokens or self.finish_reason is not None:
+            self.first_token.set()
         end = None
         if event.finish_reason is not None:
             end = End(event.finish_reason, "".join(t.text for t in self.tokens), self.tokens, self.generated,

@@ -1,8 +1,10 @@
 """Management status and control (reference §3.6, §3.8–§3.12): ``/v1/config``, ``/v1/status``,
 ``/v2/status``, ``/v1/role/{role}``, ``/v2/role/{role}``, ``/health/timed[-N]``.
 
-Roles are recorded and reported; the KV transfer between prefill and decode instances is not built
-yet, so a role change is ready at once and there are no peers links to report.
+Roles (``roles.py``): co-located ("standard") a role is a label and the status is always RoleReady; in
+``inferMode`` "dmi" an assignment goes RoleSwitching until every peer it names is a live gateway of the
+complementary role, then RoleReady. A decode server lists its linked prefill servers' IPs in ``peers``
+(v1), and every server its links' state in ``linkStatus.peers`` (v2).
 
 Status covers every live engine (``modelInstanceNumber`` of them, or however many run): figures are sums,
 and an engine whose lease ran out (``Switchboard.leaseSeconds``) drops out at once.
@@ -53,7 +55,8 @@ def _engines(request: Request) -> dict[str, EngineInfo]:
 
 
 def _service(gateway) -> dict[str, str]:
-    return {"roleStatus": "RoleReady", "currentRole": gateway.role}
+    status, role = gateway.roles.status()
+    return {"roleStatus": status, "currentRole": role}
 
 
 @get("/v1/status")
@@ -63,8 +66,11 @@ async def status_v1(request: Request) -> Response:
     resource = {"availSlotsNum": e.free_slots, "availBlockNum": e.free_blocks, "waitingRequestNum": e.waiting,
                 "runningRequestNum": e.running, "swappedRequestNum": 0, "freeNpuBlockNums": e.free_blocks,
                 "freeCpuBlockNums": 0, "totalNpuBlockNums": e.total_blocks, "totalCpuBlockNums": 0}
-    return Response({"service": _service(request.app.state.gateway), "resource": resource},
-                    media_type="application/json")
+    gateway = request.app.state.gateway
+    body = {"service": _service(gateway), "resource": resource}
+    if gateway.roles.dmi and gateway.roles.role == "decode":  # the P servers this D server is linked to
+        body["peers"] = [ip for ip, up in gateway.roles.links().items() if up]
+    return Response(body, media_type="application/json")
 
 
 @get("/v2/status")
@@ -77,7 +83,11 @@ async def status_v2(request: Request) -> Response:
                 "maxAvailNpuBlockNum": max(x.free_blocks for x in engines.values()),
                 "dpInstMap": {instance: x.free_blocks for instance, x in sorted(engines.items())}}
     return Response({"service": _service(request.app.state.gateway), "resource": resource,
-                     "linkStatus": {"peers": []}}, media_type="application/json")
+                     "linkStatus": {"peers": _links(request.app.state.gateway)}}, media_type="application/json")
+
+
+def _links(gateway) -> list[dict[str, str]]:
+    return [{"target": ip, "link": "ok" if up else "linking"} for ip, up in gateway.roles.links().items()]
 
 
 # ---- roles ------------------------------------------------------------------------------------
@@ -99,6 +109,9 @@ class RoleV1(msgspec.Struct):
     local: NodeV1
     peers: list[NodeV1] = []
 
+    def peer_ips(self) -> list[str]:
+        return [node.server_ip for node in self.peers]
+
 
 class DpInst(msgspec.Struct):
     dp_inst_id: int | str
@@ -115,16 +128,19 @@ class RoleV2(msgspec.Struct):
     local: list[NodeV2]
     peers: list[list[NodeV2]] = []
 
+    def peer_ips(self) -> list[str]:
+        return [node.server_ip for instance in self.peers for node in instance]
+
 
 def _set_role(request: Request, role: str, allowed: tuple[str, ...], body: bytes, shape) -> Response:
     if role not in allowed:
         return mindie_error(ErrorKind.NOT_FOUND, f"role must be one of {', '.join(allowed)}, got {role}")
     try:
-        msgspec.convert(read_json_object(body), type=shape)
+        assignment = msgspec.convert(read_json_object(body), type=shape)
     except (BodyError, msgspec.ValidationError) as exc:
         return Response({"error": f"Req body converts to json fail. Reset to previous node status. ({exc})",
                          "error_type": ROLE_422_TYPE}, status_code=422, media_type="application/json")
-    request.app.state.gateway.role = role
+    request.app.state.gateway.roles.assign(role, assignment.peer_ips())
     return Response({"result": "ok"}, media_type="application/json")
 
 

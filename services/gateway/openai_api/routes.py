@@ -84,7 +84,8 @@ async def respond(request: Request, common: Common, call: Call, input_field: str
     """The shared lifecycle; the tokenizer's refusals (prompt too long, ids outside the vocabulary),
     which name no field, are charged to ``input_field``."""
     try:
-        return await lifecycle.respond(request, call, common.stream, body, chunks, error_event, trailer=DONE)
+        return await lifecycle.respond(request, call, common.stream, body, chunks, error_event, trailer=DONE,
+                                       stop_ok=True)
     except SwitchboardError as exc:
         if exc.kind is ErrorKind.VALIDATION and exc.param is None:
             raise bad_param(input_field, exc.message) from None

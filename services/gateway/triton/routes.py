@@ -67,8 +67,12 @@ async def infer(request: Request, model: FromPath[str]) -> Response:
     session = Session(gateway, "", opts.sampling, user_id=req.user_id, prompt_ids=req.prompt_ids,
                       priority=opts.priority, timeout_s=opts.timeout_s)
     call = Call(gateway, [session])
-    await lifecycle.start(request, call)
-    return await lifecycle.collect(request, call, infer_response(call, req.binary_output))
+    return await lifecycle.respond(request, call, False, lambda: infer_response(call, req.binary_output),
+                                   _no_stream, error_event)
+
+
+async def _no_stream():  # /infer answers whole
+    yield b""
 
 
 @post(model_paths("/generate"), status_code=200)
