@@ -26,7 +26,7 @@ from nats.aio.msg import Msg as NatsMsg
 
 from services.engine.engine import Handoff
 from services.engine.kv_transfer import KvImport, KvLayout
-from shared import bus, subjects
+from shared import bus, subjects, telemetry
 from shared.leases import Leases
 from shared.messages import EngineInfo, EngineRequest, KvAck, KvPart, KvTransferred, decoder, encode
 
@@ -74,15 +74,21 @@ class KvLink:
         req = msgspec.structs.replace(handoff.request, generated_ids=handoff.generated_ids, handoff=False)
         target = self.decode_target()
         started = time.monotonic()
+        sent = sum(map(len, handoff.kv.chunks))
+        span = telemetry.start_span("engine.kv_transfer", req.trace, **{
+            "switchboard.request_id": req.id, "switchboard.kv_bytes": sent, "switchboard.kv_tokens": handoff.kv.num_tokens,
+            "switchboard.decode_engine": target or ""})
         try:
             if target is None:
                 raise RuntimeError("no decode engine is live")
             await asyncio.wait_for(self._send(target, req, handoff.kv), self.timeout_s)
         except Exception as exc:  # noqa: BLE001 - any failure: the request stays here
             log.warning("handoff failed: recomputing here", extra={"request_id": req.id, "error": repr(exc)})
+            telemetry.end_span(span, f"handoff failed, recomputed here: {exc!r}", **{"switchboard.outcome": "recompute"})
             self.service.keep(req)
             return
-        sent, seconds = sum(map(len, handoff.kv.chunks)), time.monotonic() - started
+        seconds = time.monotonic() - started
+        telemetry.end_span(span, **{"switchboard.outcome": "moved", "switchboard.kv_seconds": seconds})
         log.info("handed off", extra={"request_id": req.id, "engine": target, "kv_bytes": sent,
                                       "seconds": round(seconds, 4)})
         await bus.publish(self.nc, subjects.METRICS_EVENTS, KvTransferred(model=self.model, bytes=sent, seconds=seconds))

@@ -107,6 +107,15 @@ class Gateway:
         """Every engine heard within its lease, by instance id (an engine whose lease ran out is gone at once)."""
         return self.engines.live()
 
+    def role_engines(self) -> dict[str, EngineInfo]:
+        """The live engines behind this server's PD role (dmi: prefill or decode engines, and co-located
+        ones); every live engine otherwise. What /v1/status, /v2/status and /metrics-json report."""
+        role = self.roles.role
+        engines = self.live_engines()
+        if not self.roles.dmi or role not in ("prefill", "decode"):
+            return engines
+        return {i: e for i, e in engines.items() if e.role in (role, "both")}
+
     def serving_engines(self) -> dict[str, EngineInfo]:
         """The live engines that take new requests (not draining)."""
         return {i: e for i, e in self.live_engines().items() if not e.stopping}

@@ -1,7 +1,8 @@
 """``GET /metrics-json`` (management plane, reference §3.13) and ``GET /metrics`` (metrics plane, §3.14).
 
 Both read the metrics service over NATS; ``/metrics-json``'s engine figures (waiting, processing, remaining
-blocks) are sums over the live engines' heartbeats.
+blocks) are sums over the live engines' heartbeats (in dmi mode, those of the server's PD role; TTFT and
+TBT are the deployment's).
 ``/metrics`` is served without MindIE's ``MIES_SERVICE_MONITOR_MODE`` switch: Prometheus scrapes it as is.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 from litestar import Request, Response, get
 
 from shared import bus, subjects
+from shared.engines import combined
 from shared.errors import ErrorKind, SwitchboardError
 from shared.messages import MetricsSnapshot, Ping, PrometheusText
 
@@ -27,7 +29,7 @@ async def _ask(gateway, subject: str, reply_type):
 async def metrics_json(request: Request) -> Response:
     gateway = request.app.state.gateway
     snapshot: MetricsSnapshot = await _ask(gateway, subjects.METRICS_SNAPSHOT, MetricsSnapshot)
-    engine = gateway.engine_info()
+    engine = combined(gateway.role_engines().values())  # in dmi mode: the engines of this server's role
     if engine is None:
         raise SwitchboardError(ErrorKind.UNAVAILABLE, f"no engine is serving model {gateway.model}")
     server = gateway.cfg.server

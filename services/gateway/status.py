@@ -6,8 +6,9 @@ Roles (``roles.py``): co-located ("standard") a role is a label and the status i
 complementary role, then RoleReady. A decode server lists its linked prefill servers' IPs in ``peers``
 (v1), and every server its links' state in ``linkStatus.peers`` (v2).
 
-Status covers every live engine (``modelInstanceNumber`` of them, or however many run): figures are sums,
-and an engine whose lease ran out (``Switchboard.leaseSeconds``) drops out at once.
+Status covers every live engine (``modelInstanceNumber`` of them, or however many run) — in dmi mode those of
+the server's role: figures are sums, and an engine whose lease ran out (``Switchboard.leaseSeconds``) drops
+out at once.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def _engines(request: Request) -> dict[str, EngineInfo]:
     gateway = request.app.state.gateway
     if gateway.stopping:
         raise SwitchboardError(ErrorKind.UNAVAILABLE, "The service has been stopped.")
-    engines = gateway.live_engines()
+    engines = gateway.role_engines()
     if not engines:
         raise SwitchboardError(ErrorKind.UNAVAILABLE, "no engine is serving; status is unknown")
     return engines

@@ -135,6 +135,11 @@ def test_roles_go_unknown_switching_ready_with_real_peers(pd):
     assert d["service"]["currentRole"] == "decode" and d["peers"] == ["127.0.0.1"]
     assert "peers" not in status(pd.mgmt)  # only a decode server lists the prefill servers it is linked to
     assert status(pd.d_mgmt, "v2")["linkStatus"] == {"peers": [{"target": "127.0.0.1", "link": "ok"}]}
+    # each server reports the engines of its role: one each, not the same one
+    p_engines = status(pd.mgmt, "v2")["resource"]["dpInstMap"]
+    d_engines = status(pd.d_mgmt, "v2")["resource"]["dpInstMap"]
+    assert len(p_engines) == len(d_engines) == 1 and set(p_engines) != set(d_engines)
+    assert httpx.get(pd.d_mgmt + "/metrics-json").status_code == 200
 
 
 @pytest.mark.parametrize("hdrs, status_code, message", [

@@ -14,6 +14,7 @@ import json
 import threading
 
 import httpx
+import msgspec
 import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
@@ -77,6 +78,45 @@ async def test_one_trace_spans_all_three_services(tmp_path, tiny_model_dir, expo
     assert gateway.attributes["switchboard.finish_reason"] in ("length", "eos_token")
     assert tokenizer.attributes["switchboard.prompt_tokens"] == engine.attributes["switchboard.prompt_tokens"] == 3
     assert gateway.start_time <= tokenizer.start_time <= engine.start_time <= engine.end_time <= gateway.end_time
+
+
+async def test_the_kv_handoff_is_a_span_of_the_request_trace(tmp_path, tiny_model_dir, exporter):
+    """With a prefill and a decode engine, the K/V transfer is a span in the request's trace."""
+    with EmbeddedNats() as url:
+        config = write_config(tmp_path, tiny_model_dir, Switchboard={"natsUrl": url, "kvCacheMemoryMb": 64})
+        cfg = load_config(config)
+        port = json.loads(config.read_text())["ServerConfig"]["port"]
+        stop = asyncio.Event()
+        tasks = []
+        for name, role in (("metrics", ""), ("tokenizer", ""), ("engine", "decode"), ("engine", "prefill"),
+                           ("gateway", "")):
+            own = cfg if not role else msgspec.structs.replace(
+                cfg, switchboard=msgspec.structs.replace(cfg.switchboard, engine_role=role))
+            ready = asyncio.Event()
+            serve = importlib.import_module(f"services.{name}.service").serve
+            tasks.append(asyncio.create_task(serve(own, url, stop, ready.set)))
+            await asyncio.wait_for(ready.wait(), 120)
+        try:
+            async with httpx.AsyncClient(timeout=60) as client:
+                for _ in range(100):  # until the tokenizer has heard the decode engine and a request is handed off
+                    r = await client.post(f"http://127.0.0.1:{port}/generate",
+                                          json={"inputs": "My name is " * 20, "parameters": {"max_new_tokens": 4}})
+                    if any(s.name == "engine.kv_transfer" for s in exporter.get_finished_spans()):
+                        break
+                    await asyncio.sleep(0.1)
+                assert r.status_code == 200, r.text
+            await asyncio.sleep(0.3)
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    [transfer] = [s for s in exporter.get_finished_spans() if s.name == "engine.kv_transfer"]
+    request_id = transfer.attributes["switchboard.request_id"]
+    [gateway] = [s for s in exporter.get_finished_spans()
+                 if s.name == "gateway.request" and s.attributes["switchboard.request_id"] == request_id]
+    assert transfer.context.trace_id == gateway.context.trace_id
+    assert transfer.attributes["switchboard.outcome"] == "moved" and transfer.attributes["switchboard.kv_bytes"] > 0
+    assert transfer.attributes["switchboard.kv_tokens"] == 61  # the prompt's 60 tokens and the first token's
+    assert gateway.start_time <= transfer.start_time <= transfer.end_time <= gateway.end_time
 
 
 class _Collector(http.server.BaseHTTPRequestHandler):
