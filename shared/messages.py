@@ -164,8 +164,10 @@ class TokenBatch(msgspec.Struct, omit_defaults=True):
 
 class KvPart(msgspec.Struct, omit_defaults=True):
     """Prefill engine -> decode engine (``subjects.engine_kv``, request/reply, one part at a time): a
-    handed-off request's K/V, one or more per-block chunks per part; the first part carries the request
-    and its layout. The decode engine answers each part with KvAck and takes the request on the last."""
+    handed-off request's K/V, one or more per-block chunks per part. The first part (index 0) carries the
+    request and the layout and no chunk: its KvAck says how many leading blocks the decode engine's prefix
+    cache holds already, and the chunks sent start after them. The decode engine takes the request on
+    the last part."""
 
     id: str
     index: int
@@ -173,12 +175,14 @@ class KvPart(msgspec.Struct, omit_defaults=True):
     chunks: list[bytes]
     request: EngineRequest | None = None  # first part: the request, its first token in generated_ids
     layout: list[Any] = []  # first part: kv_transfer.KvLayout's fields
-    num_tokens: int = 0  # first part: positions whose K/V travel
+    num_tokens: int = 0  # first part: positions whose K/V the request's blocks hold
+    first_block: int = 0  # later parts: the block the first chunk sent is (those before were cached there)
 
 
 class KvAck(msgspec.Struct, omit_defaults=True):
     ok: bool
     error: str = ""
+    cached_blocks: int = 0  # answer to the first part: leading blocks of the request already cached here
 
 
 # ---- to the gateway ---------------------------------------------------------------------------

@@ -97,6 +97,13 @@ class Engine:
         prompt's K/V (None, or K/V that do not fit this engine: its prompt is recomputed instead)."""
         self.inbox.put(_Received(req, kv))
 
+    def cached_blocks(self, req: EngineRequest) -> int:
+        """How many leading blocks of a handed-over request this engine's prefix cache holds now (those
+        K/V need not travel). Read from the bus's thread: a block evicted meanwhile is noticed on admission."""
+        seq = Sequence(req.id, req.prompt_ids, req.sampling)
+        seq.token_ids.extend(req.generated_ids)
+        return self.blocks.cached_tokens(seq) // self.blocks.block_size
+
     def take_handoffs(self) -> list[Handoff]:
         taken, self.handoffs = self.handoffs, []
         return taken
@@ -177,7 +184,8 @@ class Engine:
 
     def _write_received_kv(self, seq: Sequence) -> None:
         """A handed-off sequence got its blocks: write the received K/V of its prompt (less the prefix
-        its blocks already hold); if they do not fit, the prompt is recomputed, as for any resumed request."""
+        its blocks already hold); if they do not fit, or blocks that were cached when the transfer began
+        (so not sent) were evicted since, the prompt is recomputed, as for any resumed request."""
         kv, seq.kv_import = seq.kv_import, None
         if kv is None or seq.num_computed >= kv.num_tokens:
             return

@@ -42,11 +42,13 @@ class KvLayout:
 
 @dataclass
 class KvImport:
-    """K/V received for a sequence's first ``num_tokens`` positions, one chunk per block, not yet written."""
+    """K/V received for a sequence's first ``num_tokens`` positions, one chunk per block from block ``first``
+    on (the receiver's prefix cache held the blocks before it when the transfer began), not yet written."""
 
     layout: KvLayout
     num_tokens: int
     chunks: list[bytes]
+    first: int = 0
 
 
 def export_blocks(runner, block_table: list[int], num_tokens: int) -> list[bytes]:
@@ -65,16 +67,19 @@ def _block(runner, block: int) -> torch.Tensor:
 def import_blocks(runner, block_table: list[int], kv: KvImport, first: int = 0) -> int:
     """Write ``kv``'s chunks from block ``first`` on (earlier blocks hold a cached prefix already) into the
     sequence's blocks; the number of positions whose K/V are now in place. ValueError when the chunks do
-    not fit this engine's cache (another model, dtype or block size) or the sequence's blocks."""
+    not fit this engine's cache (another model, dtype or block size) or the sequence's blocks, or when
+    the blocks before ``kv.first`` (cached when the transfer began) are no longer cached."""
     layout = KvLayout.of(runner)
     if kv.layout != layout:
         raise ValueError(f"KV layout {kv.layout} does not match this engine's {layout}")
-    if len(kv.chunks) > len(block_table) or any(len(chunk) != layout.chunk_bytes for chunk in kv.chunks):
+    if kv.first + len(kv.chunks) > len(block_table) or any(len(chunk) != layout.chunk_bytes for chunk in kv.chunks):
         raise ValueError("KV chunks do not fit the sequence's blocks")
+    if first < kv.first:
+        raise ValueError(f"blocks {first}..{kv.first - 1} were not sent and are no longer cached here")
     dtype = getattr(torch, layout.dtype)
     shape = (2, layout.layers, layout.kv_heads, layout.block_size, layout.head_dim)
     size = runner.block_size
-    for chunk, block in list(zip(kv.chunks, block_table))[first:]:
+    for chunk, block in list(zip(kv.chunks, block_table[kv.first:]))[first - kv.first:]:
         data = torch.frombuffer(bytearray(chunk), dtype=dtype).view(shape).to(runner.k_cache.device)
         span = slice(block * size, (block + 1) * size)
         runner.k_cache[:, :, span] = data[0]

@@ -74,40 +74,48 @@ class KvLink:
         req = msgspec.structs.replace(handoff.request, generated_ids=handoff.generated_ids, handoff=False)
         target = self.decode_target()
         started = time.monotonic()
-        sent = sum(map(len, handoff.kv.chunks))
         span = telemetry.start_span("engine.kv_transfer", req.trace, **{
-            "switchboard.request_id": req.id, "switchboard.kv_bytes": sent, "switchboard.kv_tokens": handoff.kv.num_tokens,
+            "switchboard.request_id": req.id, "switchboard.kv_tokens": handoff.kv.num_tokens,
             "switchboard.decode_engine": target or ""})
         try:
             if target is None:
                 raise RuntimeError("no decode engine is live")
-            await asyncio.wait_for(self._send(target, req, handoff.kv), self.timeout_s)
+            sent = await asyncio.wait_for(self._send(target, req, handoff.kv), self.timeout_s)
         except Exception as exc:  # noqa: BLE001 - any failure: the request stays here
             log.warning("handoff failed: recomputing here", extra={"request_id": req.id, "error": repr(exc)})
             telemetry.end_span(span, f"handoff failed, recomputed here: {exc!r}", **{"switchboard.outcome": "recompute"})
             self.service.keep(req)
             return
         seconds = time.monotonic() - started
-        telemetry.end_span(span, **{"switchboard.outcome": "moved", "switchboard.kv_seconds": seconds})
+        telemetry.end_span(span, **{"switchboard.outcome": "moved", "switchboard.kv_seconds": seconds,
+                                    "switchboard.kv_bytes": sent})
         log.info("handed off", extra={"request_id": req.id, "engine": target, "kv_bytes": sent,
                                       "seconds": round(seconds, 4)})
         await bus.publish(self.nc, subjects.METRICS_EVENTS, KvTransferred(model=self.model, bytes=sent, seconds=seconds))
         await self.service.moved(req, target)
 
-    async def _send(self, target: str, req: EngineRequest, kv: KvImport) -> None:
-        per_part = max(1, PART_BYTES // max(1, kv.layout.chunk_bytes))
-        groups = [kv.chunks[i:i + per_part] for i in range(0, len(kv.chunks), per_part)] or [[]]
+    async def _send(self, target: str, req: EngineRequest, kv: KvImport) -> int:
+        """The header part, then the chunks past the blocks the decode engine holds already (at least one
+        part, empty when it holds them all); the bytes sent."""
         subject = subjects.engine_kv(self.model, target)
-        for index, chunks in enumerate(groups):
-            part = KvPart(id=req.id, index=index, count=len(groups), chunks=chunks)
-            if index == 0:
-                part.request, part.num_tokens = req, kv.num_tokens
-                layout = kv.layout
-                part.layout = [layout.layers, layout.kv_heads, layout.head_dim, layout.block_size, layout.dtype]
-            reply = await self.nc.request(subject, encode(part), timeout=self.timeout_s)
-            ack = self.acks.decode(reply.data)
-            if not ack.ok:
-                raise RuntimeError(f"decode engine {target} refused part {index}: {ack.error}")
+        layout = kv.layout
+        header = KvPart(id=req.id, index=0, count=2, chunks=[], request=req, num_tokens=kv.num_tokens,
+                        layout=[layout.layers, layout.kv_heads, layout.head_dim, layout.block_size, layout.dtype])
+        cached = min(len(kv.chunks), (await self._part(subject, target, header)).cached_blocks)
+        rest = kv.chunks[cached:]
+        per_part = max(1, PART_BYTES // max(1, layout.chunk_bytes))
+        groups = [rest[i:i + per_part] for i in range(0, len(rest), per_part)] or [[]]
+        for index, group in enumerate(groups, start=1):
+            await self._part(subject, target, KvPart(id=req.id, index=index, count=len(groups) + 1, chunks=group,
+                                                     first_block=cached))
+        return sum(map(len, rest))
+
+    async def _part(self, subject: str, target: str, part: KvPart) -> KvAck:
+        reply = await self.nc.request(subject, encode(part), timeout=self.timeout_s)
+        ack = self.acks.decode(reply.data)
+        if not ack.ok:
+            raise RuntimeError(f"decode engine {target} refused part {part.index}: {ack.error}")
+        return ack
 
     # ---- decode side ------------------------------------------------------------------------
 
@@ -122,16 +130,19 @@ class KvLink:
         await bus.respond(msg, ack)
 
     def _take(self, part: KvPart) -> KvAck:
+        """The header registers the transfer and answers how many leading blocks are cached here; the last
+        part completes it."""
         if part.index == 0:
             if part.request is None or len(part.layout) != 5:
                 raise ValueError("the first part lacks the request or its layout")
             self.incoming[part.id] = (part, [], time.monotonic() + self.timeout_s)
+            return KvAck(ok=True, cached_blocks=self.service.engine.cached_blocks(part.request))
         first, chunks, deadline = self.incoming[part.id]
         chunks.extend(part.chunks)
         if part.index < part.count - 1:
             return KvAck(ok=True)
         del self.incoming[part.id]
-        kv = KvImport(KvLayout(*first.layout), first.num_tokens, chunks)
+        kv = KvImport(KvLayout(*first.layout), first.num_tokens, chunks, first=part.first_block)
         self.service.accept(first.request, kv)
         return KvAck(ok=True)
 

@@ -37,7 +37,8 @@ def cluster(tmp_path, tiny_model_dir, monkeypatch):
     monkeypatch.setattr(test_failover, "body", pd_body)
     monkeypatch.setattr(test_failover, "STREAMS", STREAMS)
     c = Cluster(tmp_path, tiny_model_dir, engines=2, tokenizers=1,
-                args={"engine-0": ["--role", "prefill"], "engine-1": ["--role", "decode"]})
+                args={"engine-0": ["--role", "prefill"], "engine-1": ["--role", "decode"]},
+                **{"BackendConfig.ScheduleConfig": {"enablePrefixCache": True}})
     try:
         c.wait_ready()
         c.wait_started("engine-1", 1)
@@ -149,6 +150,29 @@ def test_four_concurrent_thousand_token_handoffs_all_complete(cluster, tiny_mode
     assert got == [run.tokens[str(i)] for i in range(4)]
     after = asyncio.run(engine_infos(cluster.nats.url, model_name(cluster)))["decode"].prompt_tokens_total
     assert after == before  # all four prompts' K/V came over the bus
+
+
+def test_blocks_cached_on_the_decode_engine_do_not_travel_again(cluster, tiny_model_dir):
+    """The same 1,000-token prompt twice: the second transfer sends only what the decode engine's prefix
+    cache lacks (its last, partial block), and the answers are equal."""
+    import httpx
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompt = tokenizer.decode(tokenizer("Again: " + " ".join(f"word{j}" for j in range(400))).input_ids[:1000])
+    sent, answers = [], []
+    for _ in range(2):
+        before = transfers(cluster).get("kv_transfer_bytes_sum", 0.0)
+        r = httpx.post(cluster.base + "/generate", json={"inputs": prompt, "parameters": {"max_new_tokens": 4}},
+                       timeout=120)
+        assert r.status_code == 200, r.text
+        answers.append(r.json()["generated_text"])
+        deadline = time.monotonic() + 10
+        while transfers(cluster).get("kv_transfer_bytes_sum", 0.0) == before:  # the metrics event is on its way
+            assert time.monotonic() < deadline, cluster.log_tails()
+            time.sleep(0.1)
+        sent.append(transfers(cluster)["kv_transfer_bytes_sum"] - before)
+    assert answers[0] == answers[1]
+    assert sent[1] <= sent[0] / 30, sent  # 1 or 2 blocks of some 63
 
 
 def test_a_frozen_decode_engine_ends_in_recompute_within_the_transfer_timeout(tmp_path, tiny_model_dir, monkeypatch):

@@ -83,3 +83,48 @@ def test_kv_that_do_not_fit_are_refused_and_the_prompt_recomputed(tiny_runner, d
     tokens, decode = handed_off(tiny_runner, decode_runner, tamper=other_dtype)
     assert tokens == expected
     assert decode.stats.prompt_tokens == sum(len(ids) + 1 for ids in PROMPTS.values())  # recomputed with the first token
+
+
+def _warm(runner) -> Engine:
+    """A decode engine that computed these prompts before: its prefix cache holds their full blocks."""
+    decode = Engine(runner, limits(), set(), prefix_cache=True)
+    for req in reqs():
+        decode.add_request(msgspec.structs.replace(req, id=f"warm-{req.id}"))
+    run_until_idle(decode)
+    return decode
+
+
+def _send_uncached(prefill_runner, decode: Engine, probe: Engine) -> tuple[dict, int]:
+    """Hand each request to ``decode`` with only the chunks past the blocks ``probe`` holds (what the bus
+    transfer sends after asking); (the tokens the client saw, blocks not sent)."""
+    prefill = Engine(prefill_runner, limits(), set())
+    for req in reqs():
+        prefill.add_request(msgspec.structs.replace(req, handoff=True))
+    first = run_until_idle(prefill)
+    skipped = 0
+    for handoff in prefill.take_handoffs():
+        req = msgspec.structs.replace(handoff.request, generated_ids=handoff.generated_ids, handoff=False)
+        cached, kv = probe.cached_blocks(req), handoff.kv
+        skipped += cached
+        decode.add_handoff(req, KvImport(kv.layout, kv.num_tokens, kv.chunks[cached:], first=cached))
+    rest = run_until_idle(decode, check_blocks=True)
+    return {rid: first.tokens[rid] + rest.tokens[rid] for rid in PROMPTS}, skipped
+
+
+def test_only_the_blocks_the_decode_engine_lacks_travel(tiny_runner, decode_runner):
+    expected = co_located(tiny_runner).tokens
+    decode = _warm(decode_runner)
+    computed = decode.stats.prompt_tokens
+    tokens, skipped = _send_uncached(tiny_runner, decode, decode)
+    assert skipped == 2 + 1  # "a" (40 tokens) has 2 full blocks cached there, "b" (17) 1, "c" (5) none
+    assert tokens == expected
+    assert decode.stats.prompt_tokens == computed  # nothing recomputed
+
+
+def test_blocks_evicted_since_the_transfer_began_are_recomputed(tiny_runner, decode_runner):
+    expected = co_located(tiny_runner).tokens
+    probe = _warm(decode_runner)  # said it held them; the engine that admits them does not
+    decode = Engine(decode_runner, limits(), set(), prefix_cache=True)
+    tokens, skipped = _send_uncached(tiny_runner, decode, probe)
+    assert skipped == 3 and tokens == expected
+    assert decode.stats.prompt_tokens >= len(PROMPTS["a"]) + len(PROMPTS["b"])  # those two were recomputed
