@@ -93,6 +93,37 @@ def test_prefill_and_decode_engines_answer_as_one_engine_with_no_re_prefill(clus
     assert transfers(cluster)["kv_transfer_seconds_count"] >= STREAMS
 
 
+def test_every_family_answers_as_the_co_located_run(cluster, tiny_model_dir):
+    """The seeded request of the streams test, in each API family: the same text as TGI's, whose tokens equal
+    the co-located run's; Triton's /infer (token ids in and out) equals it token for token."""
+    import httpx
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompt = pd_body(1, True)["inputs"]
+    expected = co_located(tiny_model_dir, seeded=True)[1]
+    seeded = {"temperature": 0.9, "top_k": 50, "seed": 1001}
+    tgi = {"do_sample": True, "max_new_tokens": TOKENS, **seeded}
+    model = model_name(cluster)
+
+    def post(path: str, body: dict) -> dict:
+        r = httpx.post(cluster.base + path, json=body, timeout=120)
+        assert r.status_code == 200, (path, r.text)
+        return r.json()
+
+    text = post("/generate", {"inputs": prompt, "parameters": {**tgi, "details": True}})
+    assert [t["id"] for t in text["details"]["tokens"]] == expected
+    text = text["generated_text"]
+    assert post("/infer", {"inputs": prompt, "stream": False, "parameters": tgi})["generated_text"] == text
+    assert post("/v1/completions", {"model": model, "prompt": prompt, "max_tokens": TOKENS, **seeded}
+                )["choices"][0]["text"] == text
+    assert post("/generate", {"prompt": prompt, "max_tokens": TOKENS, **seeded})["text"][0].endswith(text)
+    assert post(f"/v2/models/{model}/generate", {"text_input": prompt, "parameters": tgi})["text_output"] == text
+    ids = tokenizer(prompt).input_ids
+    infer = post(f"/v2/models/{model}/infer", {"id": "t", "inputs": [
+        {"name": "input0", "shape": [1, len(ids)], "datatype": "UINT32", "data": ids}], "parameters": tgi})
+    assert infer["outputs"][0]["data"] == expected
+
+
 def transfers(cluster) -> dict[str, float]:
     """The K/V transfer histograms' samples from the Prometheus endpoint."""
     import json
