@@ -8,8 +8,18 @@ from services.gateway.errors import mindie_error
 from shared.errors import ErrorKind
 
 
+def _links_down(gateway) -> Response | None:
+    """In dmi mode, once a role is assigned: 500 while a peer it named is not linked (reference §3.1)."""
+    roles = gateway.roles
+    if roles.dmi and roles.role != "none" and not all(roles.links().values()):
+        return Response({"message": "DMI connection is unhealthy"}, status_code=500, media_type="application/json")
+    return None
+
+
 @get("/health")
 async def health(request: Request) -> Response:
+    if (down := _links_down(request.app.state.gateway)) is not None:
+        return down
     ready = await request.app.state.gateway.is_ready()
     return Response(b"", status_code=200 if ready else 503)
 
@@ -21,6 +31,8 @@ async def live() -> Response:
 
 @get("/v2/health/ready")
 async def ready(request: Request) -> Response:
+    if (down := _links_down(request.app.state.gateway)) is not None:
+        return down
     ready = await request.app.state.gateway.is_ready()
     return Response(b"", status_code=200 if ready else 503)
 

@@ -127,10 +127,15 @@ def test_roles_go_unknown_switching_ready_with_real_peers(pd):
     assert httpx.post(pd.mgmt + "/v1/role/prefill", json=ROLE).json() == {"result": "ok"}
     assert status(pd.mgmt)["service"] == {"roleStatus": "RoleSwitching", "currentRole": "none"}  # no D heard yet
     assert status(pd.mgmt, "v2")["linkStatus"] == {"peers": [{"target": "127.0.0.1", "link": "linking"}]}
+    for path in ("/health", "/v2/health/ready"):
+        r = httpx.get(pd.mgmt + path)
+        assert r.status_code == 500 and r.json() == {"message": "DMI connection is unhealthy"}
+    assert httpx.get(pd.mgmt + "/v2/health/live").status_code == 200  # liveness is the process's
     r = httpx.get(pd.d_base + "/dresult")
     assert r.status_code == 400 and r.json()["error"] == "Only the Decode node supports dresult but you send to none"
     assert httpx.post(pd.d_mgmt + "/v1/role/decode", json=ROLE).json() == {"result": "ok"}
     assert wait_status(pd.mgmt, "RoleReady")["service"]["currentRole"] == "prefill"
+    assert httpx.get(pd.mgmt + "/v2/health/ready").status_code == 200
     d = wait_status(pd.d_mgmt, "RoleReady")
     assert d["service"]["currentRole"] == "decode" and d["peers"] == ["127.0.0.1"]
     assert "peers" not in status(pd.mgmt)  # only a decode server lists the prefill servers it is linked to
