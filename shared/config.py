@@ -193,6 +193,10 @@ class SwitchboardConfig(Struct, kw_only=True):
     """an engine's part in prefill/decode disaggregation: ``both`` (co-located), ``prefill`` (computes
     prompts and first tokens, then hands each request to a decode engine) or ``decode`` (continues
     handed-over requests; takes new ones only when no other engine does). ``switchboard engine --role``."""
+    device_index: Annotated[int, Meta(ge=-1, le=1023)] = -1
+    """the logical device this engine runs on (MindIE's ``device_logical_id``), as ``switchboard engine
+    --device-index`` sets it; -1 = none. In ``inferMode`` "dmi" a role assignment (``/v1/role``) whose
+    ``local`` devices name it gives the engine that role."""
     kv_trans_timeout_seconds: Annotated[float, Meta(gt=0, le=3600)] = 10.0
     """a prefill engine's limit for handing one request's K/V to a decode engine; past it the request
     is recomputed where it is (MindIE's kv_trans_timeout)."""

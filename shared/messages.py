@@ -307,6 +307,15 @@ class EngineInfo(msgspec.Struct, omit_defaults=True):
     adapters_version: int = 0  # the adapter set's version: a peer with a newer one is followed
     modalities: list[str] = []  # media kinds the model takes besides text (image, video, audio); [] = text-only
     role: str = "both"  # prefill/decode disaggregation: both | prefill | decode
+    device_index: int = -1  # the logical device it runs on (Switchboard.deviceIndex); -1 = none
+
+
+class EngineRole(msgspec.Struct, omit_defaults=True):
+    """Gateway to every engine (``subjects.engine_role``): in dmi mode, the role a coordinator assigned to
+    the server whose devices these are; the engines on them take it (flex: both)."""
+
+    role: str  # prefill | decode | flex
+    devices: list[int]
 
 
 class LoraCommand(msgspec.Struct, omit_defaults=True):

@@ -41,6 +41,11 @@ def engine_lora(model: str, instance: str) -> str:
     return f"{PREFIX}.engine.{model}.{instance}.lora"
 
 
+def engine_role(model: str) -> str:
+    """gateway -> every engine (fan-out): a dmi role assignment for the engines on the devices it names."""
+    return f"{PREFIX}.engine.{model}.role"
+
+
 def engine_kv(model: str, instance: str) -> str:
     """prefill engine -> one decode engine: a handed-off request's K/V (request/reply, part by part)."""
     return f"{PREFIX}.engine.{model}.{instance}.kv"

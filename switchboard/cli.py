@@ -143,6 +143,7 @@ def place_engine(cfg: Config, args: argparse.Namespace) -> None:
     elif cfg.switchboard.device == "cpu":
         bind_openmp_threads()
     if args.device_index is not None:
+        cfg.switchboard.device_index = args.device_index
         try:
             pin_device(args.device_index)
         except ConfigError as exc:

@@ -23,9 +23,12 @@ from shared import bus, subjects, telemetry
 from shared.config import Config
 from shared.leases import Leases
 from shared.tombstones import Tombstones
-from shared.messages import Cancel, EngineInfo, EngineRequest, Heartbeat, Queued, TokenBatch, TokenEvent, decoder
+from shared.messages import (
+    Cancel, EngineInfo, EngineRequest, EngineRole, Heartbeat, Queued, TokenBatch, TokenEvent, decoder,
+)
 
 log = logging.getLogger("switchboard.engine")
+ENGINE_ROLE = {"prefill": "prefill", "decode": "decode", "flex": "both"}  # a server's PD role -> its engines'
 DRAIN_MAX_S = 30.0
 
 
@@ -95,6 +98,7 @@ class EngineService:
         self.cancels = decoder(Cancel)
         self.adapters = AdapterControl(nc, self.model, self.instance, engine.runner.lora, stepper, self.announce)
         self.role = cfg.switchboard.engine_role
+        self.roles = decoder(EngineRole)
         self.kv_link = KvLink(self)
         self.transfers: set[asyncio.Task] = set()  # handoffs under way (referenced until done)
 
@@ -104,6 +108,7 @@ class EngineService:
         await bus.subscribe(self.nc, subjects.engine_instance(self.model, self.instance), self.on_request)
         await bus.subscribe(self.nc, subjects.CANCEL, self.on_cancel)
         await bus.subscribe(self.nc, subjects.engine_health(self.model), self.on_health)
+        await bus.subscribe(self.nc, subjects.engine_role(self.model), self.on_role)
         await bus.subscribe(self.nc, subjects.heartbeat("tokenizer"), self.on_tokenizer_heartbeat)
         await self.adapters.start()
         await self.kv_link.start()
@@ -196,6 +201,15 @@ class EngineService:
             self.engine.abort(cancel.id, cancel.reason)
             self.wake.set()
 
+    async def on_role(self, msg: NatsMsg) -> None:
+        """A dmi role assignment naming this engine's device: new requests follow it (those under way finish
+        where they are)."""
+        command = self.roles.decode(msg.data)
+        index = self.cfg.switchboard.device_index
+        if index >= 0 and index in command.devices:
+            self.role = ENGINE_ROLE[command.role]
+            log.info("role assigned", extra={"role": self.role, "device_index": index})
+
     async def on_health(self, msg: NatsMsg) -> None:
         await bus.respond(msg, self.info())
 
@@ -213,7 +227,7 @@ class EngineService:
             prefix_queried_tokens_total=self.engine.blocks.prefix_queried_tokens,
             prefix_hit_tokens_total=self.engine.blocks.prefix_hit_tokens,
             adapters=runner.lora.listed(), unloading=runner.lora.unloading(), adapters_version=runner.lora.version,
-            modalities=runner.modalities, role=self.role,
+            modalities=runner.modalities, role=self.role, device_index=self.cfg.switchboard.device_index,
         )
 
     async def run(self, stop: asyncio.Event) -> None:

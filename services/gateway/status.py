@@ -27,7 +27,8 @@ from services.gateway.session import Session
 from services.gateway.validation import BodyError, read_json_object
 from shared.engines import combined
 from shared.errors import ErrorKind, SwitchboardError
-from shared.messages import EngineInfo, Sampling
+from shared import bus, subjects
+from shared.messages import EngineInfo, EngineRole, Sampling
 
 TIMED = re.compile(r"^timed(?:-(\d+))?$")
 ROLE_422_TYPE = "Input validation error"  # the PD role endpoints' own casing (reference §4.2)
@@ -100,6 +101,12 @@ class Device(msgspec.Struct):
     device_id: str | None = None
     rank_id: str | None = None
 
+    @property
+    def logical_id(self) -> int | None:
+        """Its logical id (older MindIE bodies name it ``device_id``), None when not a number."""
+        value = self.device_logical_id if self.device_logical_id is not None else self.device_id
+        return int(value) if value is not None and value.isdigit() else None
+
 
 class NodeV1(msgspec.Struct):
     server_ip: str
@@ -112,6 +119,9 @@ class RoleV1(msgspec.Struct):
 
     def peer_ips(self) -> list[str]:
         return [node.server_ip for node in self.peers]
+
+    def devices(self) -> list[Device]:
+        return self.local.device
 
 
 class DpInst(msgspec.Struct):
@@ -132,8 +142,11 @@ class RoleV2(msgspec.Struct):
     def peer_ips(self) -> list[str]:
         return [node.server_ip for instance in self.peers for node in instance]
 
+    def devices(self) -> list[Device]:
+        return [device for node in self.local for group in node.dp_inst_list for device in group.device]
 
-def _set_role(request: Request, role: str, allowed: tuple[str, ...], body: bytes, shape) -> Response:
+
+async def _set_role(request: Request, role: str, allowed: tuple[str, ...], body: bytes, shape) -> Response:
     if role not in allowed:
         return mindie_error(ErrorKind.NOT_FOUND, f"role must be one of {', '.join(allowed)}, got {role}")
     try:
@@ -141,18 +154,22 @@ def _set_role(request: Request, role: str, allowed: tuple[str, ...], body: bytes
     except (BodyError, msgspec.ValidationError) as exc:
         return Response({"error": f"Req body converts to json fail. Reset to previous node status. ({exc})",
                          "error_type": ROLE_422_TYPE}, status_code=422, media_type="application/json")
-    request.app.state.gateway.roles.assign(role, assignment.peer_ips())
+    gateway = request.app.state.gateway
+    gateway.roles.assign(role, assignment.peer_ips())
+    if gateway.roles.dmi:  # the engines on this server's devices take its role
+        devices = sorted({d.logical_id for d in assignment.devices() if d.logical_id is not None})
+        await bus.publish(gateway.nc, subjects.engine_role(gateway.model), EngineRole(role, devices))
     return Response({"result": "ok"}, media_type="application/json")
 
 
 @post("/v1/role/{role:str}", status_code=200)
 async def role_v1(request: Request, role: FromPath[str]) -> Response:
-    return _set_role(request, role, ("prefill", "decode", "flex"), await request.body(), RoleV1)
+    return await _set_role(request, role, ("prefill", "decode", "flex"), await request.body(), RoleV1)
 
 
 @post("/v2/role/{role:str}", status_code=200)
 async def role_v2(request: Request, role: FromPath[str]) -> Response:
-    return _set_role(request, role, ("prefill", "decode"), await request.body(), RoleV2)
+    return await _set_role(request, role, ("prefill", "decode"), await request.body(), RoleV2)
 
 
 # ---- /health/timed[-N] ------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """MindIE's PD split as its coordinator drives it (reference §3.9–§3.12, §3.33), with real processes on a
 real nats-server: a prefill server (gateway "P", inferMode "dmi") and a decode server (gateway "D", its own
-config.json and ports) over one deployment whose engine-0 prefills and engine-1 decodes.
+config.json and ports) over one deployment of two engines on logical devices 0 and 1, which take the roles
+of the servers whose role assignments name their devices: engine-0 prefills, engine-1 decodes.
 
 The test acts as the coordinator: it assigns the roles, reads D's ``GET /dresult``, sends requests to P
 with the ``req-id``/``d-target``/``req-type`` headers, and checks every frame kind (``data:``,
@@ -8,6 +9,7 @@ with the ``req-id``/``d-target``/``req-type`` headers, and checks every frame ki
 
 from __future__ import annotations
 
+import asyncio
 import json
 import queue
 import threading
@@ -18,12 +20,20 @@ import pytest
 
 from tests.conftest import write_config
 from tests.integration.cluster import Cluster
-from tests.integration.test_pd import TOKENS, co_located, pd_body
+from tests.integration.test_pd import TOKENS, co_located, engine_infos, pd_body
 
 DMI = {"inferMode": "dmi"}
 MODEL = "SmolLM2-135M-Instruct"
-ROLE = {"local": {"server_ip": "127.0.0.1", "device": [{"device_ip": "10.0.0.1", "device_logical_id": "0"}]},
-        "peers": [{"server_ip": "127.0.0.1", "device": [{"device_ip": "10.0.0.2", "device_logical_id": "0"}]}]}
+
+
+def role(device: int, peer_device: int) -> dict:
+    """A coordinator's role body: this server runs on logical device ``device``, its peer on ``peer_device``."""
+    return {"local": {"server_ip": "127.0.0.1", "device": [{"device_ip": "10.0.0.1", "device_logical_id": str(device)}]},
+            "peers": [{"server_ip": "127.0.0.1",
+                       "device": [{"device_ip": "10.0.0.2", "device_logical_id": str(peer_device)}]}]}
+
+
+ROLE_P, ROLE_D = role(0, 1), role(1, 0)  # engine-0 runs on device 0 (the prefill server's), engine-1 on 1
 
 
 class Frames:
@@ -80,7 +90,7 @@ class Frames:
 def pd(tmp_path_factory, tiny_model_dir):
     folder = tmp_path_factory.mktemp("dmi")
     c = Cluster(folder, tiny_model_dir, engines=2, tokenizers=1, ServerConfig=DMI,
-                args={"engine-0": ["--role", "prefill"], "engine-1": ["--role", "decode"]})
+                args={"engine-0": ["--device-index", "0"], "engine-1": ["--device-index", "1"]})
     try:
         (folder / "d").mkdir()
         d_config = write_config(folder / "d", tiny_model_dir, ServerConfig=DMI, Switchboard={"natsUrl": c.url})
@@ -124,7 +134,7 @@ def test_roles_go_unknown_switching_ready_with_real_peers(pd):
     assert status(pd.mgmt)["service"] == {"roleStatus": "RoleUnknown", "currentRole": "none"}
     r = httpx.post(pd.base + "/generate", json=pd_body(0, False), headers=headers(pd, "a1"))
     assert r.status_code == 503 and r.json()["error_type"] == "Service Unavailable", r.text
-    assert httpx.post(pd.mgmt + "/v1/role/prefill", json=ROLE).json() == {"result": "ok"}
+    assert httpx.post(pd.mgmt + "/v1/role/prefill", json=ROLE_P).json() == {"result": "ok"}
     assert status(pd.mgmt)["service"] == {"roleStatus": "RoleSwitching", "currentRole": "none"}  # no D heard yet
     assert status(pd.mgmt, "v2")["linkStatus"] == {"peers": [{"target": "127.0.0.1", "link": "linking"}]}
     for path in ("/health", "/v2/health/ready"):
@@ -133,14 +143,16 @@ def test_roles_go_unknown_switching_ready_with_real_peers(pd):
     assert httpx.get(pd.mgmt + "/v2/health/live").status_code == 200  # liveness is the process's
     r = httpx.get(pd.d_base + "/dresult")
     assert r.status_code == 400 and r.json()["error"] == "Only the Decode node supports dresult but you send to none"
-    assert httpx.post(pd.d_mgmt + "/v1/role/decode", json=ROLE).json() == {"result": "ok"}
+    assert httpx.post(pd.d_mgmt + "/v1/role/decode", json=ROLE_D).json() == {"result": "ok"}
     assert wait_status(pd.mgmt, "RoleReady")["service"]["currentRole"] == "prefill"
     assert httpx.get(pd.mgmt + "/v2/health/ready").status_code == 200
     d = wait_status(pd.d_mgmt, "RoleReady")
     assert d["service"]["currentRole"] == "decode" and d["peers"] == ["127.0.0.1"]
     assert "peers" not in status(pd.mgmt)  # only a decode server lists the prefill servers it is linked to
     assert status(pd.d_mgmt, "v2")["linkStatus"] == {"peers": [{"target": "127.0.0.1", "link": "ok"}]}
-    # each server reports the engines of its role: one each, not the same one
+    # the engines on each server's devices took its role, and each server reports those engines
+    infos = asyncio.run(engine_infos(pd.url, MODEL))
+    assert {r: i.device_index for r, i in infos.items()} == {"prefill": 0, "decode": 1}, infos
     p_engines = status(pd.mgmt, "v2")["resource"]["dpInstMap"]
     d_engines = status(pd.d_mgmt, "v2")["resource"]["dpInstMap"]
     assert len(p_engines) == len(d_engines) == 1 and set(p_engines) != set(d_engines)
@@ -195,6 +207,8 @@ def test_tgi_stream_through_dresult_equals_a_co_located_run(pd, tiny_model_dir):
         events = sse_events(first["output"]) + [e for _, body in got for e in sse_events(body.decode())]
         assert [e["token"]["id"] for e in events] == expected[i]
         assert events[-1]["generated_text"] is not None and all(e["generated_text"] is None for e in events[:-1])
+    infos = asyncio.run(engine_infos(pd.url, MODEL))
+    assert infos["decode"].prompt_tokens_total == 0 and infos["decode"].generation_tokens_total > 0, infos
 
 
 def test_whole_bodies_come_as_last_data_in_every_family(pd):
@@ -254,7 +268,7 @@ def test_a_dead_prefill_server_ends_in_retry_and_the_recompute_runs(pd):
     assert got[-1][0] == "retry" and json.loads(got[-1][1]) == body
     pd.start("gateway")
     pd.wait_started("gateway", 2)
-    assert httpx.post(pd.mgmt + "/v1/role/prefill", json=ROLE).json() == {"result": "ok"}
+    assert httpx.post(pd.mgmt + "/v1/role/prefill", json=ROLE_P).json() == {"result": "ok"}
     wait_status(pd.mgmt, "RoleReady")
     again = {**body, "parameters": {"max_new_tokens": 8}}
     r = httpx.post(pd.base + "/generate_stream", json=again, headers=headers(pd, "d1", **{"is-recompute": "true"}),
