@@ -35,6 +35,7 @@ class Sampling(msgspec.Struct, kw_only=True, omit_defaults=True):
     frequency_penalty: float = 0.0
     stop_token_ids: list[int] = []  # end like eos (unless ignore_eos)
     logprobs: int | None = None  # None: none; k: the sampled token's logprob and the k most likely
+    prompt_logprobs: int | None = None  # None: none; k: each prompt token's logprob (after the first) and the k most likely
     include_stop_str_in_output: bool = False
 
     @property
@@ -151,6 +152,7 @@ class TokenEvent(msgspec.Struct, omit_defaults=True):
     error: ErrorInfo | None = None
     logprobs: list[TokenLogprob] = []  # one per token id when the request asked for them
     position: int = 0  # how many tokens the request had generated before these
+    prompt_logprobs: list[TokenLogprob | None] = []  # with the first token, when asked: one per prompt token (the first None)
 
 
 class TokenBatch(msgspec.Struct, omit_defaults=True):
@@ -214,6 +216,7 @@ class Started(Msg, tag="started"):
 class Output(Msg, tag="output"):
     position: int = 0  # how many tokens the request had generated before these (gaps are noticed)
     tokens: list[TokenOut] = []
+    prompt: list[TokenOut] = []  # with the first token, when prompt logprobs were asked: the prompt's tokens
     finish_reason: str | None = None  # set on the last event: length | eos_token | stop_sequence
     generated_tokens: int = 0
 

@@ -85,7 +85,7 @@ class BlockManager:
     def _match(self, seq: Sequence) -> list[int]:
         """The cached blocks holding the longest prefix of ``seq``, at most ``len(seq) - 1``
         tokens: the last token is always computed, since sampling needs its logits."""
-        if not self.enable_prefix_cache:
+        if not self.enable_prefix_cache or seq.wants_prompt_logprobs:  # its prompt's logits are needed
             return []
         hits = []
         for key in self._hashes(seq, (len(seq) - 1) // self.block_size):

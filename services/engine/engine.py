@@ -45,10 +45,22 @@ class Stats:
 
 @dataclass(frozen=True)
 class Drawn:
-    """One sequence's result of a step, not yet applied to it."""
+    """One sequence's sampled token of a step, not yet applied to it."""
 
     token_id: int
     logprob: TokenLogprob | None = None
+
+
+@dataclass(frozen=True)
+class Computed:
+    """One item's result of a step, not yet applied to its sequence: the token drawn (None for a prompt
+    chunk that does not end the known tokens) and the prompt logprobs the chunk computed, by position."""
+
+    drawn: Drawn | None = None
+    prompt: dict[int, TokenLogprob] | None = None
+
+
+PROMPT_LOGITS_ROWS = 256  # prompt logprobs: rows whose full-vocabulary logits exist at once
 
 
 @dataclass(frozen=True)
@@ -133,19 +145,39 @@ class Engine:
         ran = [item for item, _ in outcome.results]
         self._count(ran, started)
         self.scheduler.computed(ran)
-        drawn = [(item.seq, result) for item, result in outcome.results if result is not None]
+        for item, result in outcome.results:
+            if result.prompt:
+                item.seq.prompt_logprobs.update(result.prompt)
+        drawn = [(item.seq, result.drawn) for item, result in outcome.results if result.drawn is not None]
         if drawn:
             events += self._advance(drawn)
         return events
 
-    def forward(self, items: list[Scheduled]) -> list[Drawn | None]:
+    def forward(self, items: list[Scheduled]) -> list[Computed]:
         """The model pass and sampling for ``items``: a token for each item that completes its
-        sequence's known tokens, None for a prompt chunk. No side effect on the sequences, so it is
-        safe to run again."""
+        sequence's known tokens (none for a prompt chunk), and the logprobs of the prompt tokens a chunk
+        computes when its request asked for them. No side effect on the sequences, so it is safe to run
+        again."""
         sampling = [item.seq for item in items if item.samples]
-        logits = self.runner.run(items)
+        wanted = prompt_rows(items)
+        logits, hidden = self.runner.run(items, [row for _, row, _ in wanted] or None)
         drawn = iter(self._draw(logits, sampling)) if sampling else iter(())
-        return [next(drawn) if item.samples else None for item in items]
+        prompt = self._prompt_logprobs(items, wanted, hidden) if wanted else {}
+        return [Computed(next(drawn) if item.samples else None, prompt.get(i)) for i, item in enumerate(items)]
+
+    def _prompt_logprobs(self, items: list[Scheduled], wanted: list[tuple[int, int, int]],
+                         hidden) -> dict[int, dict[int, TokenLogprob]]:
+        """Per item, the logprob (and top alternatives) of each prompt token its chunk predicts; the
+        vocabulary-wide logits are made ``PROMPT_LOGITS_ROWS`` rows at a time."""
+        out: dict[int, dict[int, TokenLogprob]] = {}
+        for start in range(0, len(wanted), PROMPT_LOGITS_ROWS):
+            part = wanted[start:start + PROMPT_LOGITS_ROWS]
+            rows = self.runner.model.lm_head(hidden[start:start + len(part)]).float().log_softmax(dim=-1)
+            for row, (index, _, position) in zip(rows, part):
+                seq = items[index].seq
+                out.setdefault(index, {})[position] = token_logprob(row, seq.token_ids[position],
+                                                                    seq.sampling.prompt_logprobs)
+        return out
 
     def _draw(self, logits, seqs: list[Sequence]) -> list[Drawn]:
         logprob_rows = raw_logprobs(logits, seqs)
@@ -167,6 +199,9 @@ class Engine:
             event = TokenEvent(seq.id, [drawn.token_id], done.reason if done else None, position=seq.num_generated - 1)
             if drawn.logprob is not None:
                 event.logprobs = [drawn.logprob]
+            if seq.wants_prompt_logprobs and event.position == 0:
+                event.prompt_logprobs = [seq.prompt_logprobs.get(p) for p in range(len(seq.prompt_ids))]
+                seq.wants_prompt_logprobs, seq.prompt_logprobs = False, {}  # sent: a recompute need not redo them
             events.append(event)
             if done:
                 self.seqs.pop(seq.id, None)
@@ -197,7 +232,7 @@ class Engine:
         start, seq.num_computed = seq.num_computed, done
         self.blocks.cache_computed(seq, start)
 
-    def _end_failed(self, outcome: Outcome[Drawn | None]) -> list[TokenEvent]:
+    def _end_failed(self, outcome: Outcome[Computed]) -> list[TokenEvent]:
         """End each request the step fails for, alone, with an internal error; free its blocks."""
         events = []
         for item, exc in outcome.failures:
@@ -255,6 +290,7 @@ class Engine:
         seq.media, seq.media_salt = req.media, salt(req.media)
         # a prompt with media stays: its decode needs what the encoder computed (Qwen2-VL's rope delta)
         seq.kv_import = kv
+        seq.wants_prompt_logprobs = req.sampling.prompt_logprobs is not None and not req.generated_ids
         seq.handoff = req.handoff and not req.generated_ids and req.media is None
         seq.request = req if seq.handoff else None  # only a handoff needs it; others would pin their media
         seq.token_ids.extend(req.generated_ids)  # resumed: its first prefill recomputes their cache too
@@ -314,3 +350,17 @@ class Engine:
 
 
 __all__ = ["Engine", "Finish", "Limits"]
+
+
+def prompt_rows(items: list[Scheduled]) -> list[tuple[int, int, int]]:
+    """(item index, row in the flat batch, prompt position it predicts) for each prompt token after the
+    first whose logprob a chunk computes: row r holds position p's hidden state, which predicts p + 1."""
+    wanted, offset = [], 0
+    for index, item in enumerate(items):
+        seq = item.seq
+        if seq.wants_prompt_logprobs:
+            start = seq.num_computed
+            end = min(start + item.num_tokens, len(seq.prompt_ids) - 1)
+            wanted.extend((index, offset + p - start, p + 1) for p in range(start, end))
+        offset += item.num_tokens
+    return wanted

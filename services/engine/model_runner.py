@@ -231,8 +231,10 @@ class ModelRunner:
     # ---- forward ----------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def run(self, items: list[Scheduled]) -> torch.Tensor:
-        """Logits [S, vocab] (float32) for the next token of each item that samples, in item order."""
+    def run(self, items: list[Scheduled], hidden_rows: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [S, vocab] (float32) for the next token of each item that samples, in item order; and the
+        final hidden states of ``hidden_rows`` (rows of the flat batch: items' tokens in item order), for
+        logits the caller takes in slices (prompt logprobs), or None."""
         batch = self.prepare(items)
         inner = self.model.model
         residual = inner.embed_tokens(batch.input_ids)
@@ -243,7 +245,8 @@ class ModelRunner:
         for index, layer in enumerate(layers):
             after = layers[index + 1].input_layernorm if index + 1 < len(layers) else inner.norm
             x = self._layer(index, layer, self.linears[index], x, residual, after, batch)
-        return self.model.lm_head(x[batch.sample_rows]).float()
+        hidden = x[torch.tensor(hidden_rows, device=x.device)] if hidden_rows else None
+        return self.model.lm_head(x[batch.sample_rows]).float(), hidden
 
     def _layer(self, index: int, layer, lin: linears.LayerLinears, x, residual, after, batch: Batch) -> torch.Tensor:
         """One decoder layer on the normed input ``x``; ``residual`` is updated in place. Returns the

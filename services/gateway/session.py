@@ -83,6 +83,7 @@ class Session:
         self.finish_reason: str | None = None
         self.generated = 0
         self.tokens: list[TokenOut] = []
+        self.prompt: list[TokenOut] = []  # the prompt's tokens with their logprobs, when they were asked
 
     async def start(self) -> Started:
         """Publish the request and wait for the tokenizer's answer (raises on a validation error)."""
@@ -228,6 +229,8 @@ class Session:
         """The step an output makes (None when it brings nothing new)."""
         if not event.tokens and event.finish_reason is None:
             return None
+        if event.prompt and not self.prompt:  # with the first token (a resumed attempt's are ignored)
+            self.prompt = event.prompt
         if event.tokens and self.first_token_at is None:
             self.first_token_at = time.time()
             self.gw.emit(FirstToken(id=self.id, model=self.gw.model, ttft_s=self.first_token_at - self.arrival))

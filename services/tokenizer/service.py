@@ -16,7 +16,7 @@ import math
 import random
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -58,6 +58,7 @@ class Pending:
     generated: int = 0
     engine: str = ""  # the engine serving it now (a decode engine after a handoff)
     moved: bool = False  # a prefill engine handed it to ``engine``: this instance watches that engine
+    prompt_ids: list[int] = field(default_factory=list)  # kept when its prompt logprobs were asked
 
 
 class TokenizerService:
@@ -197,6 +198,8 @@ class TokenizerService:
         """A new request's detokenizer state; a resumed one's rebuilt from the tokens its client has."""
         stops = StopMatcher(req.sampling.stop, req.sampling.include_stop_str_in_output)
         state = Pending(req, IncrementalDecoder(self.tok, ids), stops, span)
+        if req.sampling.prompt_logprobs is not None:
+            state.prompt_ids = ids
         for token_id in req.resume_ids:
             state.stops.feed(state.decoder.add(token_id), False)
         state.generated = len(req.resume_ids)
@@ -272,6 +275,9 @@ class TokenizerService:
             await bus.publish(self.nc, subjects.CANCEL, Cancel(id=req.id, reason="stop_sequence"))
         out = Output(id=req.id, position=position, tokens=tokens, finish_reason=finish,
                      generated_tokens=state.generated)
+        if event.prompt_logprobs and len(event.prompt_logprobs) == len(state.prompt_ids):
+            out.prompt = [self.token_out(i, self.tok.decode([i], skip_special_tokens=False), lp)
+                          for i, lp in zip(state.prompt_ids, event.prompt_logprobs)]
         await bus.publish(self.nc, req.reply_to, out)
 
     async def lost(self, state: Pending, event: TokenEvent) -> None:

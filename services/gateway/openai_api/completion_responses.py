@@ -22,8 +22,10 @@ class Logprobs:
             body["text_offset"].append(self.offset)
             body["token_logprobs"].append(token.logprob)
             body["tokens"].append(token.text)
-            top = {t.text: t.logprob for t in token.top}
-            top.setdefault(token.text, token.logprob)  # the sampled token is always listed, as in vLLM
+            top = None  # the prompt's first token has no logprob, nor alternatives (as OpenAI and vLLM)
+            if token.logprob is not None:
+                top = {t.text: t.logprob for t in token.top}
+                top.setdefault(token.text, token.logprob)  # the token itself is always listed, as in vLLM
             body["top_logprobs"].append(top)
             self.offset += len(token.text)
         return body
@@ -45,10 +47,26 @@ def _choice(index: int, text: str, logprobs: Any, reason: str | None) -> dict[st
             "stop_reason": None}
 
 
+def prompt_logprobs(req: CompletionRequest, call: Call, index: int) -> tuple[Logprobs, dict[str, list] | None]:
+    """Choice ``index``'s logprobs tracker, and with ``echo`` and ``logprobs`` its prompt's part (the prompt
+    tokens' logprobs, the first null), offsets from 0; else offsets start after the echoed text."""
+    if req.echo and req.logprobs is not None:
+        tracker = Logprobs(0)
+        return tracker, tracker.of(call.sessions[index].prompt)
+    return Logprobs(len(echo_texts(req, call)[index])), None
+
+
+def _joined(first: dict[str, list] | None, then: dict[str, list]) -> dict[str, list]:
+    return then if first is None else {key: first[key] + then[key] for key in then}
+
+
 async def completion_body(req: CompletionRequest, call: Call) -> dict[str, Any]:
     choices = []
     for index, (echo, end) in enumerate(zip(echo_texts(req, call), await call.results())):
-        logprobs = Logprobs(len(echo)).of(end.tokens) if req.logprobs is not None else None
+        logprobs = None
+        if req.logprobs is not None:
+            tracker, prompt = prompt_logprobs(req, call, index)
+            logprobs = _joined(prompt, tracker.of(end.tokens))
         choices.append(_choice(index, echo + end.text, logprobs, end.finish_reason))
     return Meta.new("cmpl", "text_completion", req.common.model).body(choices, usage=call.usage())
 
@@ -58,12 +76,19 @@ async def completion_chunks(req: CompletionRequest, call: Call) -> AsyncIterator
     meta = Meta.new("cmpl", "text_completion", req.common.model)
     usage = UsagePlacement(call, req.common.include_usage)
     echoes = echo_texts(req, call)
-    trackers = [Logprobs(len(echo)) for echo in echoes]
-    for index, echo in enumerate(echoes):
-        if echo:
-            yield sse(meta.body([_choice(index, echo, None, None)], **usage.on_chunk(False)))
     wants_logprobs = req.logprobs is not None
+    trackers = [Logprobs(len(echo)) for echo in echoes]
+    late = set()  # choices whose echo waits for their prompt logprobs (they come with the first token)
+    for index, echo in enumerate(echoes):
+        if echo and wants_logprobs:
+            late.add(index)
+        elif echo:
+            yield sse(meta.body([_choice(index, echo, None, None)], **usage.on_chunk(False)))
     async for step in call.steps():
+        if step.index in late:
+            late.discard(step.index)
+            trackers[step.index], prompt = prompt_logprobs(req, call, step.index)
+            yield sse(meta.body([_choice(step.index, echoes[step.index], prompt, None)], **usage.on_chunk(False)))
         text = step.text
         ends = step.end is not None
         if not (text or ends or (wants_logprobs and step.tokens)):

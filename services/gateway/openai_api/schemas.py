@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
+
+import msgspec
 
 from services.gateway.content import ListInput, parse_list, template_content
 from services.gateway.openai_api.errors import bad_param, content_error
@@ -116,9 +118,9 @@ def parse_completion(body: bytes, cfg: Config, served: Served) -> CompletionRequ
         raise bad_param("suffix", "suffix is not supported.")
     echo = bool(f.boolean("echo", False))
     logprobs = f.integer("logprobs", None, 0, 5)
-    if echo and logprobs is not None:
-        raise bad_param("echo", "echo with logprobs is not supported: prompt logprobs are not computed.")
     common = parse_common(data, cfg, served, logprobs, chat=False)
+    if echo and logprobs is not None:  # the echoed prompt's tokens carry logprobs too
+        common = replace(common, sampling=msgspec.structs.replace(common.sampling, prompt_logprobs=logprobs))
     return CompletionRequest(common, prompts, echo, logprobs)
 
 

@@ -27,7 +27,10 @@ def top_json(token: TokenOut) -> list[dict[str, Any]]:
     return [{"id": t.id, "text": t.text, "logprob": t.logprob, "special": False} for t in token.top]
 
 
-def prefill_json(started: Started) -> list[dict[str, Any]]:
+def prefill_json(started: Started, prompt: list[TokenOut]) -> list[dict[str, Any]]:
+    """``decoder_input_details``: each prompt token with its logprob under the model (the first's is null)."""
+    if prompt:
+        return [{"id": t.id, "text": t.text, "logprob": t.logprob, "special": False} for t in prompt]
     return [{"id": i, "text": t, "logprob": None, "special": False}
             for i, t in zip(started.prompt_ids, started.prompt_texts)]
 
@@ -47,7 +50,7 @@ def body(call: Call, req: TgiRequest, end: End, as_array: bool = False) -> Any:
                 "prompt_tokens": started.prompt_tokens,
                 "finish_reason": FINISH.get(end.finish_reason, "stop_sequence"),
                 "generated_tokens": end.generated_tokens,
-                "prefill": prefill_json(started) if req.decoder_input_details else [],
+                "prefill": prefill_json(started, call.sessions[0].prompt) if req.decoder_input_details else [],
                 "seed": started.seed,
                 "tokens": [token_json(t) for t in end.tokens],
                 **({"top_tokens": [top_json(t) for t in end.tokens]} if req.top_n_tokens else {}),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 from litestar import Request, Response, Router, post
 
 from services.gateway import lifecycle
@@ -52,7 +53,8 @@ async def respond(request: Request, req: TgiRequest, as_array: bool) -> Response
     modalities = gateway.modalities()
     listed = req.listed or (markdown_images(req.inputs, "inputs") if "image" in modalities else None)
     admit([listed], gateway.media_policy, modalities=modalities)
-    session = Session(gateway, req.inputs, req.sampling, truncate=req.truncate, parts=prompt_parts(listed),
+    sampling = msgspec.structs.replace(req.sampling, prompt_logprobs=0) if req.decoder_input_details else req.sampling
+    session = Session(gateway, req.inputs, sampling, truncate=req.truncate, parts=prompt_parts(listed),
                       return_prompt_ids=req.decoder_input_details, adapter=req.adapter)
     call = Call(gateway, [session])
     full_text_mode = gateway.cfg.server.full_text_enabled

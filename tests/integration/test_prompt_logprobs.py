@@ -1,0 +1,116 @@
+"""Prompt logprobs through the whole stack: ``/v1/completions`` with ``echo`` and ``logprobs`` (what
+lm-evaluation-harness's ``local-completions`` model sends for every log-likelihood request) and TGI's
+``decoder_input_details``. Each prompt token's logprob equals transformers' log-softmax of the same weights
+within 1e-4; lm-evaluation-harness runs a multiple-choice task against the server and scores it as its
+``hf`` model does on the same weights."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.integration.test_openai_api import PROMPT, client, complete, post, stream_payloads
+
+IDS = [5965, 1462, 314, 11256, 380, 1153, 284, 339]  # PROMPT tokenized
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir) -> torch.Tensor:
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32)
+    with torch.no_grad():
+        return model(torch.tensor([IDS])).logits[0].log_softmax(dim=-1)
+
+
+def test_echo_with_logprobs_gives_the_prompts_logprobs(tiny_stack, reference):
+    done = client(tiny_stack).completions.create(model=tiny_stack.model, prompt=PROMPT, echo=True, logprobs=2,
+                                                  max_tokens=3, temperature=0)
+    choice = done.choices[0]
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(IDS) + 3 and "".join(lp.tokens) == choice.text and choice.text.startswith(PROMPT)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for position in range(1, len(IDS)):
+        assert abs(lp.token_logprobs[position] - float(reference[position - 1][IDS[position]])) < 1e-4
+        top = reference[position - 1].topk(2).values.tolist()
+        assert sorted(lp.top_logprobs[position].values(), reverse=True)[:2] == pytest.approx(top, abs=1e-4)
+    assert lp.text_offset[0] == 0
+    assert all(b - a == len(t) for a, b, t in zip(lp.text_offset, lp.text_offset[1:], lp.tokens))
+    plain = complete(tiny_stack, prompt=PROMPT, logprobs=2, max_tokens=3, temperature=0)["choices"][0]["logprobs"]
+    assert lp.token_logprobs[len(IDS):] == pytest.approx(plain["token_logprobs"], abs=1e-5)
+
+
+def test_lm_eval_style_requests_with_token_ids_and_one_new_token(tiny_stack, reference):
+    body = complete(tiny_stack, prompt=[IDS, IDS[:5]], echo=True, logprobs=1, max_tokens=1, temperature=0, seed=1234)
+    first, second = body["choices"]
+    assert len(first["logprobs"]["token_logprobs"]) == len(IDS) + 1 and len(second["logprobs"]["tokens"]) == 5 + 1
+    for choice, n in ((first, len(IDS)), (second, 5)):
+        got = choice["logprobs"]["token_logprobs"][1:n]
+        want = [float(reference[p - 1][IDS[p]]) for p in range(1, n)]
+        assert got == pytest.approx(want, abs=1e-4)
+
+
+def test_a_stream_echoes_the_prompt_with_its_logprobs_first(tiny_stack, reference):
+    events = stream_payloads(post(tiny_stack, "/v1/completions", {
+        "model": tiny_stack.model, "prompt": PROMPT, "stream": True, "echo": True, "logprobs": 1, "max_tokens": 4,
+        "temperature": 0}))
+    head = events[0]["choices"][0]
+    assert head["text"] == PROMPT and head["logprobs"]["token_logprobs"][0] is None
+    assert head["logprobs"]["token_logprobs"][1] == pytest.approx(float(reference[0][IDS[1]]), abs=1e-4)
+    assert sum(len(e["choices"][0]["logprobs"]["tokens"]) for e in events if e["choices"]) == len(IDS) + 4
+
+
+def test_tgi_decoder_input_details_carry_the_prefill_logprobs(tiny_stack, reference):
+    r = post(tiny_stack, "/generate", {"inputs": PROMPT, "parameters": {"max_new_tokens": 2,
+                                                                        "decoder_input_details": True}})
+    prefill = r.json()["details"]["prefill"]
+    assert [t["id"] for t in prefill] == IDS and prefill[0]["logprob"] is None
+    assert [t["logprob"] for t in prefill[1:]] == pytest.approx(
+        [float(reference[p - 1][IDS[p]]) for p in range(1, len(IDS))], abs=1e-4)
+
+
+QUESTIONS = [
+    ("The capital of France is", [" Paris", " London", " Berlin", " Madrid"], 0),
+    ("The opposite of hot is", [" loud", " cold", " green", " fast"], 1),
+    ("Two plus two equals", [" seven", " one", " four", " ten"], 2),
+    ("The color of the sky on a clear day is", [" blue", " purple", " black", " brown"], 0),
+    ("A baby cat is called a", [" puppy", " calf", " foal", " kitten"], 3),
+    ("Water freezes at zero degrees", [" Celsius", " Kelvin", " Rankine", " Newton"], 0),
+    ("The largest planet in our solar system is", [" Mars", " Jupiter", " Venus", " Mercury"], 1),
+    ("Bees make", [" milk", " silk", " honey", " wool"], 2),
+]
+
+
+def write_task(folder) -> str:
+    data = folder / "mc.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "choices": c, "answer": a}) + "\n" for q, c, a in QUESTIONS))
+    (folder / "sb_mc.yaml").write_text(
+        "task: sb_mc\ndataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {data}\n"
+        "test_split: test\noutput_type: multiple_choice\n"
+        'doc_to_text: "{{question}}"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: "{{answer}}"\n'
+        "metric_list:\n  - metric: acc\n")
+    return "sb_mc"
+
+
+def test_lm_eval_harness_scores_switchboard_as_its_hf_model(smol_stack, smol_dir, tmp_path, monkeypatch):
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    task = write_task(tmp_path)
+    tasks = TaskManager(include_path=str(tmp_path))
+    served = simple_evaluate(
+        model="local-completions", tasks=[task], task_manager=tasks, log_samples=True,
+        model_args=f"base_url={smol_stack.url}/v1/completions,model={smol_stack.model},tokenizer={smol_dir},"
+                   "tokenizer_backend=huggingface,tokenized_requests=True,num_concurrent=1,max_retries=1")
+    local = simple_evaluate(model="hf", tasks=[task], task_manager=tasks, log_samples=True,
+                            model_args=f"pretrained={smol_dir},dtype=float32,device=cpu")
+    assert served["results"][task]["acc,none"] == local["results"][task]["acc,none"] >= 0.5
+    ours = [float(r[0][0]) for s in served["samples"][task] for r in s["resps"]]
+    theirs = [float(r[0][0]) for s in local["samples"][task] for r in s["resps"]]
+    assert len(ours) == sum(len(c) for _, c, _ in QUESTIONS)
+    assert ours == pytest.approx(theirs, abs=1e-3)  # each choice's log-likelihood
