@@ -18,6 +18,14 @@ class Msg(msgspec.Struct, kw_only=True, omit_defaults=True):
     trace: dict[str, str] = {}
 
 
+class Grammar(msgspec.Struct, omit_defaults=True):
+    """A constraint on the generated text (structured output), checked by the gateway (``shared.grammar``),
+    enforced by the engine's token masks: ``json_schema`` (a schema as JSON text), ``regex`` or ``lark``."""
+
+    kind: str
+    value: str
+
+
 class Sampling(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Sampling parameters, already validated by the gateway's family adapter."""
 
@@ -36,6 +44,7 @@ class Sampling(msgspec.Struct, kw_only=True, omit_defaults=True):
     stop_token_ids: list[int] = []  # end like eos (unless ignore_eos)
     logprobs: int | None = None  # None: none; k: the sampled token's logprob and the k most likely
     prompt_logprobs: int | None = None  # None: none; k: each prompt token's logprob (after the first) and the k most likely
+    grammar: Grammar | None = None  # structured output: every sampled token keeps the text within it
     include_stop_str_in_output: bool = False
 
     @property

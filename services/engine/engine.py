@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from services.engine.block_manager import BlockManager, blocks_for
+from services.engine.grammar import Constraints, apply_masks
 from services.engine.isolation import Outcome, run_isolated
 from services.engine.kv_transfer import KvImport, KvLayout, export_blocks, import_blocks
 from services.engine.model_runner import ModelRunner
@@ -98,6 +99,7 @@ class Engine:
         self.seqs: dict[str, Sequence] = {}
         self.stats = Stats()
         self.held_until: float | None = None  # set by a step that held a small first batch back
+        self.constraints = Constraints(runner.path, runner.model.lm_head.out_features)
 
     # ---- called from any thread -------------------------------------------------------------
 
@@ -160,8 +162,10 @@ class Engine:
         again."""
         sampling = [item.seq for item in items if item.samples]
         wanted = prompt_rows(items)
-        logits, hidden = self.runner.run(items, [row for _, row, _ in wanted] or None)
-        drawn = iter(self._draw(logits, sampling)) if sampling else iter(())
+        constrained = [i for i, seq in enumerate(sampling) if seq.matcher is not None]
+        masks = self.constraints.masks([sampling[i].matcher for i in constrained]) if constrained else None
+        logits, hidden = self.runner.run(items, [row for _, row, _ in wanted] or None)  # the masks meanwhile
+        drawn = iter(self._draw(logits, sampling, constrained, masks)) if sampling else iter(())
         prompt = self._prompt_logprobs(items, wanted, hidden) if wanted else {}
         return [Computed(next(drawn) if item.samples else None, prompt.get(i)) for i, item in enumerate(items)]
 
@@ -179,8 +183,11 @@ class Engine:
                                                                     seq.sampling.prompt_logprobs)
         return out
 
-    def _draw(self, logits, seqs: list[Sequence]) -> list[Drawn]:
+    def _draw(self, logits, seqs: list[Sequence], constrained: list[int], masks) -> list[Drawn]:
+        """Sample each row; logprobs are the model's raw ones, taken before a grammar masks its row."""
         logprob_rows = raw_logprobs(logits, seqs)
+        if constrained:
+            logits = apply_masks(logits, constrained, masks.result())
         token_ids = sample(logits, seqs)
         return [Drawn(token_id, token_logprob(logprob_rows[i], token_id, seq.sampling.logprobs)
                       if i in logprob_rows else None)
@@ -196,6 +203,9 @@ class Engine:
         for seq, drawn in results:
             seq.last_event_at = now
             done = finished.get(seq.id)
+            if seq.matcher is not None and not done and not seq.matcher.consume_token(drawn.token_id):
+                events.append(self._grammar_failed(seq, drawn.token_id))
+                continue
             event = TokenEvent(seq.id, [drawn.token_id], done.reason if done else None, position=seq.num_generated - 1)
             if drawn.logprob is not None:
                 event.logprobs = [drawn.logprob]
@@ -206,6 +216,13 @@ class Engine:
             if done:
                 self.seqs.pop(seq.id, None)
         return events
+
+    def _grammar_failed(self, seq: Sequence, token_id: int) -> TokenEvent:
+        """The sampled token left the grammar (it cannot, once masked): end the request with the error."""
+        self.scheduler.finish(seq, "error")
+        self.seqs.pop(seq.id, None)
+        error = ErrorInfo(ErrorKind.INTERNAL, f"token {token_id} left the grammar: {seq.matcher.get_error()}")
+        return TokenEvent(seq.id, [], "error", error)
 
     def _hand_off(self, seqs: list[Sequence]) -> None:
         """Prefill role: each of ``seqs`` has its prompt's K/V and its first token; export the K/V, end the
@@ -288,6 +305,13 @@ class Engine:
         seq = Sequence(req.id, req.prompt_ids, req.sampling, priority=req.priority, deadline=req.deadline,
                        deadline_reason=req.deadline_reason, last_event_at=time.time(), arrival=req.arrival, lora=slot)
         seq.media, seq.media_salt = req.media, salt(req.media)
+        if req.sampling.grammar is not None:
+            try:
+                seq.matcher = self.constraints.matcher(req.sampling.grammar, req.generated_ids)
+            except ValueError as exc:
+                if slot is not None:
+                    self.runner.lora.release(slot)
+                return [TokenEvent(req.id, [], "error", ErrorInfo(ErrorKind.VALIDATION, str(exc)))]
         # a prompt with media stays: its decode needs what the encoder computed (Qwen2-VL's rope delta)
         seq.kv_import = kv
         seq.wants_prompt_logprobs = req.sampling.prompt_logprobs is not None and not req.generated_ids

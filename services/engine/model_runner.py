@@ -80,6 +80,7 @@ class Batch:
 class ModelRunner:
     def __init__(self, path: str, device: Device, block_size: int, kv_budget_bytes: int, max_blocks: int,
                  batch_hint: int = 16, cpu_kernels: bool = True, max_loras: int = 0, max_lora_rank: int = 64):
+        self.path = path  # the model folder (its tokenizer builds structured output's grammars)
         self.device = device.torch_device
         self.dtype = device.dtype
         self.model, self.encoder = load_model(path, self.device, self.dtype)

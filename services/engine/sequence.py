@@ -47,6 +47,7 @@ class Sequence:
     handoff: bool = False  # prefill role: after its first token its K/V go to a decode engine
     request: Any = None  # the EngineRequest it came as, kept only while it may be handed off (what the handoff sends on)
     kv_import: Any = None  # kv_transfer.KvImport: K/V received for its prompt, written when it gets blocks
+    matcher: Any = None  # structured output: its llguidance matcher (engine/grammar.py); None = free
     wants_prompt_logprobs: bool = False  # computes its prompt's logprobs (new requests that asked; no prefix hits)
     prompt_logprobs: dict = field(default_factory=dict)  # prompt position -> TokenLogprob, as prefill chunks run
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from text_generation import Client
 
 from tests.integration.stack import post, sse_events
@@ -40,8 +41,12 @@ def test_tgi_top_n_tokens_in_details_and_stream(tiny_stack):
         assert r.status_code == 422 and "top_n_tokens" in r.json()["error"], (bad, r.text)
 
 
-def test_tgi_grammar_is_refused_not_ignored(tiny_stack):
-    grammar = {"type": "json", "value": {"type": "object", "properties": {"a": {"type": "integer"}}}}
+@pytest.mark.parametrize("grammar", [
+    "json", {"type": "xml", "value": "x"}, {"type": "regex", "value": 5}, {"type": "regex", "value": "[0-9"},
+    {"type": "json", "value": 5}, {"type": "json", "value": {"type": "nonsense"}}, {"type": "json", "value": "{bad"},
+    {"type": "json_schema", "value": {"name": "x"}},
+])
+def test_tgi_grammars_that_cannot_be_compiled_are_422_before_anything_runs(tiny_stack, grammar):
     for path in ("/generate", "/generate_stream", "/"):
         r = post(tiny_stack, path, {"inputs": PROMPT, "parameters": {"grammar": grammar}})
         assert r.status_code == 422, r.text

@@ -8,7 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from services.gateway.openai_api.errors import bad_param, model_not_found
+from services.gateway.openai_api.response_format import response_format
 from services.gateway.sampling import VllmDialect, vllm_sampling
 from services.gateway.served import Served
 from services.gateway.validation import INT32_MAX, Fields
@@ -41,6 +44,9 @@ def parse_common(data: dict[str, Any], cfg: Config, served: Served, logprobs: in
     stream = bool(f.boolean("stream", False))
     dialect = VllmDialect(repetition_max=2.0, max_tokens_default=cfg.schedule.max_iter_times if chat else COMPLETIONS_MAX_TOKENS)
     sampling = vllm_sampling(f, dialect, logprobs)
+    grammar = response_format(f.data.get("response_format"))
+    if grammar is not None:
+        sampling = msgspec.structs.replace(sampling, grammar=grammar)
     n = _n(f, cfg, sampling)
     return Common(model, n, stream, _include_usage(f, stream), sampling, _truncate(f, cfg), adapter)
 

@@ -64,8 +64,6 @@ def _refuse_chat_extras(f: Fields) -> None:
         raise bad_param("tools", "tool calling is not supported by the served model.")
     if f.data.get("tool_choice") not in (None, "none", "auto"):
         raise bad_param("tool_choice", "tool calling is not supported by the served model.")
-    if f.obj("response_format").data.get("type") not in (None, "text"):
-        raise bad_param("response_format", "structured output (response_format) is not supported.")
     if f.data.get("chat_template") is not None:
         raise bad_param("chat_template", "chat_template overrides are not supported; the model's template is used.")
 

@@ -6,12 +6,15 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from services.gateway.content import ListInput, mindie_input
 from services.gateway.sampling import TGI, mindie_sampling
 from services.gateway.served import Served
 from services.gateway.validation import INT32_MAX, Fields, parse_json_object, stream_flag, text_input
 from shared.errors import validation
-from shared.messages import Sampling
+from shared.grammar import json_schema, problem
+from shared.messages import Grammar, Sampling
 
 PARSE_ERROR = "Failed to parse context to json body"
 MAX_TOP_N_TOKENS = 5  # TGI's default --max-top-n-tokens
@@ -73,14 +76,33 @@ def _inputs(value: Any) -> tuple[str, ListInput | None]:
 def sampling_from(p: Fields, top_n_tokens: int = 0) -> Sampling:
     """``top_n_tokens`` asks the engine for each step's most likely tokens (and every token's logprob)."""
     _check_best_of(p)
-    _refuse_grammar(p)
-    return mindie_sampling(p, TGI, logprobs=top_n_tokens or None)
+    sampling = mindie_sampling(p, TGI, logprobs=top_n_tokens or None)
+    grammar = tgi_grammar(p.data.get("grammar"))
+    return sampling if grammar is None else msgspec.structs.replace(sampling, grammar=grammar)
 
 
-def _refuse_grammar(p: Fields) -> None:
-    if p.data.get("grammar") is not None:
-        raise validation("grammar is not supported yet: structured output would be silently unconstrained.",
-                         "grammar")
+def tgi_grammar(value: Any) -> Grammar | None:
+    """TGI's ``parameters.grammar``: ``{"type": "json", "value": <JSON schema, object or text>}``,
+    ``{"type": "regex", "value": "<regex>"}`` or ``{"type": "json_schema", "value": {"schema": ...}}``; 422 when it
+    is malformed or cannot be compiled."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("type") not in ("json", "regex", "json_schema"):
+        raise validation('grammar must be {"type": "json" | "regex" | "json_schema", "value": ...}.', "grammar")
+    kind, spec = value["type"], value.get("value")
+    if kind == "regex":
+        if not isinstance(spec, str) or not spec:
+            raise validation("grammar.value must be a non-empty regex string.", "grammar")
+        grammar = Grammar("regex", spec)
+    else:
+        if kind == "json_schema":
+            spec = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(spec, (dict, str)):
+            raise validation("grammar.value must be a JSON schema (an object, or its JSON text).", "grammar")
+        grammar = json_schema(spec)
+    if (why := problem(grammar)) is not None:
+        raise validation(f"grammar cannot be compiled: {why}", "grammar")
+    return grammar
 
 
 def _check_best_of(p: Fields) -> None:
