@@ -83,6 +83,8 @@ class GenerateRequest(Msg):
     prompt_ids: list[int] | None = None  # token-id input (skips encoding)
     messages: list[dict[str, Any]] | None = None  # chat input: rendered by the model's chat template
     chat_template_kwargs: dict[str, Any] = {}
+    tools: list[dict[str, Any]] = []  # chat: the declared tools (OpenAI's objects), rendered with the messages
+    tool_choice: str = ""  # none | auto | required | named (auto needs a tool-call format the gateway parses)
     sampling: Sampling = msgspec.field(default_factory=Sampling)
     truncate: int = 0  # keep only the last n prompt tokens; 0 = off
     return_prompt_ids: bool = False

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from shared.config import ModelDeployConfig
 from shared.errors import validation
+from services.tokenizer.tools import plain, takes_tools, with_tools
 from shared.messages import GenerateRequest
 
 MAX_TOKENS_NUM = 1048576
@@ -45,9 +46,14 @@ def render_chat(tokenizer, req: GenerateRequest) -> list[int]:
     """The conversation through the model's chat template, ending with the assistant's turn."""
     if not getattr(tokenizer, "chat_template", None):
         raise validation("the model has no chat_template in its tokenizer_config.json; use /v1/completions")
+    messages, extra = req.messages, {}
+    if req.tools:
+        messages, extra = with_tools(tokenizer, req.messages, req.tools, req.tool_choice)
+    elif not takes_tools(tokenizer):
+        messages = plain(req.messages)
     try:
-        text = tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False,
-                                             **req.chat_template_kwargs)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                             **extra, **req.chat_template_kwargs)
     except Exception as exc:  # a template error is the caller's messages not fitting the template
         raise validation(f"the messages do not fit the model's chat template: {exc}") from None
     return tokenizer(text, add_special_tokens=False).input_ids

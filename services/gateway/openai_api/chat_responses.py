@@ -7,6 +7,7 @@ from typing import Any, AsyncIterator
 from services.gateway.call import Call
 from services.gateway.openai_api.schemas import ChatRequest
 from services.gateway.openai_api.sse import Meta, UsagePlacement, finish_reason, sse
+from services.gateway.openai_api.tools import ToolStream, extract
 from shared.messages import TokenOut
 
 
@@ -24,13 +25,20 @@ def logprobs_json(req: ChatRequest, tokens: list[TokenOut]) -> dict[str, Any] | 
     return {"content": [logprob_entry(t) for t in tokens], "refusal": None} if req.logprobs else None
 
 
+def _finish(end_reason: str | None, calls: bool) -> str | None:
+    """``tool_calls`` when the answer is tool calls (and was not cut by max_tokens)."""
+    reason = finish_reason(end_reason)
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
 async def chat_body(req: ChatRequest, call: Call) -> dict[str, Any]:
     """Run every choice to its end and build the ``chat.completion`` object."""
     choices = []
     for index, end in enumerate(await call.results()):
-        message = {"role": "assistant", "content": end.text, "refusal": None, "tool_calls": []}
+        content, calls = extract(req.tools, end.text) if req.tools is not None else (end.text, [])
+        message = {"role": "assistant", "content": content, "refusal": None, "tool_calls": calls}
         choices.append({"index": index, "message": message, "logprobs": logprobs_json(req, end.tokens),
-                        "finish_reason": finish_reason(end.finish_reason)})
+                        "finish_reason": _finish(end.finish_reason, bool(calls))})
     return Meta.new("chatcmpl", "chat.completion", req.common.model).body(choices, usage=call.usage())
 
 
@@ -38,16 +46,31 @@ async def chat_chunks(req: ChatRequest, call: Call) -> AsyncIterator[bytes]:
     """A role chunk per choice, content deltas, each choice's end reason, then the usage (if asked)."""
     meta = Meta.new("chatcmpl", "chat.completion.chunk", req.common.model)
     usage = UsagePlacement(call, req.common.include_usage)
+    streams = [ToolStream(req.tools) if req.tools is not None else None for _ in range(len(call))]
     for index in range(len(call)):
         role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         yield sse(meta.body([role], **usage.on_chunk(False)))
     async for step in call.steps():
-        text = step.text
         ends = step.end is not None
-        if not (text or ends or (req.logprobs and step.tokens)):
-            continue  # held back by a stop string or an incomplete character: nothing to send yet
-        choice = {"index": step.index, "delta": {"content": text}, "logprobs": logprobs_json(req, step.tokens),
-                  "finish_reason": finish_reason(step.end and step.end.finish_reason)}
+        delta = _delta(streams[step.index], step.text, ends)
+        if not (delta.get("content") or delta.get("tool_calls") or ends or (req.logprobs and step.tokens)):
+            continue  # held back by a stop string, an incomplete character or a tool-call marker
+        calls = streams[step.index] is not None and streams[step.index].calls > 0
+        choice = {"index": step.index, "delta": delta, "logprobs": logprobs_json(req, step.tokens),
+                  "finish_reason": _finish(step.end and step.end.finish_reason, calls)}
         yield sse(meta.body([choice], **usage.on_chunk(ends)))
     for closing in usage.closing(meta):
         yield sse(closing)
+
+
+def _delta(stream: ToolStream | None, text: str, final: bool) -> dict[str, Any]:
+    """A chunk's delta: its content, and the tool-call deltas when the request declared tools."""
+    if stream is None:
+        return {"content": text}
+    content, calls = stream.feed(text, final)
+    delta: dict[str, Any] = {}
+    if content:
+        delta["content"] = content
+    if calls:
+        delta["tool_calls"] = calls
+    return delta

@@ -63,6 +63,8 @@ async def chat_completions(request: Request) -> Response:
     admit(req.listed, gateway.media_policy, content_error, gateway.modalities())
     prompt = {"messages": req.messages, "chat_template_kwargs": req.chat_template_kwargs,
               "truncate": req.common.truncate, "parts": chat_media(req.listed)}
+    if req.tools is not None:
+        prompt.update(tools=req.tools.declared, tool_choice=req.tools.choice)
     call = build_call(gateway, [prompt], req.common.sampling, req.common.n, req.common.adapter)
     return await respond(request, req.common, call, "messages",
                          lambda: chat_body(req, call), lambda: chat_chunks(req, call))

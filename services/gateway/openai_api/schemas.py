@@ -10,6 +10,7 @@ import msgspec
 from services.gateway.content import ListInput, parse_list, template_content
 from services.gateway.openai_api.errors import bad_param, content_error
 from services.gateway.openai_api.params import Common, parse_common
+from services.gateway.openai_api.tools import Tools, parse_tools
 from services.gateway.served import Served
 from services.gateway.validation import MAX_INPUT_CHARS, Fields, parse_json_object
 from shared.config import Config
@@ -26,6 +27,7 @@ class ChatRequest:
     top_logprobs: int
     chat_template_kwargs: dict[str, Any]
     listed: tuple[ListInput, ...] = ()  # the contents given as lists (each message's ``content`` is its joined text)
+    tools: Tools | None = None  # declared tools and tool_choice (openai_api/tools.py)
 
 
 @dataclass(frozen=True)
@@ -55,15 +57,18 @@ def parse_chat(body: bytes, cfg: Config, served: Served) -> ChatRequest:
         raise bad_param("top_logprobs", "when using top_logprobs, logprobs must be set to true.")
     top = top or 0
     common = parse_common(data, cfg, served, top if logprobs else None, chat=True)
+    tools = parse_tools(data)
+    grammar = tools.grammar() if tools is not None else None
+    if grammar is not None:
+        if common.sampling.grammar is not None:
+            raise bad_param("response_format", "response_format cannot be combined with tool_choice required or a "
+                                               "named function (the tool call's arguments are the output).")
+        common = replace(common, sampling=msgspec.structs.replace(common.sampling, grammar=grammar))
     kwargs = f.obj("chat_template_kwargs").data
-    return ChatRequest(common, messages, logprobs, top, kwargs, listed)
+    return ChatRequest(common, messages, logprobs, top, kwargs, listed, tools)
 
 
 def _refuse_chat_extras(f: Fields) -> None:
-    if f.data.get("tools"):
-        raise bad_param("tools", "tool calling is not supported by the served model.")
-    if f.data.get("tool_choice") not in (None, "none", "auto"):
-        raise bad_param("tool_choice", "tool calling is not supported by the served model.")
     if f.data.get("chat_template") is not None:
         raise bad_param("chat_template", "chat_template overrides are not supported; the model's template is used.")
 
@@ -89,11 +94,38 @@ def _message(value: Any, i: int) -> tuple[dict[str, Any], ListInput | None]:
     role = value.get("role")
     if not isinstance(role, str) or not role:
         raise bad_param(f"{where}.role", f"{where}.role must be a non-empty string.")
-    text, listed = _content(value.get("content"), f"{where}.content")
+    calls = _tool_calls(value.get("tool_calls"), where) if role == "assistant" else []
+    content = value.get("content")
+    text, listed = ("", None) if calls and content is None else _content(content, f"{where}.content")
     message = {"role": role, "content": template_content(listed) if listed is not None and listed.has_media else text}
     if isinstance(value.get("name"), str):
         message["name"] = value["name"]
+    if calls:
+        message["tool_calls"] = calls
+    if role == "tool":
+        if not isinstance(value.get("tool_call_id"), str) or not value["tool_call_id"]:
+            raise bad_param(f"{where}.tool_call_id", f"{where}.tool_call_id is required for a tool message.")
+        message["tool_call_id"] = value["tool_call_id"]
     return message, listed
+
+
+def _tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's earlier ``tool_calls``: ``[{"id", "type": "function", "function": {"name",
+    "arguments": <JSON text>}}]``."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise bad_param(f"{where}.tool_calls", f"{where}.tool_calls must be an array.")
+    calls = []
+    for i, call in enumerate(value):
+        at = f"{where}.tool_calls[{i}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
+                or not isinstance(function.get("arguments"), str):
+            raise bad_param(at, f'{at} must be {{"id", "type": "function", "function": {{"name", "arguments"}}}}.')
+        calls.append({"id": str(call.get("id", "")), "type": "function",
+                      "function": {"name": function["name"], "arguments": function["arguments"]}})
+    return calls
 
 
 def _content(value: Any, where: str) -> tuple[str, ListInput | None]:

@@ -1,0 +1,276 @@
+"""OpenAI tools on chat completions (reference §3.25): ``tools``, ``tool_choice``, ``parallel_tool_calls``, and
+``tool_calls`` in the answer, whole or streamed.
+
+* ``required`` and a named function are guaranteed by the grammar engine: the model's output is JSON that
+  the grammar keeps valid — for a named function its arguments (the function's ``parameters`` schema), for
+  ``required`` an array of ``{"name": <a declared function>, "arguments": <its parameters>}`` (one call
+  unless ``parallel_tool_calls``). A stream sends each call's id and name first, then its arguments as
+  they are generated.
+* ``auto`` parses the model's own format: the tokenizer service renders the tools with the model's chat
+  template and says nothing of the format; ``<tool_call>{"name": …, "arguments": …}</tool_call>`` blocks
+  (the Hermes format of Qwen2.5, Hermes and SmolLM3 templates, and the one the tokenizer describes to a
+  model whose template has no tool support) become ``tool_calls``, the rest of the text the content.
+* ``none``: the tools are shown to the model, and its text is content.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.gateway.openai_api.errors import bad_param
+from shared.grammar import json_schema, problem
+from shared.messages import Grammar
+
+NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
+
+
+@dataclass(frozen=True)
+class Tools:
+    functions: dict[str, dict[str, Any]]  # name -> {"name", "description", "parameters"}
+    choice: str  # none | auto | required | named
+    named: str = ""
+    parallel: bool = True
+
+    @property
+    def declared(self) -> list[dict[str, Any]]:
+        """The tools as the chat template takes them (OpenAI's objects)."""
+        return [{"type": "function", "function": f} for f in self.functions.values()]
+
+    def grammar(self) -> Grammar | None:
+        if self.choice == "named":
+            return json_schema(self.functions[self.named]["parameters"])
+        if self.choice != "required":
+            return None
+        calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": f["parameters"]},
+                  "required": ["name", "arguments"], "additionalProperties": False}
+                 for name, f in self.functions.items()]
+        schema: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+        if not self.parallel:
+            schema["maxItems"] = 1
+        return json_schema(schema)
+
+
+def parse_tools(data: dict[str, Any]) -> Tools | None:
+    """None when the request declares no tools (a ``tool_choice`` other than none is then a 400)."""
+    raw, choice = data.get("tools"), data.get("tool_choice")
+    if raw is None or raw == []:
+        if choice not in (None, "none"):
+            raise bad_param("tool_choice", "tool_choice needs tools.")
+        return None
+    if not isinstance(raw, list):
+        raise bad_param("tools", "tools must be an array of function tools.")
+    functions = dict(_function(t, i) for i, t in enumerate(raw))
+    parallel = data.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise bad_param("parallel_tool_calls", "parallel_tool_calls must be boolean type.")
+    tools = Tools(functions, *_choice(choice, functions), parallel=parallel)
+    grammar = tools.grammar()
+    if grammar is not None and (why := problem(grammar)) is not None:
+        raise bad_param("tools", f"the tools' parameters cannot be used to constrain the output: {why}")
+    return tools
+
+
+def _function(tool: Any, i: int) -> tuple[str, dict[str, Any]]:
+    where = f"tools[{i}]"
+    if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+        raise bad_param(where, f'{where} must be {{"type": "function", "function": {{...}}}}.')
+    spec = tool["function"]
+    name = spec.get("name")
+    if not isinstance(name, str) or not NAME.match(name):
+        raise bad_param(f"{where}.function.name", f"{where}.function.name must be 1 to 64 letters, digits, _ or -.")
+    parameters = spec.get("parameters", {"type": "object", "properties": {}})
+    if not isinstance(parameters, dict):
+        raise bad_param(f"{where}.function.parameters", f"{where}.function.parameters must be a JSON Schema object.")
+    if "type" not in parameters:
+        parameters = {"type": "object", **parameters}
+    out = {"name": name, "parameters": parameters}
+    if isinstance(spec.get("description"), str):
+        out["description"] = spec["description"]
+    return name, out
+
+
+def _choice(choice: Any, functions: dict[str, dict]) -> tuple[str, str]:
+    if choice is None:
+        return "auto", ""
+    if choice in ("none", "auto", "required"):
+        return choice, ""
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        if name not in functions:
+            raise bad_param("tool_choice", f"tool_choice names function {name!r}, which is not in tools.")
+        return "named", name
+    raise bad_param("tool_choice", 'tool_choice must be "none", "auto", "required" or {"type": "function", '
+                                   '"function": {"name": ...}}.')
+
+
+# ---- the answer --------------------------------------------------------------------------------
+
+
+def call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def tool_call(name: str, arguments: str) -> dict[str, Any]:
+    return {"id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def extract(tools: Tools, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """(content, tool calls) of a whole answer; an answer that does not parse (cut by max_tokens) stays
+    content."""
+    if tools.choice == "named":
+        return (None, [tool_call(tools.named, text)]) if _loads(text) is not None else (text, [])
+    if tools.choice == "required":
+        calls = _loads(text)
+        if not isinstance(calls, list):
+            return text, []
+        return None, [tool_call(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in calls]
+    if tools.choice == "auto":
+        calls = [c for c in map(_hermes, BLOCK.findall(text)) if c is not None and c[0] in tools.functions]
+        if calls:
+            content = BLOCK.sub("", text).strip()
+            return content or None, [tool_call(name, args) for name, args in calls]
+    return text, []
+
+
+def _loads(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def _hermes(block: str) -> tuple[str, str] | None:
+    call = _loads(block)
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return None
+    arguments = call.get("arguments", call.get("parameters", {}))
+    return call["name"], arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+
+
+# ---- streaming ---------------------------------------------------------------------------------
+
+
+@dataclass
+class ToolStream:
+    """One choice's stream: turns text deltas into (content delta, tool-call deltas)."""
+
+    tools: Tools
+    text: str = ""  # everything generated so far
+    sent: int = 0  # auto: content characters sent; named/required: characters scanned
+    calls: int = 0  # tool calls begun
+    scan: "_ArrayScan" = field(default_factory=lambda: _ArrayScan())
+
+    def feed(self, delta: str, final: bool) -> tuple[str, list[dict[str, Any]]]:
+        self.text += delta
+        if self.tools.choice == "named":
+            return self._named(delta)
+        if self.tools.choice == "required":
+            return "", self.scan.feed(delta)
+        if self.tools.choice == "auto":
+            return self._auto(final)
+        return delta, []
+
+    def _named(self, delta: str) -> tuple[str, list[dict[str, Any]]]:
+        out = []
+        if self.calls == 0:
+            self.calls = 1
+            out.append({"index": 0, "id": call_id(), "type": "function",
+                        "function": {"name": self.tools.named, "arguments": ""}})
+        if delta:
+            out.append({"index": 0, "function": {"arguments": delta}})
+        return "", out
+
+    def _auto(self, final: bool) -> tuple[str, list[dict[str, Any]]]:
+        """Content up to a tool-call block (holding back what may begin one), each block as one call."""
+        content, out = "", []
+        while True:
+            rest = self.text[self.sent:]
+            start = rest.find(OPEN)
+            if start < 0:
+                keep = 0 if final else _partial_suffix(rest, OPEN)
+                content += rest[:len(rest) - keep]
+                self.sent += len(rest) - keep
+                return content, out
+            content += rest[:start]
+            end = rest.find(CLOSE, start)
+            if end < 0:
+                self.sent += start
+                if final:  # an unfinished block is text
+                    content += rest[start:]
+                    self.sent = len(self.text)
+                return content, out
+            call = _hermes(rest[start + len(OPEN):end].strip())
+            if call is not None and call[0] in self.tools.functions:
+                out.append({"index": self.calls, "id": call_id(), "type": "function",
+                            "function": {"name": call[0], "arguments": call[1]}})
+                self.calls += 1
+            else:
+                content += rest[start:end + len(CLOSE)]
+            self.sent += end + len(CLOSE)
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest suffix of ``text`` that begins ``marker``."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+@dataclass
+class _ArrayScan:
+    """``required``'s JSON array of ``{"name": …, "arguments": {…}}`` read character by character: a call's id
+    and name once its name is complete, then its arguments as they come."""
+
+    depth: int = 0
+    in_string: bool = False
+    escaped: bool = False
+    call: str = ""  # the current call object's text so far
+    in_arguments: bool = False
+    index: int = -1
+
+    def feed(self, delta: str) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        arguments = ""
+        for ch in delta:
+            before = self.depth
+            self._track(ch)
+            if before == 1 and ch == "{":  # a call begins
+                self.index, self.call, self.in_arguments = self.index + 1, "", False
+            if self.depth >= 2 or before >= 2:
+                self.call += ch
+            if self.in_arguments and (before >= 3 or (before == 2 and ch == "{")):
+                arguments += ch
+            elif self.index >= 0 and not self.in_arguments and before == 2:
+                match = re.match(r'\{\s*"name"\s*:\s*"([^"]*)"\s*,\s*"arguments"\s*:\s*$', self.call)
+                if match:
+                    self.in_arguments = True
+                    out.append({"index": self.index, "id": call_id(), "type": "function",
+                                "function": {"name": match.group(1), "arguments": ""}})
+            if before == 2 and self.depth == 1 and arguments:  # the call closed: flush its arguments
+                out.append({"index": self.index, "function": {"arguments": arguments}})
+                arguments = ""
+        if arguments:
+            out.append({"index": self.index, "function": {"arguments": arguments}})
+        return out
+
+    def _track(self, ch: str) -> None:
+        if self.in_string:
+            if self.escaped:
+                self.escaped = False
+            elif ch == "\\":
+                self.escaped = True
+            elif ch == '"':
+                self.in_string = False
+        elif ch == '"':
+            self.in_string = True
+        elif ch in "[{":
+            self.depth += 1
+        elif ch in "]}":
+            self.depth -= 1

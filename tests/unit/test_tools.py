@@ -1,0 +1,129 @@
+"""Tool calling's pure parts: the request's tools and tool_choice, the grammar for required and named
+functions, reading calls out of whole answers and streams (``services/gateway/openai_api/tools.py``), and
+rendering a chat with tools through chat templates with and without tool support
+(``services/tokenizer/tools.py``)."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+from transformers import AutoTokenizer
+
+from services.gateway.openai_api.errors import OpenAIError
+from services.gateway.openai_api.tools import ToolStream, extract, parse_tools
+from services.tokenizer.tools import with_tools
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+                                                "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {
+    "zone": {"type": "string"}}, "required": ["zone"]}}}
+
+
+def tools(**data):
+    return parse_tools({"tools": [WEATHER, TIME], **data})
+
+
+@pytest.mark.parametrize("data, param", [
+    ({"tools": "x"}, "tools"), ({"tools": [{"type": "function"}]}, "tools[0]"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
+    ({"tools": [WEATHER], "tool_choice": "always"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"), ({"tools": [WEATHER], "parallel_tool_calls": 1}, "parallel_tool_calls"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
+      "tool_choice": "required"}, "tools"),
+])
+def test_bad_tools_are_400_naming_the_field(data, param):
+    with pytest.raises(OpenAIError) as err:
+        parse_tools(data)
+    assert err.value.param == param
+
+
+def test_choices_and_their_grammars():
+    assert tools().choice == "auto" and tools().grammar() is None
+    assert parse_tools({"tools": []}) is None and parse_tools({}) is None
+    named = tools(tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert (named.choice, named.named) == ("named", "get_time")
+    assert json.loads(named.grammar().value) == TIME["function"]["parameters"]
+    required = json.loads(tools(tool_choice="required", parallel_tool_calls=False).grammar().value)
+    assert required["maxItems"] == 1 and len(required["items"]["anyOf"]) == 2
+
+
+def test_whole_answers():
+    content, calls = extract(tools(tool_choice="required"),
+                             '[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                             '{"name": "get_time", "arguments": {"zone": "CET"}}]')
+    assert content is None and [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"} and calls[0]["id"].startswith("call_")
+    named = tools(tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert extract(named, '{"zone": "UTC"}')[1][0]["function"]["arguments"] == '{"zone": "UTC"}'
+    assert extract(named, '{"zone": "UT') == ('{"zone": "UT', [])  # cut by max_tokens: content
+    auto = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    content, calls = extract(tools(), auto)
+    assert content == "Let me check." and json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"}
+    assert extract(tools(), "<tool_call>{\"name\": \"rm_rf\", \"arguments\": {}}</tool_call>")[1] == []
+    assert extract(tools(tool_choice="none"), auto) == (auto, [])
+
+
+def replay(stream: ToolStream, text: str, size: int) -> tuple[str, dict[int, dict]]:
+    """Feed ``text`` in pieces; (content, calls by index with their arguments joined)."""
+    content, calls = "", {}
+    pieces = [text[i:i + size] for i in range(0, len(text), size)]
+    for n, piece in enumerate(pieces):
+        delta, deltas = stream.feed(piece, n == len(pieces) - 1)
+        content += delta
+        for d in deltas:
+            call = calls.setdefault(d["index"], {"id": d.get("id"), "name": d.get("function", {}).get("name"),
+                                                  "arguments": ""})
+            assert d.get("id") is None or call["id"] == d["id"]
+            call["arguments"] += d["function"].get("arguments", "")
+    return content, calls
+
+
+@pytest.mark.parametrize("size", [1, 3, 7, 1000])
+def test_streams_give_ids_and_names_first_then_arguments(size):
+    required = '[{"name": "get_weather", "arguments": {"city": "Pa{r}is \\"x\\""}}, {"name": "get_time", "arguments": {"zone": "CET"}}]'
+    content, calls = replay(ToolStream(tools(tool_choice="required")), required, size)
+    assert content == "" and [c["name"] for c in calls.values()] == ["get_weather", "get_time"]
+    assert [json.loads(c["arguments"]) for c in calls.values()] == [{"city": 'Pa{r}is "x"'}, {"zone": "CET"}]
+    named = tools(tool_choice={"type": "function", "function": {"name": "get_time"}})
+    content, calls = replay(ToolStream(named), '{"zone": "UTC"}', size)
+    assert calls[0]["name"] == "get_time" and calls[0]["arguments"] == '{"zone": "UTC"}'
+    text = 'Sure <tool_ <tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call> done <tool'
+    content, calls = replay(ToolStream(tools()), text, size)
+    assert content == "Sure <tool_  done <tool" and json.loads(calls[0]["arguments"]) == {"city": "Rome"}
+
+
+def test_a_template_without_tool_support_gets_them_described(smol_dir):
+    tokenizer = AutoTokenizer.from_pretrained(smol_dir)
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                   "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]
+    messages, extra = with_tools(tokenizer, history, [WEATHER], "auto")
+    assert extra == {} and messages[0]["role"] == "system" and '"name": "get_weather"' in messages[0]["content"]
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in messages[2]["content"]
+    assert messages[3] == {"role": "user", "content": "<tool_response>\n18 C\n</tool_response>"}
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert "get_weather" in text and "<tool_response>" in text
+
+
+def test_a_template_with_tool_support_gets_them_as_they_are(smol_dir):
+    tokenizer = AutoTokenizer.from_pretrained(smol_dir)
+    tokenizer.chat_template = (
+        "{% for t in tools %}TOOL {{ t.function.name }}\\n{% endfor %}{% for m in messages %}"
+        "{{ m.role }}: {{ m.content }}{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}"
+        "</tool_call>{% endfor %}\\n{% endfor %}")
+    history = [{"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Paris"}'}}]}]
+    messages, extra = with_tools(tokenizer, history, [WEATHER], "auto")
+    text = tokenizer.apply_chat_template(messages, tokenize=False, **extra)
+    assert text.startswith("TOOL get_weather") and '"arguments": {"city": "Paris"}' in text
+    tokenizer.chat_template = "{% for t in tools %}[TOOL_CALLS]{% endfor %}{{ messages[0].content }}"
+    with pytest.raises(Exception, match="tool_choice auto"):
+        with_tools(tokenizer, [{"role": "user", "content": "x"}], [WEATHER], "auto")
+    assert with_tools(tokenizer, [{"role": "user", "content": "x"}], [WEATHER], "required")[1] == {"tools": [WEATHER]}
+    jsonschema.Draft202012Validator.check_schema(WEATHER["function"]["parameters"])
