@@ -220,6 +220,7 @@ class Started(Msg, tag="started"):
     seed: int
     prompt_ids: list[int] = []
     prompt_texts: list[str] = []
+    tool_format: str = ""  # a chat with tools: the format the model writes calls in (hermes, mistral, llama3_json)
     tokenizer: str = ""  # the instances that own the request now: the gateway watches their leases
     engine: str = ""
 

@@ -28,6 +28,7 @@ from services.tokenizer.multimodal import MediaProcessor
 from shared import bus, subjects, telemetry
 from shared.config import Config
 from services.tokenizer.routing import EngineRouter
+from services.tokenizer.tools import tool_format
 from shared.errors import ErrorInfo, ErrorKind, SwitchboardError
 from shared.leases import Leases
 from shared.media import MediaPolicy
@@ -221,7 +222,8 @@ class TokenizerService:
         return encode_prompt(self.tok, req, self.cfg.deploy)
 
     def started(self, req: GenerateRequest, ids: list[int], seed: int, engine: str) -> Started:
-        started = Started(id=req.id, prompt_tokens=len(ids), seed=seed, tokenizer=self.instance, engine=engine)
+        started = Started(id=req.id, prompt_tokens=len(ids), seed=seed, tokenizer=self.instance, engine=engine,
+                          tool_format=tool_format(self.tok) if req.tools else "")
         if req.return_prompt_ids:
             started.prompt_ids = ids
             started.prompt_texts = [self.tok.decode([i], skip_special_tokens=False) for i in ids]

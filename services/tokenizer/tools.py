@@ -5,8 +5,10 @@ objects, as templates print them with ``tojson``) and ``tool`` messages as they 
 tool support (SmolLM2's, say) would drop them silently; instead the tools are described in the system
 message in the Hermes format — each call a ``<tool_call>{"name": …, "arguments": …}</tool_call>`` block,
 each result a ``<tool_response>`` — which is also what the gateway parses for ``tool_choice: auto``
-(``services/gateway/openai_api/tools.py``). A template with tools in another format cannot be parsed:
-``auto`` is refused there (``required`` and named functions are grammar-constrained and need no parser).
+(``services/gateway/openai_api/tools.py``). The format a template prints calls in (``tool_format``: Hermes,
+Mistral's ``[TOOL_CALLS]`` or Llama 3's JSON) goes to the gateway in ``Started``; a template with tools in
+another format cannot be parsed: ``auto`` is refused there (``required`` and named functions are
+grammar-constrained and need no parser).
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from typing import Any
 
 from shared.errors import validation
 
-HERMES = "<tool_call>"
 TOOL_PROMPT = (
     "You may call one or more functions to help with the user's request. The functions are described as JSON "
     "within <tools></tools> tags:\n<tools>\n{tools}\n</tools>\n\nTo call a function, answer with a JSON object "
@@ -25,16 +26,29 @@ TOOL_PROMPT = (
 )
 
 
+# the tool-call formats the gateway parses for tool_choice auto, by a marker of the chat template that prints it
+FORMATS = (("<tool_call>", "hermes"), ("[TOOL_CALLS]", "mistral"), ("<|python_tag|>", "llama3_json"),
+           ("ipython", "llama3_json"))
+
+
 def takes_tools(tokenizer) -> bool:
     template = getattr(tokenizer, "chat_template", None)
     return isinstance(template, str) and "tools" in template
+
+
+def tool_format(tokenizer) -> str:
+    """The format the model writes tool calls in, as its chat template shows it; "hermes" for a template
+    without tool support (the format ``with_tools`` describes); "" when the template's format is unknown."""
+    if not takes_tools(tokenizer):
+        return "hermes"
+    return next((name for marker, name in FORMATS if marker in tokenizer.chat_template), "")
 
 
 def with_tools(tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]], choice: str
                ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """(messages, extra apply_chat_template arguments) for a chat that declares ``tools``."""
     if takes_tools(tokenizer):
-        if choice == "auto" and HERMES not in tokenizer.chat_template:
+        if choice == "auto" and not tool_format(tokenizer):
             raise validation("tool_choice auto: the model's chat template has a tool-call format this server "
                              "cannot parse; use tool_choice required or a named function", "tool_choice")
         return [_templated(m) for m in messages], {"tools": tools}

@@ -122,8 +122,39 @@ def test_a_template_with_tool_support_gets_them_as_they_are(smol_dir):
     messages, extra = with_tools(tokenizer, history, [WEATHER], "auto")
     text = tokenizer.apply_chat_template(messages, tokenize=False, **extra)
     assert text.startswith("TOOL get_weather") and '"arguments": {"city": "Paris"}' in text
-    tokenizer.chat_template = "{% for t in tools %}[TOOL_CALLS]{% endfor %}{{ messages[0].content }}"
+    tokenizer.chat_template = "{% for t in tools %}<fn>{% endfor %}{{ messages[0].content }}"  # a format not parsed
     with pytest.raises(Exception, match="tool_choice auto"):
         with_tools(tokenizer, [{"role": "user", "content": "x"}], [WEATHER], "auto")
     assert with_tools(tokenizer, [{"role": "user", "content": "x"}], [WEATHER], "required")[1] == {"tools": [WEATHER]}
     jsonschema.Draft202012Validator.check_schema(WEATHER["function"]["parameters"])
+
+
+@pytest.mark.parametrize("fmt, text", [
+    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Rome"}}, '
+                '{"name": "get_time", "arguments": {"zone": "CET"}}]'),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Rome"}}; {"name": "get_time", "parameters": {"zone": "CET"}}'),
+    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}};'
+                    '{"name": "get_time", "parameters": {"zone": "CET"}}'),
+])
+@pytest.mark.parametrize("size", [1, 5, 1000])
+def test_mistral_and_llama3_formats_whole_and_streamed(fmt, text, size):
+    content, calls = extract(tools(), text, fmt)
+    assert content is None and [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Rome"}
+    content, streamed = replay(ToolStream(tools(), fmt), text, size)
+    assert content == "" and [c["name"] for c in streamed.values()] == ["get_weather", "get_time"]
+    assert [json.loads(c["arguments"]) for c in streamed.values()] == [{"city": "Rome"}, {"zone": "CET"}]
+    prose = "The weather in Rome is sunny {mostly}."
+    assert extract(tools(), prose, fmt) == (prose, [])
+    assert replay(ToolStream(tools(), fmt), prose, size) == (prose, {})
+
+
+def test_the_tool_format_is_read_off_the_chat_template(smol_dir):
+    from services.tokenizer.tools import tool_format
+
+    tokenizer = AutoTokenizer.from_pretrained(smol_dir)
+    assert tool_format(tokenizer) == "hermes"  # no tool support: the format the tokenizer describes
+    for template, fmt in (("{{ tools }}<tool_call>", "hermes"), ("{{ tools }}[TOOL_CALLS]", "mistral"),
+                          ("{{ tools }}<|python_tag|>", "llama3_json"), ("{{ tools }}<fn>", "")):
+        tokenizer.chat_template = template
+        assert tool_format(tokenizer) == fmt

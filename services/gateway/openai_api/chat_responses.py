@@ -35,7 +35,8 @@ async def chat_body(req: ChatRequest, call: Call) -> dict[str, Any]:
     """Run every choice to its end and build the ``chat.completion`` object."""
     choices = []
     for index, end in enumerate(await call.results()):
-        content, calls = extract(req.tools, end.text) if req.tools is not None else (end.text, [])
+        fmt = call.started[index].tool_format or "hermes"
+        content, calls = extract(req.tools, end.text, fmt) if req.tools is not None else (end.text, [])
         message = {"role": "assistant", "content": content, "refusal": None, "tool_calls": calls}
         choices.append({"index": index, "message": message, "logprobs": logprobs_json(req, end.tokens),
                         "finish_reason": _finish(end.finish_reason, bool(calls))})
@@ -46,7 +47,8 @@ async def chat_chunks(req: ChatRequest, call: Call) -> AsyncIterator[bytes]:
     """A role chunk per choice, content deltas, each choice's end reason, then the usage (if asked)."""
     meta = Meta.new("chatcmpl", "chat.completion.chunk", req.common.model)
     usage = UsagePlacement(call, req.common.include_usage)
-    streams = [ToolStream(req.tools) if req.tools is not None else None for _ in range(len(call))]
+    streams = [ToolStream(req.tools, started.tool_format or "hermes") if req.tools is not None else None
+               for started in call.started]
     for index in range(len(call)):
         role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         yield sse(meta.body([role], **usage.on_chunk(False)))

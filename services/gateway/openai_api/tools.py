@@ -6,10 +6,14 @@
   ``required`` an array of ``{"name": <a declared function>, "arguments": <its parameters>}`` (one call
   unless ``parallel_tool_calls``). A stream sends each call's id and name first, then its arguments as
   they are generated.
-* ``auto`` parses the model's own format: the tokenizer service renders the tools with the model's chat
-  template and says nothing of the format; ``<tool_call>{"name": …, "arguments": …}</tool_call>`` blocks
-  (the Hermes format of Qwen2.5, Hermes and SmolLM3 templates, and the one the tokenizer describes to a
-  model whose template has no tool support) become ``tool_calls``, the rest of the text the content.
+* ``auto`` parses the model's own format, which the tokenizer service reads off the chat template
+  (``Started.tool_format``), as vLLM's ``--tool-call-parser`` names them: ``hermes`` —
+  ``<tool_call>{"name": …, "arguments": …}</tool_call>`` blocks (Qwen2.5, Hermes, SmolLM3, and the format
+  the tokenizer describes to a model whose template has no tool support), the rest of the text being
+  content; ``mistral`` — ``[TOOL_CALLS]`` then a JSON array of calls; ``llama3_json`` — an answer that is a
+  JSON call ``{"name": …, "parameters": …}`` (after an optional ``<|python_tag|>``; several joined by ``;``).
+  A stream sends content until a call may begin; Hermes calls go out as each block closes, the others at
+  the end (their answer is all calls or all content).
 * ``none``: the tools are shown to the model, and its text is content.
 """
 
@@ -120,9 +124,9 @@ def tool_call(name: str, arguments: str) -> dict[str, Any]:
     return {"id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def extract(tools: Tools, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+def extract(tools: Tools, text: str, fmt: str = "hermes") -> tuple[str | None, list[dict[str, Any]]]:
     """(content, tool calls) of a whole answer; an answer that does not parse (cut by max_tokens) stays
-    content."""
+    content. ``fmt``: the model's tool-call format, for ``auto``."""
     if tools.choice == "named":
         return (None, [tool_call(tools.named, text)]) if _loads(text) is not None else (text, [])
     if tools.choice == "required":
@@ -130,12 +134,33 @@ def extract(tools: Tools, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         if not isinstance(calls, list):
             return text, []
         return None, [tool_call(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in calls]
-    if tools.choice == "auto":
+    if tools.choice == "auto" and fmt == "hermes":
         calls = [c for c in map(_hermes, BLOCK.findall(text)) if c is not None and c[0] in tools.functions]
         if calls:
             content = BLOCK.sub("", text).strip()
             return content or None, [tool_call(name, args) for name, args in calls]
+    elif tools.choice == "auto" and (calls := _whole_answer_calls(text, fmt, tools)):
+        return None, [tool_call(name, args) for name, args in calls]
     return text, []
+
+
+MISTRAL, PYTHON_TAG = "[TOOL_CALLS]", "<|python_tag|>"
+
+
+def _whole_answer_calls(text: str, fmt: str, tools: Tools) -> list[tuple[str, str]]:
+    """Mistral's and Llama 3's formats: the whole answer is calls (or it is content: [])."""
+    body = text.strip()
+    if fmt == "mistral" and body.startswith(MISTRAL):
+        parsed = _loads(body[len(MISTRAL):].strip())
+        found = parsed if isinstance(parsed, list) else []
+    elif fmt == "llama3_json" and body.startswith(("{", PYTHON_TAG)):
+        found = [_loads(part) for part in body.removeprefix(PYTHON_TAG).split(";")]
+    else:
+        return []
+    calls = [_hermes_obj(c) for c in found]
+    if not calls or any(c is None or c[0] not in tools.functions for c in calls):
+        return []
+    return calls
 
 
 def _loads(text: str) -> Any:
@@ -146,7 +171,11 @@ def _loads(text: str) -> Any:
 
 
 def _hermes(block: str) -> tuple[str, str] | None:
-    call = _loads(block)
+    return _hermes_obj(_loads(block))
+
+
+def _hermes_obj(call: Any) -> tuple[str, str] | None:
+    """(name, arguments as JSON text) of a call object (its arguments under "arguments" or "parameters")."""
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return None
     arguments = call.get("arguments", call.get("parameters", {}))
@@ -161,6 +190,7 @@ class ToolStream:
     """One choice's stream: turns text deltas into (content delta, tool-call deltas)."""
 
     tools: Tools
+    fmt: str = "hermes"  # the model's tool-call format, for auto
     text: str = ""  # everything generated so far
     sent: int = 0  # auto: content characters sent; named/required: characters scanned
     calls: int = 0  # tool calls begun
@@ -172,9 +202,28 @@ class ToolStream:
             return self._named(delta)
         if self.tools.choice == "required":
             return "", self.scan.feed(delta)
-        if self.tools.choice == "auto":
+        if self.tools.choice == "auto" and self.fmt == "hermes":
             return self._auto(final)
+        if self.tools.choice == "auto":
+            return self._whole(final)
         return delta, []
+
+    def _whole(self, final: bool) -> tuple[str, list[dict[str, Any]]]:
+        """Mistral's and Llama 3's formats: content streams unless the answer may be calls; then it is held
+        to the end and read whole."""
+        marker = MISTRAL if self.fmt == "mistral" else "{"
+        head = self.text.lstrip()
+        maybe_calls = head.startswith(marker) or marker.startswith(head) or (
+            self.fmt == "llama3_json" and (head.startswith(PYTHON_TAG) or PYTHON_TAG.startswith(head)))
+        if not final and maybe_calls:
+            return "", []
+        if final and maybe_calls and (calls := _whole_answer_calls(self.text, self.fmt, self.tools)):
+            self.calls = len(calls)
+            self.sent = len(self.text)
+            return "", [{"index": i, "id": call_id(), "type": "function", "function": {"name": n, "arguments": a}}
+                        for i, (n, a) in enumerate(calls)]
+        content, self.sent = self.text[self.sent:], len(self.text)
+        return content, []
 
     def _named(self, delta: str) -> tuple[str, list[dict[str, Any]]]:
         out = []
