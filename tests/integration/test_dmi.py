@@ -257,12 +257,21 @@ def test_keepalive_and_a_new_connection_closing_the_old(pd):
     assert old.next(timeout=10)[1] == "ended"
 
 
-def test_a_dead_prefill_server_ends_in_retry_and_the_recompute_runs(pd):
+LONG = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 3000}}
+
+
+def long_stream(pd, req_id: str) -> Frames:
+    """A long stream sent to the prefill server, once its first relayed frame reached /dresult."""
     frames = Frames(pd.d_base)
-    body = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 3000}}
-    r = httpx.post(pd.base + "/generate_stream", json=body, headers=headers(pd, "d1"), timeout=60)
+    r = httpx.post(pd.base + "/generate_stream", json=LONG, headers=headers(pd, req_id), timeout=60)
     assert r.status_code == 200 and r.json()["isLastResp"] is False
     assert frames.next()[1] == "data"
+    return frames
+
+
+def test_a_dead_prefill_server_ends_in_retry_and_the_recompute_runs(pd):
+    body = LONG
+    frames = long_stream(pd, "d1")
     pd.kill("gateway")
     got = frames.until_last("d1", timeout=30)
     assert got[-1][0] == "retry" and json.loads(got[-1][1]) == body
@@ -279,11 +288,7 @@ def test_a_dead_prefill_server_ends_in_retry_and_the_recompute_runs(pd):
 
 def test_engines_dying_after_the_first_token_end_in_an_error_frame(pd):
     """Last: it leaves no engine."""
-    frames = Frames(pd.d_base)
-    body = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 3000}}
-    r = httpx.post(pd.base + "/generate_stream", json=body, headers=headers(pd, "e1"), timeout=60)
-    assert r.status_code == 200 and r.json()["isLastResp"] is False
-    assert frames.next()[1] == "data"
+    frames = long_stream(pd, "e1")
     pd.kill("engine-0")
     pd.kill("engine-1")
     got = frames.until_last("e1", timeout=30)

@@ -41,12 +41,13 @@ def exporter():
     return memory
 
 
-async def start_in_process(cfg, url: str, stop: asyncio.Event) -> list[asyncio.Task]:
+async def start_in_process(cfg, url: str, stop: asyncio.Event, services=None) -> list[asyncio.Task]:
+    """Each service (``services``: (name, its config) pairs; default: SERVICES with ``cfg``), one after another."""
     tasks = []
-    for name in SERVICES:
+    for name, own in services or [(name, cfg) for name in SERVICES]:
         ready = asyncio.Event()
         serve = importlib.import_module(f"services.{name}.service").serve
-        tasks.append(asyncio.create_task(serve(cfg, url, stop, ready.set)))
+        tasks.append(asyncio.create_task(serve(own, url, stop, ready.set)))
         await asyncio.wait_for(ready.wait(), 120)
     return tasks
 
@@ -87,15 +88,9 @@ async def test_the_kv_handoff_is_a_span_of_the_request_trace(tmp_path, tiny_mode
         cfg = load_config(config)
         port = json.loads(config.read_text())["ServerConfig"]["port"]
         stop = asyncio.Event()
-        tasks = []
-        for name, role in (("metrics", ""), ("tokenizer", ""), ("engine", "decode"), ("engine", "prefill"),
-                           ("gateway", "")):
-            own = cfg if not role else msgspec.structs.replace(
-                cfg, switchboard=msgspec.structs.replace(cfg.switchboard, engine_role=role))
-            ready = asyncio.Event()
-            serve = importlib.import_module(f"services.{name}.service").serve
-            tasks.append(asyncio.create_task(serve(own, url, stop, ready.set)))
-            await asyncio.wait_for(ready.wait(), 120)
+        roles = [("metrics", ""), ("tokenizer", ""), ("engine", "decode"), ("engine", "prefill"), ("gateway", "")]
+        tasks = await start_in_process(cfg, url, stop, [(name, cfg if not role else msgspec.structs.replace(
+            cfg, switchboard=msgspec.structs.replace(cfg.switchboard, engine_role=role))) for name, role in roles])
         try:
             async with httpx.AsyncClient(timeout=60) as client:
                 for _ in range(100):  # until the tokenizer has heard the decode engine and a request is handed off
