@@ -12,6 +12,7 @@ so the request ends ``eos_token``; ``max_tokens`` may end it earlier (``length``
 from __future__ import annotations
 
 import logging
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
@@ -32,16 +33,26 @@ class Constraints:
         self.tokenizer_path = tokenizer_path
         self.vocab_size = vocab_size  # the logits' width (may exceed the tokenizer's)
         self._tokenizer: llguidance.LLTokenizer | None = None
+        self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
 
     @property
-    def tokenizer(self) -> llguidance.LLTokenizer:
-        if self._tokenizer is None:
-            from transformers import AutoTokenizer
+    def ready(self) -> bool:
+        return self._tokenizer is not None
 
-            hf = AutoTokenizer.from_pretrained(self.tokenizer_path)
-            self._tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size)
+    @property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        """Built once, on first use (about 2 s for SmolLM2's; the service warms it off the step)."""
+        with self._lock:
+            if self._tokenizer is None:
+                from transformers import AutoTokenizer
+
+                hf = AutoTokenizer.from_pretrained(self.tokenizer_path)
+                self._tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size)
         return self._tokenizer
+
+    def warm(self) -> None:
+        self.tokenizer
 
     def matcher(self, grammar: Grammar, consumed: list[int]) -> llguidance.LLMatcher:
         """A matcher for ``grammar`` that has consumed ``consumed`` (a resumed or handed-over request's

@@ -100,7 +100,7 @@ class EngineService:
         self.role = cfg.switchboard.engine_role
         self.roles = decoder(EngineRole)
         self.kv_link = KvLink(self)
-        self.transfers: set[asyncio.Task] = set()  # handoffs under way (referenced until done)
+        self.transfers: set[asyncio.Task] = set()  # handoffs and a grammar warm-up under way (referenced until done)
 
     async def start(self) -> None:
         await bus.subscribe(self.nc, subjects.engine_generate(self.model), self.on_request,
@@ -145,8 +145,20 @@ class EngineService:
         if req.id in self.cancelled:
             return  # its client is gone already
         self.track(req)
+        if req.sampling.grammar is not None and not self.engine.constraints.ready:
+            task = asyncio.ensure_future(self._after_warming(req))  # not on the step, nor on this callback
+            self.transfers.add(task)
+            task.add_done_callback(self.transfers.discard)
+            return
         self.engine.add_request(req)
         self.wake.set()
+
+    async def _after_warming(self, req: EngineRequest) -> None:
+        """The first constrained request waits (alone) while the grammar engine reads the tokenizer."""
+        await asyncio.to_thread(self.engine.constraints.warm)
+        if req.id not in self.cancelled:
+            self.engine.add_request(req)
+            self.wake.set()
 
     def track(self, req: EngineRequest) -> None:
         """Where the request's token events go, who owns it, and its span here."""
