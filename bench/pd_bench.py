@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from peers_report import cpu, git_head  # noqa: E402
 from processes import run_main  # noqa: E402
 from results import MODEL_NAME  # noqa: E402
+from rounds import alternate, publish  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / ".cache" / "bench" / "pd.md"
@@ -106,7 +107,6 @@ def main() -> int:
 
     work = Path(tempfile.mkdtemp(prefix="pd-bench-"))
     clusters = {}
-    results: dict[str, list[tuple[float, float]]] = {name: [] for name in DEPLOYMENTS}
     try:
         for n, (name, engine_args) in enumerate(DEPLOYMENTS.items()):
             folder = work / f"d{n}"
@@ -114,14 +114,9 @@ def main() -> int:
             clusters[name] = Cluster(folder, SMOL_DIR, engines=2, tokenizers=1, args=engine_args,
                                      Switchboard={"kvCacheMemoryMb": 512}).wait_ready(600)
             clusters[name].wait_started("engine-1", 1)
-        names = list(DEPLOYMENTS)
-        for name in names:  # warm-up, not counted
-            asyncio.run(round_(clusters[name].base, args, f"warm-up {name}"))
-        for r in range(args.rounds):
-            for name in (names if r % 2 == 0 else names[::-1]):
-                results[name].append(asyncio.run(round_(clusters[name].base, args, f"round {r} {name}")))
-                ttft, rate = results[name][-1]
-                print(f"round {r + 1}: {name}: long-prompt TTFT {ttft:.2f} s, decode {rate:.1f} tok/s", flush=True)
+        results = alternate(list(DEPLOYMENTS), args.rounds,
+                            lambda name, label: asyncio.run(round_(clusters[name].base, args, label)),
+                            lambda r: f"long-prompt TTFT {r[0]:.2f} s, decode {r[1]:.1f} tok/s")
         transfer = transfer_per_1000(clusters["1 prefill + 1 decode"], args.prompt_tokens)
     finally:
         for cluster in clusters.values():
@@ -145,10 +140,7 @@ def report(args, results: dict[str, list[tuple[float, float]]], transfer: float 
                   f"decode tok/s **{statistics.median(p[1] / c[1] for p, c in zip(pd, co)):.2f}×**",
               f"K/V transfer per 1,000 prompt tokens: {transfer * 1000:.1f} ms" if transfer is not None else
               "K/V transfer: no transfer recorded"]
-    text = "\n".join(lines)
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(text + "\n")
-    print(text)
+    publish(OUT, lines)
 
 
 if __name__ == "__main__":

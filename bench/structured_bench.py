@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from peers_report import cpu, git_head  # noqa: E402
 from processes import run_main  # noqa: E402
 from results import MODEL_NAME  # noqa: E402
+from rounds import alternate, publish  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / ".cache" / "bench" / "structured.md"
@@ -73,17 +74,12 @@ def main() -> int:
     from tests.integration.cluster import Cluster
 
     folder = Path(tempfile.mkdtemp(prefix="structured-bench-"))
-    results: dict[str, list[float]] = {mode: [] for mode in MODES}
     cluster = Cluster(folder, SMOL_DIR, engines=1, tokenizers=1, Switchboard={"kvCacheMemoryMb": 512})
     try:
         cluster.wait_ready(600)
-        modes = list(MODES)
-        for mode in modes:  # warm-up, not counted
-            asyncio.run(round_(cluster.base, args, mode, f"warm-up {mode}"))
-        for r in range(args.rounds):
-            for mode in (modes if r % 2 == 0 else modes[::-1]):
-                results[mode].append(asyncio.run(round_(cluster.base, args, mode, f"round {r} {mode}")))
-                print(f"round {r + 1}: {mode}: {results[mode][-1]:.1f} tok/s", flush=True)
+        results = alternate(list(MODES), args.rounds,
+                            lambda mode, label: asyncio.run(round_(cluster.base, args, mode, label)),
+                            lambda rate: f"{rate:.1f} tok/s")
     finally:
         cluster.stop()
     report(args, results)
@@ -101,10 +97,7 @@ def report(args, results: dict[str, list[float]]) -> None:
         lines.append(f"| {mode} | {', '.join(f'{r:.1f}' for r in rates)} | {statistics.median(rates):.1f} |")
     ratio = statistics.median(c / f for c, f in zip(constrained, free))
     lines += ["", f"JSON-constrained ÷ unconstrained: **{ratio:.2f}×** (target ≥ 0.9×)"]
-    text = "\n".join(lines)
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(text + "\n")
-    print(text)
+    publish(OUT, lines)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from peers_report import cpu, git_head  # noqa: E402
 from processes import run_main  # noqa: E402
+from rounds import alternate, publish  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / ".cache" / "bench" / "vision.md"
@@ -123,12 +124,9 @@ def main() -> int:
             folder.mkdir()
             clusters[n] = Cluster(folder, model_dir, engines=1, tokenizers=n,
                                   Switchboard={"kvCacheMemoryMb": 256}).wait_ready(600)
-            images_per_s(clusters[n].base, photos[:4], 4)  # warm-up
-        rates: dict[int, list[float]] = {1: [], 2: []}
-        for r in range(args.rounds):
-            for n in ((1, 2) if r % 2 == 0 else (2, 1)):
-                rates[n].append(images_per_s(clusters[n].base, photos, args.concurrency))
-                print(f"round {r + 1}: {n} tokenizer(s): {rates[n][-1]:.2f} images/s", flush=True)
+        rates = alternate([1, 2], args.rounds, lambda n, _: images_per_s(clusters[n].base, photos, args.concurrency),
+                          lambda rate: f"{rate:.2f} images/s",
+                          warm_up=lambda n: images_per_s(clusters[n].base, photos[:4], 4))
     finally:
         for cluster in clusters.values():
             cluster.stop()
@@ -157,10 +155,7 @@ def report(args, rates: dict[int, list[float]], pre_s: float, prefill_s: float, 
                   f"(per round {', '.join(f'{v:.2f}' for v in ratios)})",
               "", f"One image in process: preprocessing {pre_s * 1000:.1f} ms, engine encode + prefill "
                   f"{prefill_s * 1000:.1f} ms."]
-    text = "\n".join(lines)
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(text + "\n")
-    print(text)
+    publish(OUT, lines)
 
 
 if __name__ == "__main__":

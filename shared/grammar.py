@@ -17,7 +17,7 @@ import llguidance
 from shared.messages import Grammar
 
 KINDS = ("json_schema", "regex", "lark")
-JSON_OPTIONS = {"whitespace_flexible": False}  # compact JSON: ", " and ": " separators, no free whitespace
+JSON_OPTIONS = {"whitespace_flexible": False}  # compact JSON: no whitespace between tokens
 
 
 def grammar_text(grammar: Grammar) -> str:

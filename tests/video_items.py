@@ -91,7 +91,7 @@ def hf_video_inputs(model_dir: Path, videos: list[bytes], *, text: str | None = 
         expand_video_tokens,
         qwen2_vl_video,
     )
-    from tests.vlm_models import load
+    from tests.vlm_oracles import load
 
     processor, model = load(Path(model_dir))
     if (text is None) == (messages is None):
@@ -117,7 +117,7 @@ def hf_generate_video(model_dir: Path, videos: list[bytes], *, text: str | None 
     ``videos``: only the new token ids (the oracle an engine serving videos is compared with)."""
     import torch
 
-    from tests.vlm_models import load
+    from tests.vlm_oracles import load
 
     _, model = load(Path(model_dir))
     inputs = hf_video_inputs(model_dir, videos, text=text, messages=messages, **sampling)

@@ -308,10 +308,11 @@ class Engine:
         if req.sampling.grammar is not None:
             try:
                 seq.matcher = self.constraints.matcher(req.sampling.grammar, req.generated_ids)
-            except ValueError as exc:
+            except (ValueError, RuntimeError) as exc:
                 if slot is not None:
                     self.runner.lora.release(slot)
-                return [TokenEvent(req.id, [], "error", ErrorInfo(ErrorKind.VALIDATION, str(exc)))]
+                kind = ErrorKind.VALIDATION if isinstance(exc, ValueError) else ErrorKind.INTERNAL
+                return [TokenEvent(req.id, [], "error", ErrorInfo(kind, str(exc)))]
         # a prompt with media stays: its decode needs what the encoder computed (Qwen2-VL's rope delta)
         seq.kv_import = kv
         seq.wants_prompt_logprobs = req.sampling.prompt_logprobs is not None and not req.generated_ids

@@ -56,8 +56,13 @@ class Constraints:
 
     def matcher(self, grammar: Grammar, consumed: list[int]) -> llguidance.LLMatcher:
         """A matcher for ``grammar`` that has consumed ``consumed`` (a resumed or handed-over request's
-        tokens); ValueError when the grammar cannot be built or the tokens leave it."""
-        matcher = llguidance.LLMatcher(self.tokenizer, grammar_text(grammar), log_level=0)
+        tokens); ValueError when the grammar cannot be built or the tokens leave it, RuntimeError when the
+        model's tokenizer cannot be read."""
+        try:
+            tokenizer = self.tokenizer
+        except Exception as exc:  # noqa: BLE001 - the request ends with this error, the engine goes on
+            raise RuntimeError(f"the grammar engine cannot read the model's tokenizer: {exc}") from None
+        matcher = llguidance.LLMatcher(tokenizer, grammar_text(grammar), log_level=0)
         if matcher.is_error():
             raise ValueError(f"the grammar cannot be compiled: {matcher.get_error()}")
         if consumed and not matcher.consume_tokens(consumed):

@@ -28,7 +28,8 @@ from services.engine.engine import Handoff
 from services.engine.kv_transfer import KvImport, KvLayout
 from shared import bus, subjects, telemetry
 from shared.leases import Leases
-from shared.messages import EngineInfo, EngineRequest, KvAck, KvPart, KvTransferred, decoder, encode
+from shared.messages import EngineInfo, EngineRequest, KvTransferred, decoder, encode
+from shared.pd_messages import KvAck, KvPart
 
 log = logging.getLogger("switchboard.engine")
 

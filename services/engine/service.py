@@ -24,8 +24,9 @@ from shared.config import Config
 from shared.leases import Leases
 from shared.tombstones import Tombstones
 from shared.messages import (
-    Cancel, EngineInfo, EngineRequest, EngineRole, Heartbeat, Queued, TokenBatch, TokenEvent, decoder,
+    Cancel, EngineInfo, EngineRequest, Heartbeat, Queued, TokenBatch, TokenEvent, decoder,
 )
+from shared.pd_messages import EngineRole
 
 log = logging.getLogger("switchboard.engine")
 ENGINE_ROLE = {"prefill": "prefill", "decode": "decode", "flex": "both"}  # a server's PD role -> its engines'
@@ -154,8 +155,12 @@ class EngineService:
         self.wake.set()
 
     async def _after_warming(self, req: EngineRequest) -> None:
-        """The first constrained request waits (alone) while the grammar engine reads the tokenizer."""
-        await asyncio.to_thread(self.engine.constraints.warm)
+        """The first constrained request waits (alone) while the grammar engine reads the tokenizer. Should
+        that fail, the request is admitted anyway, and the engine ends it with the error."""
+        try:
+            await asyncio.to_thread(self.engine.constraints.warm)
+        except Exception:  # noqa: BLE001
+            log.exception("the grammar engine could not read the tokenizer")
         if req.id not in self.cancelled:
             self.engine.add_request(req)
             self.wake.set()

@@ -36,7 +36,7 @@ from services.gateway.call import Call
 from services.gateway.disconnect import ClientDisconnected, unless_disconnected
 from shared import bus, subjects
 from shared.errors import SwitchboardError, validation
-from shared.messages import DResultFrame
+from shared.pd_messages import DResultFrame
 
 log = logging.getLogger("switchboard.gateway")
 HEX = re.compile(r"^[0-9a-fA-F]+$")

@@ -28,7 +28,8 @@ from litestar import Request, Response, get
 from litestar.response import Stream
 
 from shared import bus, subjects
-from shared.messages import DResultFrame, decoder
+from shared.messages import decoder
+from shared.pd_messages import DResultFrame
 
 log = logging.getLogger("switchboard.gateway")
 LIMIT = 10_000  # frames kept while no coordinator reads (MindIE's dispatcher queue holds as many)

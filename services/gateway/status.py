@@ -28,7 +28,8 @@ from services.gateway.validation import BodyError, read_json_object
 from shared.engines import combined
 from shared.errors import ErrorKind, SwitchboardError
 from shared import bus, subjects
-from shared.messages import EngineInfo, EngineRole, Sampling
+from shared.messages import EngineInfo, Sampling
+from shared.pd_messages import EngineRole
 
 TIMED = re.compile(r"^timed(?:-(\d+))?$")
 ROLE_422_TYPE = "Input validation error"  # the PD role endpoints' own casing (reference §4.2)

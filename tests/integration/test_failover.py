@@ -23,11 +23,16 @@ TOKENS = 160
 STREAMS = 8
 
 
-def body(i: int, seeded: bool) -> dict:
-    params = {"max_new_tokens": TOKENS}
+def params(i: int, seeded: bool, tokens: int) -> dict:
+    """TGI parameters of stream ``i``: greedy, or sampling with a seed of its own."""
+    out = {"max_new_tokens": tokens}
     if seeded:
-        params.update(do_sample=True, temperature=0.9, top_k=50, seed=1000 + i)
-    return {"inputs": f"Request number {i}: once upon a time", "parameters": params}
+        out.update(do_sample=True, temperature=0.9, top_k=50, seed=1000 + i)
+    return out
+
+
+def body(i: int, seeded: bool) -> dict:
+    return {"inputs": f"Request number {i}: once upon a time", "parameters": params(i, seeded, TOKENS)}
 
 
 class Streams:

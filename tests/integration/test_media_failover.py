@@ -11,7 +11,7 @@ import pytest
 
 from tests.integration import test_failover
 from tests.integration.cluster import Cluster
-from tests.vlm_models import data_url, test_image
+from tests.media_items import data_url, test_image
 
 TOKENS = 48
 

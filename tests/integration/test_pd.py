@@ -26,10 +26,8 @@ STREAMS = 4
 
 
 def pd_body(i: int, seeded: bool) -> dict:
-    params = {"max_new_tokens": TOKENS}
-    if seeded:
-        params.update(do_sample=True, temperature=0.9, top_k=50, seed=1000 + i)
-    return {"inputs": f"Request number {i}: " + "once upon a time, " * (10 + 15 * i), "parameters": params}
+    return {"inputs": f"Request number {i}: " + "once upon a time, " * (10 + 15 * i),
+            "parameters": test_failover.params(i, seeded, TOKENS)}
 
 
 @pytest.fixture

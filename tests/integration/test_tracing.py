@@ -52,6 +52,17 @@ async def start_in_process(cfg, url: str, stop: asyncio.Event, services=None) ->
     return tasks
 
 
+async def post_until(port: int, body: dict, done) -> httpx.Response:
+    """POST /generate until ``done(response)`` says so (at most 100 tries, 0.1 s apart); the last response."""
+    async with httpx.AsyncClient(timeout=60) as client:
+        for _ in range(100):
+            r = await client.post(f"http://127.0.0.1:{port}/generate", json=body)
+            if done(r):
+                break
+            await asyncio.sleep(0.1)
+    return r
+
+
 async def test_one_trace_spans_all_three_services(tmp_path, tiny_model_dir, exporter):
     with EmbeddedNats() as url:
         config = write_config(tmp_path, tiny_model_dir, Switchboard={"natsUrl": url})
@@ -59,14 +70,10 @@ async def test_one_trace_spans_all_three_services(tmp_path, tiny_model_dir, expo
         stop = asyncio.Event()
         tasks = await start_in_process(load_config(config), url, stop)
         try:
-            async with httpx.AsyncClient(timeout=60) as client:
-                for _ in range(100):  # the gateway serves once it has heard the engine's heartbeat
-                    r = await client.post(f"http://127.0.0.1:{port}/generate",
-                                          json={"inputs": "My name is", "parameters": {"max_new_tokens": 3}})
-                    if r.status_code != 503:
-                        break
-                    await asyncio.sleep(0.1)
-                assert r.status_code == 200, r.text
+            # the gateway serves once it has heard the engine's heartbeat
+            r = await post_until(port, {"inputs": "My name is", "parameters": {"max_new_tokens": 3}},
+                                 lambda r: r.status_code != 503)
+            assert r.status_code == 200, r.text
             await asyncio.sleep(0.3)
         finally:
             stop.set()
@@ -92,14 +99,10 @@ async def test_the_kv_handoff_is_a_span_of_the_request_trace(tmp_path, tiny_mode
         tasks = await start_in_process(cfg, url, stop, [(name, cfg if not role else msgspec.structs.replace(
             cfg, switchboard=msgspec.structs.replace(cfg.switchboard, engine_role=role))) for name, role in roles])
         try:
-            async with httpx.AsyncClient(timeout=60) as client:
-                for _ in range(100):  # until the tokenizer has heard the decode engine and a request is handed off
-                    r = await client.post(f"http://127.0.0.1:{port}/generate",
-                                          json={"inputs": "My name is " * 20, "parameters": {"max_new_tokens": 4}})
-                    if any(s.name == "engine.kv_transfer" for s in exporter.get_finished_spans()):
-                        break
-                    await asyncio.sleep(0.1)
-                assert r.status_code == 200, r.text
+            # until the tokenizer has heard the decode engine and a request is handed off
+            r = await post_until(port, {"inputs": "My name is " * 20, "parameters": {"max_new_tokens": 4}},
+                                 lambda _: any(s.name == "engine.kv_transfer" for s in exporter.get_finished_spans()))
+            assert r.status_code == 200, r.text
             await asyncio.sleep(0.3)
         finally:
             stop.set()

@@ -11,7 +11,8 @@ from services.tokenizer.multimodal import MediaProcessor
 from tests.integration.stack import post, running_stack
 from tests.smolvlm2_models import make_smolvlm2
 from tests.video_items import make_mp4, video_data_url
-from tests.vlm_models import data_url, hf_generate_prepared, test_image
+from tests.media_items import data_url, test_image
+from tests.vlm_oracles import hf_generate_prepared
 
 NEW = 12
 GREEDY = {"max_new_tokens": NEW, "do_sample": False}

@@ -18,7 +18,8 @@ from transformers import AutoTokenizer
 from tests.integration.stack import post, running_stack, sse_events
 from tests.integration.test_list_inputs import Recorder, assert_422, send
 from tests.media_items import image, text
-from tests.vlm_models import data_url, hf_generate, placeholder, png_bytes, test_image
+from tests.media_items import data_url, png_bytes, test_image
+from tests.vlm_oracles import hf_generate, placeholder
 
 NEW = 12
 GREEDY = {"max_new_tokens": NEW, "do_sample": False}

@@ -9,7 +9,9 @@ from text_generation import Client
 from transformers import AutoTokenizer
 
 from tests.integration.stack import post, running_stack
-from tests.vlm_models import data_url, hf_generate, make_qwen2_vl, placeholder, test_image
+from tests.media_items import data_url, test_image
+from tests.vlm_models import make_qwen2_vl
+from tests.vlm_oracles import hf_generate, placeholder
 
 NEW = 12
 GREEDY = {"max_new_tokens": NEW, "do_sample": False}

@@ -18,7 +18,8 @@ from services.tokenizer.video import (
 )
 from shared.errors import ErrorKind, SwitchboardError
 from tests.video_items import make_mp4, pattern_frame, video_data_url
-from tests.vlm_models import QWEN2_VL_VIDEO, test_image
+from tests.media_items import test_image
+from tests.vlm_models import QWEN2_VL_VIDEO
 
 
 def tiny_image_processor():
@@ -227,7 +228,8 @@ def qwen2_vl_dir(tmp_path_factory, smol_dir):
 def test_expansion_matches_the_processor(qwen2_vl_dir):
     """Growing ids equals Qwen2VLProcessor: for images (its own output) and for videos (its text-level
     replacement of the pad, tokenised)."""
-    from tests.vlm_models import QWEN2_VL_IMAGE, load
+    from tests.vlm_models import QWEN2_VL_IMAGE
+    from tests.vlm_oracles import load
 
     processor, model = load(qwen2_vl_dir)
     tokenizer, config = processor.tokenizer, model.config
@@ -251,7 +253,7 @@ def test_transformers_generates_from_videos(qwen2_vl_dir):
     import torch
 
     from tests.video_items import hf_generate_video, hf_video_inputs
-    from tests.vlm_models import load
+    from tests.vlm_oracles import load
 
     messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What happens?"}]}]
     videos = [make_mp4(frames=8, fps=4, seed=seed) for seed in (0, 1)]

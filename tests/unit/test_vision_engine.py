@@ -12,7 +12,8 @@ from services.tokenizer.multimodal import MediaProcessor
 from tests.unit.engine_helpers import (
     Run, assert_pool_whole, limits, make_runner, media_request, run_until_idle,
 )
-from tests.vlm_models import hf_generate, png_bytes, test_image
+from tests.media_items import png_bytes, test_image
+from tests.vlm_oracles import hf_generate
 
 NEW = 24
 CAT, DOG = test_image(1), test_image(2)

@@ -31,6 +31,7 @@ from shared.messages import Grammar
 
 NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*"([^"]*)"\s*,\s*"arguments"\s*:\s*$')  # required: a call up to its arguments
 BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
 
 
@@ -122,6 +123,11 @@ def call_id() -> str:
 
 def tool_call(name: str, arguments: str) -> dict[str, Any]:
     return {"id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def first_delta(index: int, name: str, arguments: str = "") -> dict[str, Any]:
+    """A stream's first delta of call ``index``: its id and name (and the arguments, when whole)."""
+    return {"index": index, **tool_call(name, arguments)}
 
 
 def extract(tools: Tools, text: str, fmt: str = "hermes") -> tuple[str | None, list[dict[str, Any]]]:
@@ -220,8 +226,7 @@ class ToolStream:
         if final and maybe_calls and (calls := _whole_answer_calls(self.text, self.fmt, self.tools)):
             self.calls = len(calls)
             self.sent = len(self.text)
-            return "", [{"index": i, "id": call_id(), "type": "function", "function": {"name": n, "arguments": a}}
-                        for i, (n, a) in enumerate(calls)]
+            return "", [first_delta(i, n, a) for i, (n, a) in enumerate(calls)]
         content, self.sent = self.text[self.sent:], len(self.text)
         return content, []
 
@@ -229,8 +234,7 @@ class ToolStream:
         out = []
         if self.calls == 0:
             self.calls = 1
-            out.append({"index": 0, "id": call_id(), "type": "function",
-                        "function": {"name": self.tools.named, "arguments": ""}})
+            out.append(first_delta(0, self.tools.named))
         if delta:
             out.append({"index": 0, "function": {"arguments": delta}})
         return "", out
@@ -256,8 +260,7 @@ class ToolStream:
                 return content, out
             call = _hermes(rest[start + len(OPEN):end].strip())
             if call is not None and call[0] in self.tools.functions:
-                out.append({"index": self.calls, "id": call_id(), "type": "function",
-                            "function": {"name": call[0], "arguments": call[1]}})
+                out.append(first_delta(self.calls, *call))
                 self.calls += 1
             else:
                 content += rest[start:end + len(CLOSE)]
@@ -297,11 +300,10 @@ class _ArrayScan:
             if self.in_arguments and (before >= 3 or (before == 2 and ch == "{")):
                 arguments += ch
             elif self.index >= 0 and not self.in_arguments and before == 2:
-                match = re.match(r'\{\s*"name"\s*:\s*"([^"]*)"\s*,\s*"arguments"\s*:\s*$', self.call)
+                match = CALL_HEAD.match(self.call)
                 if match:
                     self.in_arguments = True
-                    out.append({"index": self.index, "id": call_id(), "type": "function",
-                                "function": {"name": match.group(1), "arguments": ""}})
+                    out.append(first_delta(self.index, match.group(1)))
             if before == 2 and self.depth == 1 and arguments:  # the call closed: flush its arguments
                 out.append({"index": self.index, "function": {"arguments": arguments}})
                 arguments = ""
