@@ -187,6 +187,12 @@ class SwitchboardConfig(Struct, kw_only=True):
     cpu_kernels: bool = True
     """on cpu, the engine's fused C++ kernels (built for this CPU on first use); false runs the same
     operations as PyTorch calls."""
+    gpu_kernels: bool = True
+    """on cuda, the engine's Triton kernels (paged decode attention, fused norms, rotary + cache write,
+    SiLU * up); false runs the same operations as PyTorch calls."""
+    cuda_graphs: bool = True
+    """on cuda, decode steps replay CUDA graphs captured at start for batch sizes 1, 2, 4, 8, 16, 24, 32,
+    48, 64, ... up to maxBatchSize (at most 256; larger batches run eagerly); false runs every step eagerly."""
     torch_threads: Annotated[int, Meta(ge=0, le=1024)] = 0
     """intra-op threads of the engine's torch; 0 = torch's default (one per core)."""
     engine_role: Literal["both", "prefill", "decode"] = "both"

@@ -16,6 +16,8 @@ import queue
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from services.engine.block_manager import BlockManager, blocks_for
 from services.engine.grammar import Constraints, apply_masks
 from services.engine.isolation import Outcome, run_isolated
@@ -169,6 +171,7 @@ class Engine:
         prompt = self._prompt_logprobs(items, wanted, hidden) if wanted else {}
         return [Computed(next(drawn) if item.samples else None, prompt.get(i)) for i, item in enumerate(items)]
 
+    @torch.inference_mode()
     def _prompt_logprobs(self, items: list[Scheduled], wanted: list[tuple[int, int, int]],
                          hidden) -> dict[int, dict[int, TokenLogprob]]:
         """Per item, the logprob (and top alternatives) of each prompt token its chunk predicts; the

@@ -143,7 +143,10 @@ def compile_cpu_ops():
 
 
 def for_device(device: torch.device, enabled: bool = True) -> TorchOps:
-    """The C++ kernels on cpu when ``enabled`` and buildable; PyTorch operations otherwise."""
+    """The C++ kernels on cpu and the Triton kernels on cuda when ``enabled`` and available; PyTorch
+    operations otherwise (npu, or no compiler or Triton at hand)."""
+    if device.type == "cuda" and enabled:
+        return gpu_ops()
     if device.type != "cpu" or not enabled:
         return TorchOps()
     try:
@@ -151,6 +154,15 @@ def for_device(device: torch.device, enabled: bool = True) -> TorchOps:
     except Exception as exc:  # no compiler, no ninja: slower, same results
         log.warning("cpu kernels unavailable; running the PyTorch operations instead", extra={"error": repr(exc)})
         return TorchOps()
+
+
+def gpu_ops() -> TorchOps:
+    try:
+        from services.engine.triton_ops import TritonOps
+    except ImportError as exc:  # no triton: slower (and the decode attention gathers), same results
+        log.warning("triton unavailable; running the PyTorch operations instead", extra={"error": repr(exc)})
+        return TorchOps()
+    return TritonOps()
 
 
 if __name__ == "__main__":  # `python -m services.engine.kernels`: build now (switchboard prepare-model runs it)

@@ -66,7 +66,7 @@ def merge(linears: list[nn.Linear]) -> nn.Linear:
     weight = torch.cat([l.weight.detach() for l in linears])
     has_bias = any(l.bias is not None for l in linears)
     merged = nn.Linear(linears[0].in_features, weight.shape[0], bias=has_bias,
-                       device=weight.device, dtype=weight.dtype)
+                       device=weight.device, dtype=weight.dtype).requires_grad_(False)
     merged.weight.data = weight
     if has_bias:
         merged.bias.data = torch.cat([l.bias.detach() if l.bias is not None else

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from services.engine import kernels, linears
 from services.engine.devices import Device
+from services.engine.graphs import DecodeGraphs, GraphPlan, reserve_bytes
 from services.engine.lora import GroupStack, LoraSet, Rows
 from services.engine.multimodal import FAMILIES, MediaEncoder, TextView, family_of
 from services.engine.scheduler import Scheduled
@@ -78,8 +79,12 @@ class Batch:
 
 
 class ModelRunner:
-    def __init__(self, path: str, device: Device, block_size: int, kv_budget_bytes: int, max_blocks: int,
-                 batch_hint: int = 16, cpu_kernels: bool = True, max_loras: int = 0, max_lora_rank: int = 64):
+    def __init__(self, path: str, device: Device, block_size: int, kv_budget_bytes, max_blocks: int,
+                 batch_hint: int = 16, cpu_kernels: bool = True, max_loras: int = 0, max_lora_rank: int = 64,
+                 graphs: GraphPlan | None = None):
+        """``kv_budget_bytes``: bytes, or a function giving them once the model is loaded (an
+        accelerator's free memory); ``graphs``: run pure-decode steps from static buffers (as CUDA
+        graphs when ``graphs.capture``), their memory set aside before the KV cache is sized."""
         self.path = path  # the model folder (its tokenizer builds structured output's grammars)
         self.device = device.torch_device
         self.dtype = device.dtype
@@ -92,15 +97,21 @@ class ModelRunner:
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.scale = self.model.model.layers[0].self_attn.scaling
-        self.num_blocks = min(max_blocks, kv_budget_bytes // self.block_bytes)
+        budget = kv_budget_bytes() if callable(kv_budget_bytes) else kv_budget_bytes
+        if graphs is not None and graphs.capture:
+            budget -= reserve_bytes(self.config, graphs.max_rows, self.dtype)
+        self.num_blocks = min(max_blocks, budget // self.block_bytes)
         if self.num_blocks < 1:
-            raise RuntimeError(f"KV-cache budget of {kv_budget_bytes} bytes holds no block of {self.block_bytes} bytes")
+            raise RuntimeError(f"KV-cache budget of {budget} bytes holds no block of {self.block_bytes} bytes")
+        self.scratch_block = self.num_blocks  # one more block, owned by no sequence: padding rows write there
         self.k_cache, self.v_cache = self._allocate_cache()
         self.cos = self.sin = torch.empty(0, self.head_dim // 2)
         self._rope_tables(1024)
         self.lora = LoraSet(config, self.device, self.dtype, max_loras, max_lora_rank)
         self.mrope_axes = mrope_axes(self.model.model.rotary_emb, self.head_dim // 2, self.device)
-        log.info("model runner ready", extra={"dtype": str(self.dtype), "fused_ops": self.ops.fused})
+        self.graphs = DecodeGraphs(self, graphs) if graphs is not None else None
+        log.info("model runner ready", extra={"dtype": str(self.dtype), "fused_ops": self.ops.fused,
+                                               "decode_graphs": bool(self.graphs and self.graphs.graphs)})
 
     @property
     def block_bytes(self) -> int:
@@ -117,7 +128,8 @@ class ModelRunner:
         return self.encoder.modalities if self.encoder is not None else []
 
     def _allocate_cache(self) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = (self.config.num_hidden_layers, self.num_kv_heads, self.num_blocks * self.block_size, self.head_dim)
+        slots = (self.num_blocks + 1) * self.block_size  # the scratch block last
+        shape = (self.config.num_hidden_layers, self.num_kv_heads, slots, self.head_dim)
         log.info("kv cache", extra={"blocks": self.num_blocks, "block_size": self.block_size})
         return (torch.zeros(shape, dtype=self.dtype, device=self.device),
                 torch.zeros(shape, dtype=self.dtype, device=self.device))
@@ -236,7 +248,12 @@ class ModelRunner:
         """Logits [S, vocab] (float32) for the next token of each item that samples, in item order; and the
         final hidden states of ``hidden_rows`` (rows of the flat batch: items' tokens in item order), for
         logits the caller takes in slices (prompt logprobs), or None."""
-        batch = self.prepare(items)
+        if self.graphs is not None and self.graphs.fits(items, hidden_rows):
+            return self.graphs.run(items, Batch), None
+        return self.forward(self.prepare(items), hidden_rows)
+
+    def forward(self, batch: Batch, hidden_rows: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The model on a prepared batch (graph capture records this; it makes no host sync)."""
         inner = self.model.model
         residual = inner.embed_tokens(batch.input_ids)
         if batch.media_rows is not None:
@@ -348,10 +365,10 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype):
     config = AutoConfig.from_pretrained(path)
     check_architecture(config)
     family = family_of(config)
-    if family is None:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval(), None
+    if family is None:  # no gradients: a parameter that requires one makes inference tensors unusable outside inference mode
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval().requires_grad_(False), None
     model_class = getattr(transformers, next(a for a in config.architectures if a in FAMILIES))
-    full = model_class.from_pretrained(path, dtype=dtype).to(device).eval()
+    full = model_class.from_pretrained(path, dtype=dtype).to(device).eval().requires_grad_(False)
     return TextView(full, family), MediaEncoder(full, family, device, dtype)
 
 

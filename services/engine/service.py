@@ -16,6 +16,7 @@ from nats.aio.msg import Msg as NatsMsg
 from services.engine.adapters import AdapterControl
 from services.engine.devices import kv_budget_bytes, resolve_device
 from services.engine.engine import Engine
+from services.engine.graphs import GraphPlan
 from services.engine.pd import KvLink
 from services.engine.model_runner import ModelRunner
 from services.engine.scheduler import Limits
@@ -40,14 +41,17 @@ def build_engine(cfg: Config) -> tuple[Engine, str]:
     device = resolve_device(cfg.switchboard.device, cfg.switchboard.dtype)
     sc, deploy = cfg.schedule, cfg.deploy
     blocks_per_seq = -(-deploy.max_seq_len // sc.cache_block_size)
+    sb = cfg.switchboard
     runner = ModelRunner(
         str(cfg.model_path),
         device,
         block_size=sc.cache_block_size,
-        kv_budget_bytes=kv_budget_bytes(device, cfg.switchboard.kv_cache_memory_mb, cfg.model.npu_mem_size),
+        # on an accelerator: its free memory once the weights are loaded
+        kv_budget_bytes=lambda: kv_budget_bytes(device, sb.kv_cache_memory_mb, cfg.model.npu_mem_size),
         max_blocks=sc.max_batch_size * blocks_per_seq,
         batch_hint=sc.max_batch_size,
-        cpu_kernels=cfg.switchboard.cpu_kernels,
+        cpu_kernels=sb.cpu_kernels if device.kind == "cpu" else sb.gpu_kernels,
+        graphs=GraphPlan(sc.max_batch_size, deploy.max_seq_len) if device.kind == "cuda" and sb.cuda_graphs else None,
         max_loras=deploy.max_loras,
         max_lora_rank=deploy.max_lora_rank,
     )

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One prepared device run (../shared/reference/gpu-machine.md): install the carried wheels, run the cuda
+# tests, then bench/gpu_bench.py. Carried (git-ignored): .whl/ (Python 3.12 wheels of what the GPU
+# machine lacks) and .gpu/smollm2/ (SmolLM2's config.json and tokenizer files). Output under $OUT.
+#   bash bench/gpu_run.sh [tests|bench|all] [gpu_bench.py arguments...]
+set -uo pipefail
+what=${1:-all}; shift || true
+OUT=${OUT:-/tmp/sb-gpu-out}; mkdir -p "$OUT"
+if [ ! -f /tmp/site/.done ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && touch /tmp/site/.done || exit 1
+fi
+export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  SWITCHBOARD_GPU_TOKENIZER=$PWD/.gpu/smollm2 timeout 240 python3 -m pytest -q -p no:cacheprovider -x \
+    tests/unit/test_cuda_engine.py -o addopts="" 2>&1 | tee "$OUT/cuda_tests.txt" | tail -40
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  timeout 480 python3 bench/gpu_bench.py --tokenizer .gpu/smollm2 --out "$OUT/gpu_bench.json" "$@" 2>&1 \
+    | tee "$OUT/gpu_bench.txt" | grep -v "^\[.*\] starting" | tail -80
+  cp /tmp/sb-gpu-bench/switchboard-*.log "$OUT/" 2>/dev/null || true
+fi

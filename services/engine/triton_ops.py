@@ -1,0 +1,190 @@
+"""The decoder step's small operations as Triton kernels: what cuda runs (``TorchOps`` signatures).
+
+On a GPU the PyTorch versions of a layer's small operations are ~45 kernel launches, and the
+decode attention gathered every row's whole context with ``index_select`` each step. Here each is
+one kernel:
+
+- ``paged_decode``: one program per (row, KV head) walks the row's positions through its block
+  table (no gather), all query heads of the KV group at once, with an online softmax in float32;
+- ``rms_norm`` and ``add_rms_norm`` (residual += x, then the norm): one program per row;
+- ``silu_mul``: SiLU(gate) * up of the merged gate/up output;
+- ``rope_store``: rotates q and k in place and writes k and v into the paged cache.
+
+Every kernel reads only device memory its arguments name (lengths and block tables included), so
+a step made of them can be captured as a CUDA graph and replayed with new inputs.
+
+``TRITON_INTERPRET=1`` (set before this module is imported) runs the same kernels on CPU tensors
+through numpy: how CI checks them against ``TorchOps`` without a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from services.engine.kernels import TorchOps
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(max(1, n))
+
+
+@triton.jit
+def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr,
+                         stride_q, stride_out, stride_kv_head, stride_table, scale, block_size,
+                         GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         DIM_P: tl.constexpr, TILE: tl.constexpr):
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    g = tl.arange(0, GROUP_P)
+    d = tl.arange(0, DIM_P)
+    g_ok = g < GROUP
+    d_ok = d < HEAD_DIM
+    heads = kv_head * GROUP + g
+    q = tl.load(q_ptr + row * stride_q + heads[:, None] * HEAD_DIM + d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    length = tl.load(lens_ptr + row)
+    best = tl.full([GROUP_P], float("-inf"), tl.float32)
+    total = tl.zeros([GROUP_P], tl.float32)
+    acc = tl.zeros([GROUP_P, DIM_P], tl.float32)
+    k_base = k_ptr + kv_head * stride_kv_head
+    v_base = v_ptr + kv_head * stride_kv_head
+    start = 0
+    while start < length:  # (a ``for`` over range(length) does not run in the interpreter)
+        pos = start + tl.arange(0, TILE)
+        p_ok = pos < length
+        block = tl.load(tables_ptr + row * stride_table + pos // block_size, mask=p_ok, other=0)
+        slot = block.to(tl.int64) * block_size + pos % block_size
+        kv_ok = p_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + slot[:, None] * HEAD_DIM + d[None, :], mask=kv_ok, other=0.0).to(tl.float32)
+        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GROUP_P, TILE]
+        scores = tl.where(p_ok[None, :], scores, float("-inf"))
+        new_best = tl.maximum(best, tl.max(scores, axis=1))
+        alpha = tl.exp(best - new_best)
+        weights = tl.exp(scores - new_best[:, None])
+        total = total * alpha + tl.sum(weights, axis=1)
+        v = tl.load(v_base + slot[:, None] * HEAD_DIM + d[None, :], mask=kv_ok, other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.sum(weights[:, :, None] * v[None, :, :], axis=1)
+        best = new_best
+        start += TILE
+    out = acc / total[:, None]
+    tl.store(out_ptr + row * stride_out + heads[:, None] * HEAD_DIM + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_res, stride_out, width, eps,
+                     ADD: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < width
+    h = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    if ADD:  # residual += x (rounded to the residual's dtype, as the in-place add is), then its norm
+        h = (tl.load(res_ptr + row * stride_res + cols, mask=ok, other=0.0).to(tl.float32) + h)
+        h = h.to(res_ptr.dtype.element_ty)
+        tl.store(res_ptr + row * stride_res + cols, h, mask=ok)
+        h = h.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / width + eps)
+    normed = (h * inv).to(out_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, width, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < width
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + width + cols, mask=ok, other=0.0).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (silu * up).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, k_ptr, v_ptr,
+                       stride_qkv, stride_table, stride_kv_head,
+                       NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+                       HALF_P: tl.constexpr):
+    row = tl.program_id(0)
+    head = tl.program_id(1)  # q heads, then k heads, then v heads
+    i = tl.arange(0, HALF_P)
+    ok = i < HALF
+    base = qkv_ptr + row * stride_qkv + head * (2 * HALF)
+    a = tl.load(base + i, mask=ok, other=0.0)
+    b = tl.load(base + HALF + i, mask=ok, other=0.0)
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    if head < NUM_HEADS + NUM_KV_HEADS:
+        pos = tl.load(pos_ptr + row).to(tl.int64)
+        c = tl.load(cos_ptr + pos * stride_table + i, mask=ok, other=0.0).to(a.dtype).to(tl.float32)
+        s = tl.load(sin_ptr + pos * stride_table + i, mask=ok, other=0.0).to(a.dtype).to(tl.float32)
+        af, bf = a.to(tl.float32), b.to(tl.float32)
+        a = (af * c - bf * s).to(a.dtype)
+        b = (bf * c + af * s).to(b.dtype)
+        tl.store(base + i, a, mask=ok)
+        tl.store(base + HALF + i, b, mask=ok)
+        if head >= NUM_HEADS:
+            dest = k_ptr + (head - NUM_HEADS) * stride_kv_head + slot * (2 * HALF)
+            tl.store(dest + i, a, mask=ok)
+            tl.store(dest + HALF + i, b, mask=ok)
+    else:
+        dest = v_ptr + (head - NUM_HEADS - NUM_KV_HEADS) * stride_kv_head + slot * (2 * HALF)
+        tl.store(dest + i, a, mask=ok)
+        tl.store(dest + HALF + i, b, mask=ok)
+
+
+class TritonOps(TorchOps):
+    """The Triton kernels, with TorchOps' signatures (LoRA stays TorchOps')."""
+
+    fused = True
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        out = torch.empty_like(rows)
+        if rows.shape[0]:
+            _rms_norm_kernel[(rows.shape[0],)](rows, rows, weight, out, rows.stride(0), rows.stride(0), out.stride(0),
+                                               rows.shape[1], eps, ADD=False, BLOCK=_pow2(rows.shape[1]))
+        return out.view(x.shape)
+
+    @staticmethod
+    def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        out = torch.empty_like(residual)
+        if residual.shape[0]:
+            _rms_norm_kernel[(residual.shape[0],)](x, residual, weight, out, x.stride(0), residual.stride(0),
+                                                   out.stride(0), residual.shape[1], eps, ADD=True,
+                                                   BLOCK=_pow2(residual.shape[1]))
+        return out
+
+    @staticmethod
+    def silu_mul(x: torch.Tensor) -> torch.Tensor:
+        width = x.shape[-1] // 2
+        out = torch.empty(x.shape[0], width, dtype=x.dtype, device=x.device)
+        if x.shape[0]:
+            block = min(1024, _pow2(width))
+            _silu_mul_kernel[(x.shape[0], triton.cdiv(width, block))](x, out, x.stride(0), out.stride(0), width,
+                                                                      BLOCK=block)
+        return out
+
+    @staticmethod
+    def rope_store(qkv, cos, sin, positions, k_cache, v_cache, slots, num_heads, num_kv_heads, head_dim) -> None:
+        if not qkv.shape[0]:
+            return
+        half = head_dim // 2
+        _rope_store_kernel[(qkv.shape[0], num_heads + 2 * num_kv_heads)](
+            qkv, cos, sin, positions, slots, k_cache, v_cache, qkv.stride(0), cos.stride(0), k_cache.stride(0),
+            NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, HALF_P=_pow2(half))
+
+    @staticmethod
+    def paged_decode(q, k_cache, v_cache, block_tables, lens, block_size, num_heads, num_kv_heads, head_dim,
+                     scale) -> torch.Tensor:
+        n = q.shape[0]
+        out = torch.empty(n, num_heads * head_dim, dtype=q.dtype, device=q.device)
+        if n:
+            group = num_heads // num_kv_heads
+            _paged_decode_kernel[(n, num_kv_heads)](
+                q, k_cache, v_cache, block_tables, lens, out, q.stride(0), out.stride(0), k_cache.stride(0),
+                block_tables.stride(0), scale, block_size, GROUP=group, GROUP_P=_pow2(group), HEAD_DIM=head_dim,
+                DIM_P=_pow2(head_dim), TILE=32 if head_dim <= 128 else 16)
+        return out

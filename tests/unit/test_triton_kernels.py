@@ -1,0 +1,84 @@
+"""The engine's Triton kernels (what cuda runs) compute what their PyTorch versions compute.
+
+No GPU here: ``TRITON_INTERPRET=1`` runs the same kernels on CPU tensors through numpy. It must be set
+before ``services.engine.triton_ops`` is first imported (the kernels are made interpretable when
+they are defined); no other CPU test imports that module."""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+from services.engine import kernels
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+triton_ops = importlib.import_module("services.engine.triton_ops")
+
+HEADS, KV_HEADS, DIM, BLOCK = 6, 2, 16, 4
+TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+OPS, REF = triton_ops.TritonOps(), kernels.TorchOps()
+
+
+def rope_tables(positions: int, dim: int = DIM) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    angles = torch.arange(positions)[:, None].float() * inv
+    return angles.cos(), angles.sin()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norms_and_activation(dtype):
+    torch.manual_seed(0)
+    x, y = torch.randn(5, 48, dtype=dtype), torch.randn(5, 48, dtype=dtype)
+    weight = torch.rand(48, dtype=dtype) + 0.5
+    torch.testing.assert_close(OPS.rms_norm(x, weight, 1e-6), REF.rms_norm(x, weight, 1e-6), **TOLERANCE[dtype])
+    res_triton, res_ref = x.clone(), x.clone()
+    out_triton, out_ref = OPS.add_rms_norm(y, res_triton, weight, 1e-6), REF.add_rms_norm(y, res_ref, weight, 1e-6)
+    # the residual is rounded like h + x (exactly on a GPU; the interpreter's bfloat16 casts truncate)
+    torch.testing.assert_close(res_triton, res_ref, **(TOLERANCE[dtype] if dtype == torch.bfloat16 else dict(rtol=0, atol=0)))
+    torch.testing.assert_close(out_triton, out_ref, **TOLERANCE[dtype])
+    gate_up = torch.randn(5, 2 * 1100, dtype=dtype) * 4  # wider than one program's block, not a multiple of it
+    torch.testing.assert_close(OPS.silu_mul(gate_up), REF.silu_mul(gate_up), **TOLERANCE[dtype])
+    assert OPS.rms_norm(x[:0], weight, 1e-6).shape == (0, 48)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_store_rotates_in_place_and_writes_the_cache(dtype):
+    torch.manual_seed(1)
+    cos, sin = rope_tables(64)
+    width = (HEADS + 2 * KV_HEADS) * DIM
+    strided = torch.randn(7, width + 8, dtype=dtype)[:, :width]  # rows with a stride, as a slice of a larger output
+    positions, slots = torch.tensor([0, 3, 9, 17, 33, 40, 63]), torch.tensor([5, 0, 31, 8, 12, 2, 20])
+    results = []
+    for ops in (OPS, REF):
+        qkv = strided.clone()
+        k_cache, v_cache = torch.zeros(KV_HEADS, 32, DIM, dtype=dtype), torch.zeros(KV_HEADS, 32, DIM, dtype=dtype)
+        ops.rope_store(qkv, cos, sin, positions, k_cache, v_cache, slots, HEADS, KV_HEADS, DIM)
+        results.append((qkv, k_cache, v_cache))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, **TOLERANCE[dtype])
+    assert torch.equal(results[0][2][:, slots], strided[:, (HEADS + KV_HEADS) * DIM:].view(7, KV_HEADS, DIM).transpose(0, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(HEADS, KV_HEADS, DIM), (4, 4, 12), (8, 1, 16)])
+def test_paged_decode_matches_gathered_attention(dtype, heads, kv_heads, dim):
+    """Grouped heads padded to a power of two, a head size that is not one, multi-head and multi-query."""
+    torch.manual_seed(2)
+    num_blocks = 24
+    k_cache = torch.randn(kv_heads, num_blocks * BLOCK, dim, dtype=dtype)
+    v_cache = torch.randn(kv_heads, num_blocks * BLOCK, dim, dtype=dtype)
+    lens = torch.tensor([1, 5, 16, 13, 70])  # one position, a partial block, whole blocks, ragged, > one tile
+    tables = torch.zeros(5, 18, dtype=torch.long)
+    tables[:4, :4] = torch.tensor([[3, 0, 0, 0], [7, 1, 0, 0], [2, 9, 11, 4], [20, 5, 6, 0]])
+    tables[4] = torch.tensor([23 - i for i in range(18)])
+    q = torch.randn(5, heads * dim + 5, dtype=dtype)[:, : heads * dim]
+    args = (tables, lens, BLOCK, heads, kv_heads, dim, dim ** -0.5)
+    got = OPS.paged_decode(q, k_cache, v_cache, *args)
+    want = REF.paged_decode(q, k_cache, v_cache, *args)
+    torch.testing.assert_close(got, want, **TOLERANCE[dtype])
+    only = REF.paged_decode(q[1:2], k_cache, v_cache, tables[1:2], lens[1:2], *args[2:])
+    torch.testing.assert_close(got[1:2], only, **TOLERANCE[dtype])  # rows do not see each other's cache
