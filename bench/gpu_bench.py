@@ -131,7 +131,6 @@ def write_config(folder: Path, model: Path, max_batch: int) -> tuple[Path, str]:
     sched = cfg["BackendConfig"]["ScheduleConfig"]
     sched["maxBatchSize"], sched["maxPrefillBatchSize"] = max_batch, max_batch
     sched["maxQueueDelayMicroseconds"] = 500
-    sched["prefillChunkSize"] = 2048  # Mix: on a GPU a step takes a whole wave of short prompts (vLLM: 2048-8192)
     cfg.setdefault("Switchboard", {}).update({"device": "cuda", "dtype": "bfloat16"})
     path = folder / "config.json"
     path.write_text(json.dumps(cfg, indent=2))
@@ -158,9 +157,9 @@ def bench_stack(shape: str, model: Path, levels: list[int], tokens: int, log_dir
                 wall, samples = asyncio.run(run_batch(url, api, make_prompts(max(4, 2 * level), level), tokens, level))
                 run = Run(f"switchboard {shape}", level, wall, samples)
                 results.append({"shape": shape, "concurrency": level, "tok_s": run.tok_s, "ttft_p50_s": run.ttft(50),
-                                "tokens": run.tokens})
-                print(f"[switchboard {shape}] c{level}: {run.tok_s:.1f} tok/s, TTFT p50 {run.ttft(50) * 1000:.0f} ms",
-                      flush=True)
+                                "tokens": run.tokens, "ttfts_s": [s.ttft for s in samples]})
+                print(f"[switchboard {shape}] c{level}: {run.tok_s:.1f} tok/s, TTFT p50 {run.ttft(50) * 1000:.0f} ms "
+                      f"(each: {' '.join(f'{s.ttft * 1000:.0f}' for s in samples[:16])})", flush=True)
     return results
 
 

@@ -26,6 +26,9 @@ import triton.language as tl
 from services.engine.kernels import TorchOps
 
 
+SPREAD_PROGRAMS = 256  # paged decode: fewer (row, KV head) programs than this run one per query head instead
+
+
 def _pow2(n: int) -> int:
     return triton.next_power_of_2(max(1, n))
 
@@ -33,21 +36,23 @@ def _pow2(n: int) -> int:
 @triton.jit
 def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr,
                          stride_q, stride_out, stride_kv_head, stride_table, scale, block_size,
-                         GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         DIM_P: tl.constexpr, TILE: tl.constexpr):
+                         GROUP: tl.constexpr, PER_PROGRAM: tl.constexpr, PER_PROGRAM_P: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, DIM_P: tl.constexpr, TILE: tl.constexpr):
+    # program (row, j) takes query heads [j * PER_PROGRAM, (j + 1) * PER_PROGRAM), all of one KV head's group
     row = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    g = tl.arange(0, GROUP_P)
+    first = tl.program_id(1) * PER_PROGRAM
+    kv_head = first // GROUP
+    g = tl.arange(0, PER_PROGRAM_P)
     d = tl.arange(0, DIM_P)
-    g_ok = g < GROUP
+    g_ok = g < PER_PROGRAM
     d_ok = d < HEAD_DIM
-    heads = kv_head * GROUP + g
+    heads = first + g
     q = tl.load(q_ptr + row * stride_q + heads[:, None] * HEAD_DIM + d[None, :],
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
     length = tl.load(lens_ptr + row)
-    best = tl.full([GROUP_P], float("-inf"), tl.float32)
-    total = tl.zeros([GROUP_P], tl.float32)
-    acc = tl.zeros([GROUP_P, DIM_P], tl.float32)
+    best = tl.full([PER_PROGRAM_P], float("-inf"), tl.float32)
+    total = tl.zeros([PER_PROGRAM_P], tl.float32)
+    acc = tl.zeros([PER_PROGRAM_P, DIM_P], tl.float32)
     k_base = k_ptr + kv_head * stride_kv_head
     v_base = v_ptr + kv_head * stride_kv_head
     start = 0
@@ -58,7 +63,7 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr,
         slot = block.to(tl.int64) * block_size + pos % block_size
         kv_ok = p_ok[:, None] & d_ok[None, :]
         k = tl.load(k_base + slot[:, None] * HEAD_DIM + d[None, :], mask=kv_ok, other=0.0).to(tl.float32)
-        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GROUP_P, TILE]
+        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [PER_PROGRAM_P, TILE]
         scores = tl.where(p_ok[None, :], scores, float("-inf"))
         new_best = tl.maximum(best, tl.max(scores, axis=1))
         alpha = tl.exp(best - new_best)
@@ -178,13 +183,18 @@ class TritonOps(TorchOps):
 
     @staticmethod
     def paged_decode(q, k_cache, v_cache, block_tables, lens, block_size, num_heads, num_kv_heads, head_dim,
-                     scale) -> torch.Tensor:
+                     scale, per_program: int | None = None) -> torch.Tensor:
+        """``per_program``: query heads per program; by default a whole KV group once there are enough
+        programs to fill the GPU (each K/V read once), else one (more programs, K/V reread from cache)."""
         n = q.shape[0]
         out = torch.empty(n, num_heads * head_dim, dtype=q.dtype, device=q.device)
         if n:
             group = num_heads // num_kv_heads
-            _paged_decode_kernel[(n, num_kv_heads)](
+            if per_program is None:
+                per_program = group if n * num_kv_heads >= SPREAD_PROGRAMS else 1
+            _paged_decode_kernel[(n, num_heads // per_program)](
                 q, k_cache, v_cache, block_tables, lens, out, q.stride(0), out.stride(0), k_cache.stride(0),
-                block_tables.stride(0), scale, block_size, GROUP=group, GROUP_P=_pow2(group), HEAD_DIM=head_dim,
-                DIM_P=_pow2(head_dim), TILE=32 if head_dim <= 128 else 16)
+                block_tables.stride(0), scale, block_size, GROUP=group, PER_PROGRAM=per_program,
+                PER_PROGRAM_P=_pow2(per_program), HEAD_DIM=head_dim, DIM_P=_pow2(head_dim),
+                TILE=32 if head_dim <= 128 else 16)
         return out

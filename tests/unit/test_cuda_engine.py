@@ -132,7 +132,9 @@ def test_triton_kernels_equal_the_pytorch_operations_on_cuda(dtype):
     tables = torch.stack([torch.randperm(64, device="cuda")[:63] for _ in range(n)])
     q = torch.randn(n, heads * dim, dtype=dtype, device="cuda")
     args = (tables, lens, BLOCK, heads, kv_heads, dim, dim ** -0.5)
-    torch.testing.assert_close(ops.paged_decode(q, k_cache, v_cache, *args), ref.paged_decode(q, k_cache, v_cache, *args), **tol)
+    want = ref.paged_decode(q, k_cache, v_cache, *args)
+    for per_program in (None, 1, 2, 4):
+        torch.testing.assert_close(ops.paged_decode(q, k_cache, v_cache, *args, per_program=per_program), want, **tol)
     x, w = torch.randn(n, 4096, dtype=dtype, device="cuda"), torch.rand(4096, dtype=dtype, device="cuda") + 0.5
     torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), ref.rms_norm(x, w, 1e-5), **tol)
     r1, r2 = x.clone(), x.clone()

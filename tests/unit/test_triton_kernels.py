@@ -80,5 +80,7 @@ def test_paged_decode_matches_gathered_attention(dtype, heads, kv_heads, dim):
     got = OPS.paged_decode(q, k_cache, v_cache, *args)
     want = REF.paged_decode(q, k_cache, v_cache, *args)
     torch.testing.assert_close(got, want, **TOLERANCE[dtype])
+    grouped = OPS.paged_decode(q, k_cache, v_cache, *args, per_program=heads // kv_heads)  # a KV group per program
+    torch.testing.assert_close(grouped, want, **TOLERANCE[dtype])
     only = REF.paged_decode(q[1:2], k_cache, v_cache, tables[1:2], lens[1:2], *args[2:])
     torch.testing.assert_close(got[1:2], only, **TOLERANCE[dtype])  # rows do not see each other's cache
