@@ -9,7 +9,6 @@ import uuid
 from typing import Any
 from concurrent.futures import ThreadPoolExecutor
 from collections import defaultdict
-from dataclasses import dataclass
 
 import torch
 from nats.aio.msg import Msg as NatsMsg
@@ -81,15 +80,6 @@ def eos_token_ids(runner: ModelRunner) -> set[int]:
         elif value:
             ids.update(value)
     return ids
-
-
-@dataclass(frozen=True)
-class Stepped:
-    """A step's events, and the handoffs and queue times it left."""
-
-    events: list[TokenEvent]
-    handoffs: list
-    queued: list[float]
 
 
 class EngineService:
@@ -191,9 +181,9 @@ class EngineService:
 
     # ---- prefill/decode handoffs (pd.py) -----------------------------------------------------
 
-    def start_handoffs(self, handoffs: list | None = None) -> None:
+    def start_handoffs(self) -> None:
         """Send on the requests the last step finished prefilling (prefill role)."""
-        for handoff in self.engine.take_handoffs() if handoffs is None else handoffs:
+        for handoff in self.engine.take_handoffs():
             task = asyncio.ensure_future(self.kv_link.hand_off(handoff))
             self.transfers.add(task)
             task.add_done_callback(self.transfers.discard)
@@ -262,28 +252,17 @@ class EngineService:
         )
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Step while there is work; sleep on ``wake`` otherwise. A step's events are published while the
-        next step runs, so the engine thread never waits on NATS (on an accelerator it waits on the
-        device, and the bus work fits in that wait)."""
-        done: Stepped | None = None
+        """Step while there is work; sleep on ``wake`` otherwise."""
         while not stop.is_set():
-            step = asyncio.ensure_future(self._stepped()) if self.engine.has_work else None
-            if done is not None:
-                await self._deliver(done)
-                done = None
-            if step is None:
-                if not self.engine.has_work:  # checked again: a request may have come while publishing
-                    self.wake.clear()
-                    await self._wait(stop)
+            if not self.engine.has_work:
+                self.wake.clear()
+                await self._wait(stop)
                 continue
-            done = await step
+            await self.publish(await self._step())
+            self.start_handoffs()
             if self.engine.held_until is not None:  # a small first batch waits for company
-                await self._deliver(done)
-                done = None
                 self.wake.clear()
                 await self._wait(stop, timeout=max(0.0, self.engine.held_until - time.time()))
-        if done is not None:
-            await self._deliver(done)
 
     async def drain(self) -> None:
         """Stopping (SIGTERM, a rolling update): heartbeats say so, so no new request is routed here, and the
@@ -296,15 +275,6 @@ class EngineService:
             self.start_handoffs()
             if self.engine.held_until is not None:
                 await asyncio.sleep(0.005)
-
-    async def _stepped(self) -> Stepped:
-        """A step, and what it left for the service, taken before any other step can run."""
-        events = await self._step()
-        return Stepped(events, self.engine.take_handoffs(), self.engine.stats.take_queue_times())
-
-    async def _deliver(self, done: Stepped) -> None:
-        await self.publish(done.events, done.queued)
-        self.start_handoffs(done.handoffs)  # after the first tokens they follow are published
 
     async def _step(self) -> list[TokenEvent]:
         try:
@@ -319,7 +289,7 @@ class EngineService:
         for task in pending:
             task.cancel()
 
-    async def publish(self, events: list[TokenEvent], queued: list[float] | None = None) -> None:
+    async def publish(self, events: list[TokenEvent]) -> None:
         by_inbox: dict[str, list[TokenEvent]] = defaultdict(list)
         for event in events:
             inbox = self.routes.get(event.id)
@@ -333,7 +303,7 @@ class EngineService:
                                    **{"switchboard.finish_reason": event.finish_reason})
         for inbox, batch in by_inbox.items():
             await bus.publish(self.nc, inbox, TokenBatch(batch, engine=self.instance))
-        queued = self.engine.stats.take_queue_times() if queued is None else queued
+        queued = self.engine.stats.take_queue_times()
         if queued:
             await bus.publish(self.nc, subjects.METRICS_EVENTS, Queued(model=self.model, seconds=queued))
 
