@@ -16,6 +16,11 @@ SMOL_DIR = ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct"
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# The engine's Triton kernels run on the CPU through Triton's interpreter (tests/unit/test_triton_kernels.py).
+# Triton reads this when it is first imported, which a library any test imports may do first; the GPU run of
+# tests/unit/test_cuda_engine.py (SWITCHBOARD_GPU_TOKENIZER set) compiles them for the device instead.
+if not os.environ.get("SWITCHBOARD_GPU_TOKENIZER"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

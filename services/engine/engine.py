@@ -28,7 +28,7 @@ from services.engine.sampler import raw_logprobs, sample, token_logprob
 from services.engine.scheduler import Finish, Limits, Scheduled, Scheduler
 from services.engine.sequence import Sequence
 from shared.errors import ErrorInfo, ErrorKind
-from shared.messages import EngineRequest, TokenEvent, TokenLogprob
+from shared.messages import CancelKind, EngineRequest, FinishReason, TokenEvent, TokenLogprob
 
 log = logging.getLogger("switchboard.engine")
 
@@ -69,7 +69,7 @@ PROMPT_LOGITS_ROWS = 256  # prompt logprobs: rows whose full-vocabulary logits e
 @dataclass(frozen=True)
 class _Abort:
     id: str
-    reason: str
+    reason: CancelKind
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,6 @@ class Engine:
                                    on_admit=self._write_received_kv)
         self.inbox: queue.SimpleQueue[EngineRequest | _Abort | _Received] = queue.SimpleQueue()
         self.handoffs: list[Handoff] = []  # prefill role: requests ready for a decode engine (taken by the service)
-        self.seqs: dict[str, Sequence] = {}
         self.stats = Stats()
         self.held_until: float | None = None  # set by a step that held a small first batch back
         self.constraints = Constraints(runner.path, runner.model.lm_head.out_features)
@@ -124,8 +123,13 @@ class Engine:
         taken, self.handoffs = self.handoffs, []
         return taken
 
-    def abort(self, request_id: str, reason: str = "cancelled") -> None:
+    def abort(self, request_id: str, reason: CancelKind = CancelKind.CANCELLED) -> None:
         self.inbox.put(_Abort(request_id, reason))
+
+    @property
+    def seqs(self) -> dict[str, Sequence]:
+        """Every sequence not yet ended, by request id (the scheduler's registry; read it, never change it)."""
+        return self.scheduler.seqs
 
     @property
     def has_work(self) -> bool:
@@ -199,33 +203,41 @@ class Engine:
     def _advance(self, results: list[tuple[Sequence, Drawn]]) -> list[TokenEvent]:
         """Append each drawn token, finish the sequences that are done, and say so."""
         ran = [seq for seq, _ in results]
-        finished = {f.seq.id: f for f in self.scheduler.postprocess(ran, [d.token_id for _, d in results])}
+        finished = {f.seq.id: f.reason for f in self.scheduler.postprocess(ran, [d.token_id for _, d in results])}
         self._hand_off([seq for seq in ran if seq.handoff and seq.id not in finished and seq.num_generated == 1])
         now = time.time()
         events = []
         for seq, drawn in results:
             seq.last_event_at = now
-            done = finished.get(seq.id)
-            if seq.matcher is not None and not done and not seq.matcher.consume_token(drawn.token_id):
-                events.append(self._grammar_failed(seq, drawn.token_id))
+            reason = finished.get(seq.id)
+            if seq.matcher is not None and not reason and not seq.matcher.consume_token(drawn.token_id):
+                error = ErrorInfo(ErrorKind.INTERNAL, f"token {drawn.token_id} left the grammar: {seq.matcher.get_error()}")
+                events.append(self._end(seq, FinishReason.ERROR, error))  # it cannot, once masked
                 continue
-            event = TokenEvent(seq.id, [drawn.token_id], done.reason if done else None, position=seq.num_generated - 1)
+            event = TokenEvent(seq.id, [drawn.token_id], None, position=seq.num_generated - 1)
             if drawn.logprob is not None:
                 event.logprobs = [drawn.logprob]
             if seq.wants_prompt_logprobs and event.position == 0:
                 event.prompt_logprobs = [seq.prompt_logprobs.get(p) for p in range(len(seq.prompt_ids))]
                 seq.wants_prompt_logprobs, seq.prompt_logprobs = False, {}  # sent: a recompute need not redo them
-            events.append(event)
-            if done:
-                self.seqs.pop(seq.id, None)
+            events.append(self._end(seq, reason, event=event) if reason else event)
         return events
 
-    def _grammar_failed(self, seq: Sequence, token_id: int) -> TokenEvent:
-        """The sampled token left the grammar (it cannot, once masked): end the request with the error."""
-        self.scheduler.finish(seq, "error")
-        self.seqs.pop(seq.id, None)
-        error = ErrorInfo(ErrorKind.INTERNAL, f"token {token_id} left the grammar: {seq.matcher.get_error()}")
-        return TokenEvent(seq.id, [], "error", error)
+    def _end(self, seq: Sequence, reason: FinishReason, error: ErrorInfo | None = None,
+             event: TokenEvent | None = None) -> TokenEvent:
+        """The one way a request ends here, whatever the cause: its sequence is released and its final
+        event (``event``, its last token, or one with no token) says why."""
+        self._release(seq)
+        if event is None:
+            return TokenEvent(seq.id, [], reason, error)
+        event.finish_reason, event.error = reason, error
+        return event
+
+    def _release(self, seq: Sequence) -> None:
+        """Free everything a sequence holds: it leaves the scheduler (blocks and adapter slot back), and its
+        grammar matcher and handoff state go. Ending it, or handing it off (it goes on elsewhere)."""
+        self.scheduler.finish(seq)
+        seq.matcher = seq.request = seq.kv_import = None
 
     def _hand_off(self, seqs: list[Sequence]) -> None:
         """Prefill role: each of ``seqs`` has its prompt's K/V and its first token; export the K/V, end the
@@ -234,8 +246,7 @@ class Engine:
             kv = KvImport(KvLayout.of(self.runner), seq.num_prompt_tokens,
                           export_blocks(self.runner, seq.block_table, seq.num_prompt_tokens))
             self.handoffs.append(Handoff(seq.request, list(seq.token_ids[seq.num_prompt_tokens:]), kv))
-            self.scheduler.finish(seq, "handoff")
-            self.seqs.pop(seq.id, None)
+            self._release(seq)  # its first token is still reported
 
     def _write_received_kv(self, seq: Sequence) -> None:
         """A handed-off sequence got its blocks: write the received K/V of its prompt (less the prefix
@@ -260,10 +271,8 @@ class Engine:
             log.warning("request ended: the engine step fails for it", exc_info=exc, extra={
                 "request_id": seq.id, "phase": "decode" if seq.num_computed == len(seq) - 1 else "prefill",
                 "error": repr(exc)})
-            self.scheduler.finish(seq, "error")
-            self.seqs.pop(seq.id, None)
             error = ErrorInfo(ErrorKind.INTERNAL, f"engine failure for this request: {type(exc).__name__}: {exc}")
-            events.append(TokenEvent(seq.id, [], "error", error))
+            events.append(self._end(seq, FinishReason.ERROR, error))
         return events
 
     def _count(self, items: list[Scheduled], started: float) -> None:
@@ -297,14 +306,14 @@ class Engine:
         if needed > self.blocks.num_blocks:
             error = ErrorInfo(ErrorKind.GENERATION, f"the request needs up to {needed} KV-cache blocks but the pool holds "
                                                     f"{self.blocks.num_blocks}; raise Switchboard.kvCacheMemoryMb")
-            return [TokenEvent(req.id, [], "error", error)]
+            return [TokenEvent(req.id, [], FinishReason.ERROR, error)]
         if req.media is not None and not self.runner.modalities:
             error = ErrorInfo(ErrorKind.VALIDATION, "the served model is text-only: it takes no media")
-            return [TokenEvent(req.id, [], "error", error)]
+            return [TokenEvent(req.id, [], FinishReason.ERROR, error)]
         slot = self.runner.lora.acquire(req.adapter) if req.adapter else None
         if req.adapter and slot is None:
             error = ErrorInfo(ErrorKind.NOT_FOUND, f"LoRA adapter '{req.adapter}' is not loaded")
-            return [TokenEvent(req.id, [], "error", error)]
+            return [TokenEvent(req.id, [], FinishReason.ERROR, error)]
         seq = Sequence(req.id, req.prompt_ids, req.sampling, priority=req.priority, deadline=req.deadline,
                        deadline_reason=req.deadline_reason, last_event_at=time.time(), arrival=req.arrival, lora=slot)
         seq.media, seq.media_salt = req.media, salt(req.media)
@@ -315,14 +324,13 @@ class Engine:
                 if slot is not None:
                     self.runner.lora.release(slot)
                 kind = ErrorKind.VALIDATION if isinstance(exc, ValueError) else ErrorKind.INTERNAL
-                return [TokenEvent(req.id, [], "error", ErrorInfo(kind, str(exc)))]
+                return [TokenEvent(req.id, [], FinishReason.ERROR, ErrorInfo(kind, str(exc)))]
         # a prompt with media stays: its decode needs what the encoder computed (Qwen2-VL's rope delta)
         seq.kv_import = kv
         seq.wants_prompt_logprobs = req.sampling.prompt_logprobs is not None and not req.generated_ids
         seq.handoff = req.handoff and not req.generated_ids and req.media is None
         seq.request = req if seq.handoff else None  # only a handoff needs it; others would pin their media
         seq.token_ids.extend(req.generated_ids)  # resumed: its first prefill recomputes their cache too
-        self.seqs[req.id] = seq
         self.scheduler.add(seq)
         return []
 
@@ -334,18 +342,11 @@ class Engine:
         """Last resort: end every request with an internal error (a step raised outside the per-request
         part, which ``run_isolated`` guards); the engine keeps serving."""
         error = ErrorInfo(ErrorKind.INTERNAL, message)
-        events = [TokenEvent(seq.id, [], "error", error) for seq in self.seqs.values()]
-        for seq in list(self.seqs.values()):
-            self.scheduler.finish(seq, "error")
-        self.seqs.clear()
-        return events
+        return [self._end(seq, FinishReason.ERROR, error) for seq in list(self.seqs.values())]
 
     def _abort_now(self, item: _Abort) -> list[TokenEvent]:
-        seq = self.seqs.pop(item.id, None)
-        if seq is None:
-            return []
-        self.scheduler.finish(seq, "cancelled")
-        return [TokenEvent(seq.id, [], "cancelled")]
+        seq = self.seqs.get(item.id)
+        return [] if seq is None else [self._end(seq, FinishReason.CANCELLED)]
 
     def _expire(self, now: float) -> list[TokenEvent]:
         """End requests past their deadline or silent for tokenTimeout."""
@@ -353,10 +354,8 @@ class Engine:
         for seq in list(self.seqs.values()):
             reason = self._timeout_reason(seq, now)
             if reason:
-                self.scheduler.finish(seq, "timeout")
-                self.seqs.pop(seq.id)
                 error = ErrorInfo(ErrorKind.TIMEOUT, f"Engine callback timeout: {reason}")
-                events.append(TokenEvent(seq.id, [], "error", error))
+                events.append(self._end(seq, FinishReason.ERROR, error))
         return events
 
     def _timeout_reason(self, seq: Sequence, now: float) -> str | None:

@@ -14,6 +14,7 @@ from typing import Callable
 
 from services.engine.block_manager import BlockManager
 from services.engine.sequence import Sequence, Status
+from shared.messages import FinishReason
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ class Scheduled:
 @dataclass
 class Finish:
     seq: Sequence
-    reason: str  # length | eos_token | cancelled | timeout
+    reason: FinishReason  # length | eos_token
 
 
 class Scheduler:
@@ -61,6 +62,7 @@ class Scheduler:
         self.on_admit = on_admit  # called when a sequence gets its blocks (it may fill them: KV received)
         self.waiting: list[Sequence] = []  # sorted by (priority, arrival)
         self.running: list[Sequence] = []
+        self.seqs: dict[str, Sequence] = {}  # every sequence not yet ended, by request id: the engine's one registry
         self.num_preemptions = 0
 
     @property
@@ -68,6 +70,7 @@ class Scheduler:
         return not self.waiting and not self.running
 
     def add(self, seq: Sequence) -> None:
+        self.seqs[seq.id] = seq
         seq.status = Status.WAITING
         bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
 
@@ -209,23 +212,26 @@ class Scheduler:
         self.add(seq)
 
     def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Finish]:
+        """Append each sampled token; the sequences that are done now and why (the engine ends them)."""
         finished: list[Finish] = []
         for seq, token_id in zip(seqs, token_ids):
             seq.append(token_id)
             reason = self._finish_reason(seq, token_id)
             if reason:
-                finished.append(self.finish(seq, reason))
+                finished.append(Finish(seq, reason))
         return finished
 
-    def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
+    def _finish_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
         if not seq.sampling.ignore_eos and (token_id in self.eos_token_ids or token_id in seq.sampling.stop_token_ids):
-            return "eos_token"
+            return FinishReason.EOS_TOKEN
         if seq.num_generated >= seq.sampling.max_new_tokens or len(seq) >= self.limits.max_seq_len:
-            return "length"
+            return FinishReason.LENGTH
         return None
 
-    def finish(self, seq: Sequence, reason: str) -> Finish:
-        """Remove a sequence wherever it is and give its blocks back."""
+    def finish(self, seq: Sequence) -> None:
+        """Remove a sequence wherever it is and give its blocks back: the one place a sequence leaves
+        the registry (``Engine._release`` is its only caller)."""
+        self.seqs.pop(seq.id, None)
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
         elif seq.status is Status.WAITING:
@@ -234,4 +240,3 @@ class Scheduler:
         if seq.status is not Status.FINISHED:
             seq.status = Status.FINISHED
             self.on_finish(seq)
-        return Finish(seq, reason)

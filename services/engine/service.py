@@ -9,6 +9,7 @@ import uuid
 from typing import Any
 from concurrent.futures import ThreadPoolExecutor
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 from nats.aio.msg import Msg as NatsMsg
@@ -25,7 +26,7 @@ from shared.config import Config
 from shared.leases import Leases
 from shared.tombstones import Tombstones
 from shared.messages import (
-    Cancel, EngineInfo, EngineRequest, Heartbeat, Queued, TokenBatch, TokenEvent, decoder,
+    Cancel, CancelKind, EngineInfo, EngineRequest, Heartbeat, Queued, TokenBatch, TokenEvent, decoder,
 )
 from shared.pd_messages import EngineRole
 
@@ -82,6 +83,16 @@ def eos_token_ids(runner: ModelRunner) -> set[int]:
     return ids
 
 
+@dataclass
+class Route:
+    """Where a request's token events go (its tokenizer's inbox), the tokenizer instance that owns it
+    (None: not said), and its span on this engine."""
+
+    inbox: str
+    owner: str | None
+    span: Any
+
+
 class EngineService:
     def __init__(self, cfg: Config, nc, engine: Engine, device_label: str, stepper: ThreadPoolExecutor):
         self.cfg = cfg
@@ -91,12 +102,10 @@ class EngineService:
         self.model = cfg.model.model_name
         self.instance = uuid.uuid4().hex[:12]  # this engine's id: in its heartbeats, its own subject
         self.stopping = False
-        self.routes: dict[str, str] = {}  # request id -> tokenizer inbox
-        self.owners: dict[str, str] = {}  # request id -> the tokenizer instance it reports to
+        self.routes: dict[str, Route] = {}  # request id -> where its events go; dropped only by ``drop``
         self.cancelled = Tombstones()  # cancels that came before their request
         self.tokenizers: Leases[Heartbeat] = Leases(cfg.switchboard.lease_seconds)
         self.beats = decoder(Heartbeat)
-        self.spans: dict[str, Any] = {}  # request id -> its engine span
         self.wake = asyncio.Event()
         self.stepper = stepper
         self.requests = decoder(EngineRequest)
@@ -141,8 +150,8 @@ class EngineService:
         dead = set(self.tokenizers.expire())
         if not dead:
             return
-        for request_id in [r for r, owner in self.owners.items() if owner in dead]:
-            self.engine.abort(request_id, "tokenizer gone")
+        for request_id in [r for r, route in self.routes.items() if route.owner in dead]:
+            self.engine.abort(request_id, CancelKind.TOKENIZER_GONE)
             self.wake.set()
 
     async def on_request(self, msg: NatsMsg) -> None:
@@ -171,13 +180,19 @@ class EngineService:
 
     def track(self, req: EngineRequest) -> None:
         """Where the request's token events go, who owns it, and its span here."""
-        self.routes[req.id] = req.reply_to
-        if req.tokenizer:
-            self.owners[req.id] = req.tokenizer
-        self.spans[req.id] = telemetry.start_span("engine.generate", req.trace, **{
+        span = telemetry.start_span("engine.generate", req.trace, **{
             "switchboard.request_id": req.id, "switchboard.prompt_tokens": len(req.prompt_ids),
             "switchboard.priority": req.priority, "switchboard.adapter": req.adapter,
             "switchboard.role": self.role, "switchboard.handed_over": bool(req.generated_ids and not req.handoff)})
+        self.routes[req.id] = Route(req.reply_to, req.tokenizer or None, span)
+
+    def drop(self, request_id: str, error: str | None = None, **attributes) -> Route | None:
+        """The request is no longer this engine's (it ended, or went to another engine): its route goes and
+        its span ends. The one place a request leaves ``routes``."""
+        route = self.routes.pop(request_id, None)
+        if route is not None:
+            telemetry.end_span(route.span, error, **attributes)
+        return route
 
     # ---- prefill/decode handoffs (pd.py) -----------------------------------------------------
 
@@ -193,19 +208,14 @@ class EngineService:
         if req.id in self.routes and req.id not in self.cancelled:
             self.engine.add_request(req)
             self.wake.set()
-        elif req.id in self.routes:  # cancelled during the transfer: it ends here
-            del self.routes[req.id]
-            self.owners.pop(req.id, None)
-            telemetry.end_span(self.spans.pop(req.id, None), **{"switchboard.finish_reason": "cancelled"})
+        else:  # cancelled during the transfer: it ends here
+            self.drop(req.id, **{"switchboard.finish_reason": "cancelled"})
 
     async def moved(self, req: EngineRequest, target: str) -> None:
         """A decode engine took the request: forget it here and tell its tokenizer who has it now."""
-        inbox = self.routes.pop(req.id, None)
-        self.owners.pop(req.id, None)
-        telemetry.end_span(self.spans.pop(req.id, None), **{"switchboard.finish_reason": "handed off",
-                                                             "switchboard.decode_engine": target})
-        if inbox is not None:
-            await bus.publish(self.nc, inbox, TokenBatch([], engine=self.instance, moved={req.id: target}))
+        route = self.drop(req.id, **{"switchboard.finish_reason": "handed off", "switchboard.decode_engine": target})
+        if route is not None:
+            await bus.publish(self.nc, route.inbox, TokenBatch([], engine=self.instance, moved={req.id: target}))
 
     def accept(self, req: EngineRequest, kv) -> None:
         """Decode role: a request handed over with its prompt's K/V."""
@@ -292,15 +302,13 @@ class EngineService:
     async def publish(self, events: list[TokenEvent]) -> None:
         by_inbox: dict[str, list[TokenEvent]] = defaultdict(list)
         for event in events:
-            inbox = self.routes.get(event.id)
-            if inbox is None:
+            route = self.routes.get(event.id)
+            if route is None:
                 continue
-            by_inbox[inbox].append(event)
+            by_inbox[route.inbox].append(event)
             if event.finish_reason:
-                del self.routes[event.id]
-                self.owners.pop(event.id, None)
-                telemetry.end_span(self.spans.pop(event.id, None), event.error and event.error.message,
-                                   **{"switchboard.finish_reason": event.finish_reason})
+                self.drop(event.id, event.error and event.error.message,
+                          **{"switchboard.finish_reason": str(event.finish_reason)})
         for inbox, batch in by_inbox.items():
             await bus.publish(self.nc, inbox, TokenBatch(batch, engine=self.instance))
         queued = self.engine.stats.take_queue_times()

@@ -22,7 +22,7 @@ from shared.errors import ErrorKind, SwitchboardError
 from shared.leases import Leases
 from shared.media import MediaPolicy
 from shared.messages import (
-    Cancel, EngineInfo, MetricsEvent, Ping, StopInfer, Tokenize, Tokenized, TokenizerInfo, decoder,
+    Cancel, CancelKind, EngineInfo, MetricsEvent, Ping, StopInfer, Tokenize, Tokenized, TokenizerInfo, decoder,
     encode,
 )
 
@@ -95,7 +95,7 @@ class Gateway:
         session = self.by_user.get(user_id)
         if session is None:
             return False
-        await bus.publish(self.nc, subjects.CANCEL, Cancel(id=session.current_id, reason="stopInfer"))
+        await bus.publish(self.nc, subjects.CANCEL, Cancel(id=session.current_id, reason=CancelKind.STOP_INFER))
         return True
 
     async def on_heartbeat(self, msg) -> None:

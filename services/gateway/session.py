@@ -18,7 +18,7 @@ import msgspec
 
 from shared import bus, subjects, telemetry
 from shared.errors import ErrorInfo, ErrorKind, SwitchboardError
-from shared.messages import Cancel, Failed, Finished, FirstToken, GenerateRequest, Output, Received, Sampling, Started, TokenOut
+from shared.messages import Cancel, CancelKind, Failed, Finished, FinishReason, FirstToken, GenerateRequest, Output, Received, Sampling, Started, TokenOut
 
 log = logging.getLogger("switchboard.gateway")
 START_TIMEOUT_S = 30.0
@@ -37,7 +37,7 @@ class Resume:
 class End:
     """How a choice ended: its whole text and tokens, the engine's finish reason and the counts."""
 
-    finish_reason: str  # length | eos_token | stop_sequence | cancelled
+    finish_reason: FinishReason
     text: str
     tokens: list[TokenOut]
     generated_tokens: int
@@ -80,7 +80,7 @@ class Session:
         self.closed = False
         self.first_token_at: float | None = None
         self.first_token = asyncio.Event()  # set with the first token, or at the end (PD split answers then)
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
         self.generated = 0
         self.tokens: list[TokenOut] = []
         self.prompt: list[TokenOut] = []  # the prompt's tokens with their logprobs, when they were asked
@@ -129,7 +129,7 @@ class Session:
         """Cancel the current attempt and move on to the next id (at most MAX_RESUMES times)."""
         if self.attempt >= MAX_RESUMES:
             raise self._fail(ErrorKind.UNAVAILABLE, f"the request was lost {self.attempt + 1} times ({reason})")
-        self.gw.spawn(bus.publish(self.gw.nc, subjects.CANCEL, Cancel(id=self.current_id, reason="superseded")))
+        self.gw.spawn(bus.publish(self.gw.nc, subjects.CANCEL, Cancel(id=self.current_id, reason=CancelKind.SUPERSEDED)))
         self.attempt += 1
         log.info("resuming request", extra={"request_id": self.id, "attempt": self.attempt, "reason": reason,
                                             "position": len(self.tokens)})
@@ -203,7 +203,7 @@ class Session:
                       retryable=True)
 
     def _fail(self, kind: ErrorKind, message: str) -> SwitchboardError:
-        self.finish_reason = "error"
+        self.finish_reason = FinishReason.ERROR
         return SwitchboardError(kind, message)
 
     async def result(self) -> End:
@@ -220,7 +220,7 @@ class Session:
             raise SwitchboardError(ErrorKind.UNAVAILABLE if self.started is None else ErrorKind.TIMEOUT, what) from None
 
     def _error(self, event) -> SwitchboardError:
-        self.finish_reason = "error"
+        self.finish_reason = FinishReason.ERROR
         if isinstance(event, Failed):
             return SwitchboardError(event.error.kind, event.error.message, event.error.param)
         return SwitchboardError(ErrorKind.INTERNAL, f"unexpected event {type(event).__name__}")
@@ -257,17 +257,17 @@ class Session:
             telemetry.end_span(self.span, None, **{"switchboard.finish_reason": "not_started"})
             return
         if self.finish_reason is None:
-            self.finish_reason = "cancelled"
+            self.finish_reason = FinishReason.CANCELLED
             self.gw.spawn(bus.publish(self.gw.nc, subjects.CANCEL, Cancel(id=self.current_id,
-                                                                          reason="client_disconnected")))
+                                                                          reason=CancelKind.CLIENT_DISCONNECTED)))
         self._report()
 
     def _report(self) -> None:
         now = time.time()
         ttft = None if self.first_token_at is None else self.first_token_at - self.arrival
         prompt_tokens = self.started.prompt_tokens if self.started else 0
-        telemetry.end_span(self.span, "failed" if self.finish_reason == "error" else None, **{
-            "switchboard.finish_reason": self.finish_reason, "switchboard.generated_tokens": self.generated})
+        telemetry.end_span(self.span, "failed" if self.finish_reason is FinishReason.ERROR else None, **{
+            "switchboard.finish_reason": str(self.finish_reason), "switchboard.generated_tokens": self.generated})
         self.gw.emit(Finished(id=self.id, model=self.gw.model, arrival=self.arrival, e2e_s=now - self.arrival,
                               ttft_s=ttft, prompt_tokens=prompt_tokens, generated_tokens=self.generated,
                               finish_reason=self.finish_reason, adapter=self.request.adapter))

@@ -38,7 +38,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from shared.engines import cache_usage, combined, prefix_hit_rate
 from shared.leases import Leases
-from shared.messages import EngineInfo, Finished, FirstToken, KvTransferred, MetricsEvent, Queued, Received
+from shared.messages import EngineInfo, Finished, FinishReason, FirstToken, KvTransferred, MetricsEvent, Queued, Received
 
 KV_BYTES_BUCKETS = tuple(float(1 << k) for k in range(16, 33, 2))  # 64 KiB .. 4 GiB
 KV_SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -47,7 +47,6 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 E2E_BUCKETS = (1, 2.5, 5, 10, 15, 20, 30, 40, 50, 60)
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 TOKEN_BUCKETS = (10, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 16000, 20000, 32000, 50000, 64000, 128000)
-SUCCESS = {"length", "eos_token", "stop_sequence"}
 RATE_WINDOW_S = 10.0
 
 
@@ -124,15 +123,15 @@ class PrometheusMetrics:
             self._finished(event)
 
     def _finished(self, event: Finished) -> None:
-        m = self.model
-        self.finished.labels(m, event.adapter, event.finish_reason).inc()
-        if event.finish_reason in SUCCESS:
+        m, reason = self.model, FinishReason(event.finish_reason)  # as decoded (a str from a caller in process)
+        self.finished.labels(m, event.adapter, reason.value).inc()
+        if reason.served:
             self._succeeded += 1
             self.success.labels(m, event.adapter).inc()
-        elif event.finish_reason == "error":
+        elif reason is FinishReason.ERROR:
             self._failed += 1
             self.failed.labels(m, event.adapter).inc()
-        if event.finish_reason in SUCCESS:  # latency and size histograms describe served requests
+        if reason.served:  # latency and size histograms describe served requests
             self.e2e.labels(m).observe(event.e2e_s)
             self.prompt_tokens.labels(m).observe(event.prompt_tokens)
             self.gen_tokens.labels(m).observe(event.generated_tokens)

@@ -34,7 +34,7 @@ from shared.leases import Leases
 from shared.media import MediaPolicy
 from shared.tombstones import Tombstones
 from shared.messages import (
-    Cancel, EngineInfo, EngineRequest, Failed, GenerateRequest, Heartbeat, MediaInputs, Output, Started,
+    Cancel, CancelKind, EngineInfo, EngineRequest, Failed, FinishReason, GenerateRequest, Heartbeat, MediaInputs, Output, Started,
     TokenBatch, TokenEvent, Tokenize, Tokenized, TokenizerInfo, TokenLogprob, TokenOut, TopToken, decoder, encode,
 )
 
@@ -122,7 +122,7 @@ class TokenizerService:
         for request_id in [i for i, state in self.pending.items() if state.request.gateway in dead]:
             state = self.pending.pop(request_id)
             telemetry.end_span(state.span, **{"switchboard.finish_reason": "gateway gone"})
-            await bus.publish(self.nc, subjects.CANCEL, Cancel(id=request_id, reason="gateway gone"))
+            await bus.publish(self.nc, subjects.CANCEL, Cancel(id=request_id, reason=CancelKind.GATEWAY_GONE))
 
     async def resume_lost_handoffs(self) -> None:
         """A decode engine that took a request over died (its lease ran out): the gateway, which watches
@@ -133,7 +133,7 @@ class TokenizerService:
             req = state.request
             del self.pending[req.id]
             telemetry.end_span(state.span, f"decode engine {state.engine} died")
-            await bus.publish(self.nc, subjects.CANCEL, Cancel(id=req.id, reason="engine gone"))
+            await bus.publish(self.nc, subjects.CANCEL, Cancel(id=req.id, reason=CancelKind.ENGINE_GONE))
             error = ErrorInfo(ErrorKind.UNAVAILABLE, f"decode engine {state.engine} died")
             await bus.publish(self.nc, req.reply_to, Failed(id=req.id, error=error, retryable=True))
 
@@ -268,13 +268,13 @@ class TokenizerService:
             return
         position = state.generated
         tokens, stopped = self.detokenize(state, event)
-        finish = "stop_sequence" if stopped else event.finish_reason
+        finish = FinishReason.STOP_SEQUENCE if stopped else event.finish_reason
         if finish:
             del self.pending[req.id]
-            telemetry.end_span(state.span, **{"switchboard.finish_reason": finish,
+            telemetry.end_span(state.span, **{"switchboard.finish_reason": str(finish),
                                               "switchboard.generated_tokens": state.generated})
         if stopped and not event.finish_reason:
-            await bus.publish(self.nc, subjects.CANCEL, Cancel(id=req.id, reason="stop_sequence"))
+            await bus.publish(self.nc, subjects.CANCEL, Cancel(id=req.id, reason=CancelKind.STOP_SEQUENCE))
         out = Output(id=req.id, position=position, tokens=tokens, finish_reason=finish,
                      generated_tokens=state.generated)
         if event.prompt_logprobs and len(event.prompt_logprobs) == len(state.prompt_ids):
@@ -290,7 +290,7 @@ class TokenizerService:
         req = state.request
         del self.pending[req.id]
         telemetry.end_span(state.span, "token events lost")
-        await bus.publish(self.nc, subjects.CANCEL, Cancel(id=req.id, reason="token events lost"))
+        await bus.publish(self.nc, subjects.CANCEL, Cancel(id=req.id, reason=CancelKind.EVENTS_LOST))
         error = ErrorInfo(ErrorKind.INTERNAL, f"token events {state.generated}..{event.position - 1} were lost")
         await bus.publish(self.nc, req.reply_to, Failed(id=req.id, error=error, retryable=True))
 
@@ -317,7 +317,7 @@ class TokenizerService:
         cancel = self.cancels.decode(msg.data)
         if cancel.id not in self.pending:
             self.cancelled.add(cancel.id)
-        if cancel.reason in ("client_disconnected", "superseded"):
+        if cancel.reason.by_client:
             state = self.pending.pop(cancel.id, None)
             telemetry.end_span(state and state.span, **{"switchboard.finish_reason": "cancelled"})
 

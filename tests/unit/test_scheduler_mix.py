@@ -28,7 +28,8 @@ def step(sched: Scheduler) -> list[Scheduled]:
     items = sched.schedule()
     sampled = [item.seq for item in items if item.samples]
     sched.computed(items)
-    sched.postprocess(sampled, [TOKEN] * len(sampled))
+    for done in sched.postprocess(sampled, [TOKEN] * len(sampled)):
+        sched.finish(done.seq)
     sched.blocks.check(sched.running)
     return items
 

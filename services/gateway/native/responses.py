@@ -7,16 +7,16 @@ from typing import Any, AsyncIterator
 
 import msgspec
 
+from services.gateway import finish
 from services.gateway.call import Call
 from services.gateway.errors import mindie_body
 from services.gateway.native.schemas import NativeRequest
 from services.gateway.session import End
-from services.gateway.tgi.responses import FINISH
 from shared.errors import SwitchboardError
 
 
 def details(call: Call, end: End) -> dict[str, Any]:
-    return {"finish_reason": FINISH.get(end.finish_reason, "stop_sequence"),
+    return {"finish_reason": finish.tgi(end.finish_reason),
             "generated_tokens": end.generated_tokens, "seed": call.started[0].seed,
             "generated_token_ids": [t.id for t in end.tokens]}
 

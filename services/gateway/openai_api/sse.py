@@ -9,18 +9,18 @@ from typing import Any
 
 import msgspec
 
+from services.gateway import finish
 from services.gateway.call import Call
 from services.gateway.openai_api.errors import switchboard_body
 from shared.errors import SwitchboardError
+from shared.messages import FinishReason
 
 DONE = b"data: [DONE]\n\n"
 
 
-def finish_reason(engine_reason: str | None) -> str | None:
+def finish_reason(engine_reason: FinishReason | None) -> str | None:
     """eos_token, stop_sequence (and a stopInfer abort) are "stop"; length stays "length"."""
-    if engine_reason is None:
-        return None
-    return "length" if engine_reason == "length" else "stop"
+    return finish.openai(engine_reason)
 
 
 @dataclass

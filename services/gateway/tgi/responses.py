@@ -6,6 +6,7 @@ from typing import Any, AsyncIterator
 
 import msgspec
 
+from services.gateway import finish
 from services.gateway.call import Call
 from services.gateway.errors import tgi_body
 from services.gateway.session import End
@@ -13,8 +14,6 @@ from services.gateway.tgi.schemas import TgiRequest
 from shared.errors import SwitchboardError
 from shared.messages import Started, TokenOut
 
-# The engine's own end reasons mapped to TGI's three (MindIE maps aborts to stop_sequence).
-FINISH = {"length": "length", "eos_token": "eos_token", "stop_sequence": "stop_sequence", "cancelled": "stop_sequence"}
 
 
 def token_json(token: TokenOut) -> dict[str, Any]:
@@ -48,7 +47,7 @@ def body(call: Call, req: TgiRequest, end: End, as_array: bool = False) -> Any:
         result = {
             "details": {
                 "prompt_tokens": started.prompt_tokens,
-                "finish_reason": FINISH.get(end.finish_reason, "stop_sequence"),
+                "finish_reason": finish.tgi(end.finish_reason),
                 "generated_tokens": end.generated_tokens,
                 "prefill": prefill_json(started, call.sessions[0].prompt) if req.decoder_input_details else [],
                 "seed": started.seed,
@@ -90,7 +89,7 @@ async def stream_events(call: Call, req: TgiRequest, full_text_mode: bool) -> As
 def _event(token: TokenOut, call: Call, req: TgiRequest, end: End | None) -> dict[str, Any]:
     details = None
     if end is not None and req.wants_details:
-        details = {"prompt_tokens": end.prompt_tokens, "finish_reason": FINISH.get(end.finish_reason, "stop_sequence"),
+        details = {"prompt_tokens": end.prompt_tokens, "finish_reason": finish.tgi(end.finish_reason),
                    "generated_tokens": end.generated_tokens, "seed": call.started[0].seed}
     event = {"token": token_json(token), "generated_text": None if end is None else full_text(req, end.text),
              "details": details}

@@ -15,6 +15,7 @@ from typing import Any, AsyncIterator
 import msgspec
 from litestar import Response
 
+from services.gateway import finish
 from services.gateway.call import Call
 from services.gateway.errors import mindie_body
 from services.gateway.session import End, Session
@@ -23,12 +24,10 @@ from services.gateway.triton.schemas import Options
 from shared.errors import ErrorKind, SwitchboardError
 from shared.messages import TokenOut
 
-# The engine's end reasons as MindIE names them (an abort, e.g. stopInfer, is "stop_sequence").
-FINISH = {"length": "length", "eos_token": "eos_token", "stop_sequence": "stop_sequence", "cancelled": "stop_sequence"}
 
 
 def finish_reason(end: End) -> str:
-    return FINISH.get(end.finish_reason, "stop_sequence")
+    return finish.tgi(end.finish_reason)
 
 
 # ---- /infer ----------------------------------------------------------------------------------
