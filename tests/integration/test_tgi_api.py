@@ -193,7 +193,9 @@ async def test_disconnect_mid_stream_frees_the_engine(tiny_stack):
 
 async def test_disconnect_of_a_plain_request_frees_the_engine(tiny_stack):
     body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 2000, "do_sample": False}}
-    async with httpx.AsyncClient(timeout=httpx.Timeout(30, read=0.5)) as client:
+    # the client gives up long before the answer: maxIterTimes caps it at 512 tokens, which the tiny model
+    # makes in ~0.5 s on a 2-core EPYC (a 0.5 s read timeout raced it)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(30, read=0.1)) as client:
         with pytest.raises(httpx.ReadTimeout):
             await client.post(tiny_stack.url + "/generate", json=body)
     info = await tiny_stack.wait_engine_idle()
