@@ -9,9 +9,16 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
-from shared.messages import Sampling
+from shared.messages import EngineRequest, MediaInputs, Sampling
+
+if TYPE_CHECKING:  # annotations only: the engine's feature modules import this one
+    from llguidance import LLMatcher
+
+    from services.engine.kv_transfer import KvImport
+    from services.engine.lora import Slot
+    from services.engine.multimodal import MediaRows
 
 _counter = itertools.count()
 
@@ -40,14 +47,14 @@ class Sequence:
     status: Status = Status.WAITING
     num_preemptions: int = 0
     order: int = field(default_factory=lambda: next(_counter))
-    lora: Any = None  # the LoRA adapter's Slot it runs with (held until it finishes); None = base model
-    media: Any = None  # MediaInputs until encoded, then dropped: ``media_rows`` keeps the features
-    media_rows: Any = None  # multimodal.MediaRows: features for its media tokens (kept for recompute)
+    lora: Slot | None = None  # the LoRA adapter's Slot it runs with (held until it finishes); None = base model
+    media: MediaInputs | None = None  # MediaInputs until encoded, then dropped: ``media_rows`` keeps the features
+    media_rows: MediaRows | None = None  # features for its media tokens (kept for recompute)
     media_salt: bytes = b""  # its media's digest: prefix-cache keys of a request with media are its own
     handoff: bool = False  # prefill role: after its first token its K/V go to a decode engine
-    request: Any = None  # the EngineRequest it came as, kept only while it may be handed off (what the handoff sends on)
-    kv_import: Any = None  # kv_transfer.KvImport: K/V received for its prompt, written when it gets blocks
-    matcher: Any = None  # structured output: its llguidance matcher (engine/grammar.py); None = free
+    request: EngineRequest | None = None  # the EngineRequest it came as, kept only while it may be handed off (what the handoff sends on)
+    kv_import: KvImport | None = None  # K/V received for its prompt, written when it gets blocks
+    matcher: LLMatcher | None = None  # structured output: its llguidance matcher (engine/grammar.py); None = free
     wants_prompt_logprobs: bool = False  # computes its prompt's logprobs (new requests that asked; no prefix hits)
     prompt_logprobs: dict = field(default_factory=dict)  # prompt position -> TokenLogprob, as prefill chunks run
 

@@ -9,7 +9,7 @@ from litestar import Litestar
 from litestar.datastructures import State
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
-from services.gateway import dresult, health, lora, metrics, status, stop
+from services.gateway import dresult, generate, health, lora, metrics, status, stop
 from services.gateway.core import Gateway
 from services.gateway.errors import EXCEPTION_HANDLERS
 from services.gateway.native import routes as native
@@ -17,7 +17,7 @@ from services.gateway.openai_api import routes as openai_api
 from services.gateway.tgi import routes as tgi
 from services.gateway.triton import routes as triton
 
-BUSINESS_ROUTES = [*tgi.ROUTES, *openai_api.ROUTES, *triton.ROUTES, *native.ROUTES, *dresult.ROUTES]
+BUSINESS_ROUTES = [*tgi.ROUTES, *generate.ROUTES, *openai_api.ROUTES, *triton.ROUTES, *native.ROUTES, *dresult.ROUTES]
 MANAGEMENT_ROUTES = [*health.ROUTES, *status.ROUTES, *stop.ROUTES, *lora.ROUTES, *triton.MANAGEMENT_ROUTES,
                      *metrics.MANAGEMENT_ROUTES]
 METRICS_ROUTES = [*metrics.METRICS_ROUTES]

@@ -120,9 +120,7 @@ class TokenizerService:
         """A gateway whose lease ran out has no client to answer: end its requests here and in the engine."""
         dead = set(self.gateways.expire())
         for request_id in [i for i, state in self.pending.items() if state.request.gateway in dead]:
-            state = self.pending.pop(request_id)
-            telemetry.end_span(state.span, **{"switchboard.finish_reason": "gateway gone"})
-            await bus.publish(self.nc, subjects.CANCEL, Cancel(id=request_id, reason=CancelKind.GATEWAY_GONE))
+            await self._end(request_id, cancel=CancelKind.GATEWAY_GONE, **{"switchboard.finish_reason": "gateway gone"})
 
     async def resume_lost_handoffs(self) -> None:
         """A decode engine that took a request over died (its lease ran out): the gateway, which watches
@@ -131,9 +129,7 @@ class TokenizerService:
         live = self.router.engines.live()
         for state in [s for s in self.pending.values() if s.moved and s.engine not in live]:
             req = state.request
-            del self.pending[req.id]
-            telemetry.end_span(state.span, f"decode engine {state.engine} died")
-            await bus.publish(self.nc, subjects.CANCEL, Cancel(id=req.id, reason=CancelKind.ENGINE_GONE))
+            await self._end(req.id, f"decode engine {state.engine} died", CancelKind.ENGINE_GONE)
             error = ErrorInfo(ErrorKind.UNAVAILABLE, f"decode engine {state.engine} died")
             await bus.publish(self.nc, req.reply_to, Failed(id=req.id, error=error, retryable=True))
 
@@ -165,8 +161,7 @@ class TokenizerService:
         engine_request.handoff = media is None and not req.adapter and self.router.hands_off(engine)
         self.pending[req.id].engine = engine
         if media is not None and (error := self.too_large(engine_request)):
-            del self.pending[req.id]
-            telemetry.end_span(span, error.message)
+            await self._end(req.id, error.message)
             await bus.publish(self.nc, req.reply_to, Failed(id=req.id, error=error))
             return
         await bus.publish(self.nc, subjects.engine_instance(req.model, engine), engine_request)
@@ -262,19 +257,15 @@ class TokenizerService:
             await self.lost(state, event)
             return
         if event.error is not None:
-            del self.pending[req.id]
-            telemetry.end_span(state.span, event.error.message)
+            await self._end(req.id, event.error.message)
             await bus.publish(self.nc, req.reply_to, Failed(id=req.id, error=event.error))
             return
         position = state.generated
         tokens, stopped = self.detokenize(state, event)
         finish = FinishReason.STOP_SEQUENCE if stopped else event.finish_reason
-        if finish:
-            del self.pending[req.id]
-            telemetry.end_span(state.span, **{"switchboard.finish_reason": str(finish),
-                                              "switchboard.generated_tokens": state.generated})
-        if stopped and not event.finish_reason:
-            await bus.publish(self.nc, subjects.CANCEL, Cancel(id=req.id, reason=CancelKind.STOP_SEQUENCE))
+        if finish:  # a stop string the engine does not know of: it is told to stop
+            await self._end(req.id, cancel=CancelKind.STOP_SEQUENCE if stopped and not event.finish_reason else None,
+                            **{"switchboard.finish_reason": str(finish), "switchboard.generated_tokens": state.generated})
         out = Output(id=req.id, position=position, tokens=tokens, finish_reason=finish,
                      generated_tokens=state.generated)
         if event.prompt_logprobs and len(event.prompt_logprobs) == len(state.prompt_ids):
@@ -288,11 +279,20 @@ class TokenizerService:
         if event.position < state.generated:
             return  # a duplicate: already forwarded
         req = state.request
-        del self.pending[req.id]
-        telemetry.end_span(state.span, "token events lost")
-        await bus.publish(self.nc, subjects.CANCEL, Cancel(id=req.id, reason=CancelKind.EVENTS_LOST))
+        await self._end(req.id, "token events lost", CancelKind.EVENTS_LOST)
         error = ErrorInfo(ErrorKind.INTERNAL, f"token events {state.generated}..{event.position - 1} were lost")
         await bus.publish(self.nc, req.reply_to, Failed(id=req.id, error=error, retryable=True))
+
+    async def _end(self, request_id: str, error: str | None = None, cancel: CancelKind | None = None,
+                   **attributes) -> None:
+        """The request is no longer this tokenizer's: it leaves ``pending`` (the one place it does), its
+        span ends (``error``: failed, with this message), and with ``cancel`` its engine is told to stop it.
+        What the gateway hears is the caller's to send."""
+        state = self.pending.pop(request_id, None)
+        if state is not None:
+            telemetry.end_span(state.span, error, **attributes)
+        if cancel is not None:
+            await bus.publish(self.nc, subjects.CANCEL, Cancel(id=request_id, reason=cancel))
 
     def detokenize(self, state: Pending, event: TokenEvent) -> tuple[list[TokenOut], bool]:
         tokens: list[TokenOut] = []
@@ -318,8 +318,7 @@ class TokenizerService:
         if cancel.id not in self.pending:
             self.cancelled.add(cancel.id)
         if cancel.reason.by_client:
-            state = self.pending.pop(cancel.id, None)
-            telemetry.end_span(state and state.span, **{"switchboard.finish_reason": "cancelled"})
+            await self._end(cancel.id, **{"switchboard.finish_reason": "cancelled"})
 
     async def on_tokenize(self, msg: NatsMsg) -> None:
         text = self.tokenizes.decode(msg.data).text

@@ -1,4 +1,4 @@
-"""TGI routes: ``POST /``, ``POST /generate`` (TGI body), ``POST /generate_stream``."""
+"""TGI routes: ``POST /``, ``POST /generate_stream``, and ``POST /generate`` with a TGI body."""
 
 from __future__ import annotations
 
@@ -13,8 +13,6 @@ from services.gateway.served import Served
 from services.gateway.session import Session
 from services.gateway.tgi.responses import collect, error_event, stream_events
 from services.gateway.tgi.schemas import TgiRequest, parse_tgi
-from services.gateway.vllm import routes as vllm
-from services.gateway.validation import parse_json_object
 from shared.errors import validation
 
 GENERATE_PARSE_ERROR = (
@@ -28,12 +26,8 @@ async def tgi_root(request: Request) -> Response:
     return await respond(request, parse_tgi(await request.body(), _served(request)), as_array=True)
 
 
-@post("/generate", status_code=200)
-async def generate(request: Request) -> Response:
-    """TGI or vLLM, told apart by the body (reference §3.23)."""
-    data = parse_json_object(await request.body(), GENERATE_PARSE_ERROR)
-    if data.get("prompt") is not None:
-        return await vllm.generate(request, data)
+async def generate(request: Request, data: dict) -> Response:
+    """``POST /generate`` with a TGI body (services/gateway/generate.py tells it from vLLM's)."""
     if data.get("inputs") is None:
         raise validation(GENERATE_PARSE_ERROR)
     return await respond(request, parse_tgi(data, _served(request), stream=False), as_array=False)
@@ -62,4 +56,4 @@ async def respond(request: Request, req: TgiRequest, as_array: bool) -> Response
                                    lambda: stream_events(call, req, full_text_mode), error_event)
 
 
-ROUTES = [Router("/", route_handlers=[tgi_root, generate, generate_stream], exception_handlers=TGI_EXCEPTION_HANDLERS)]
+ROUTES = [Router("/", route_handlers=[tgi_root, generate_stream], exception_handlers=TGI_EXCEPTION_HANDLERS)]
