@@ -8,6 +8,9 @@ transfers at once cannot swamp a slow one. The decode engine takes the request w
 arrives, and the prefill engine then tells the request's tokenizer where it went (``TokenBatch.moved``),
 so that the tokenizer watches the decode engine from then on.
 
+``KvLink`` calls nothing back: a handoff returns its outcome (``Moved`` or ``Kept``) and a received part
+its ack and, with the last part, the ``Accepted`` request, for the engine service to act on.
+
 One owner at each step: until the last part is acknowledged the prefill engine owns the request; if no
 decode engine is live, or the transfer fails or takes longer than ``kvTransTimeoutSeconds``, it keeps
 the request and recomputes its prompt itself (the request's tokens are all that needs). A decode engine
@@ -20,6 +23,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
+from typing import Callable, Union
 
 import msgspec
 from nats.aio.msg import Msg as NatsMsg
@@ -36,29 +41,47 @@ log = logging.getLogger("switchboard.engine")
 PART_BYTES = 8 << 20  # K/V bytes per message: well under the bus's 64 MiB, a few blocks at a time
 
 
+@dataclass(frozen=True)
+class Moved:
+    """A decode engine took the request (the prefill engine forgets it and tells its tokenizer)."""
+
+    request: EngineRequest
+    target: str
+
+
+@dataclass(frozen=True)
+class Kept:
+    """The handoff did not happen: the request goes on on the prefill engine, its prompt recomputed."""
+
+    request: EngineRequest
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """A decode engine received a request and its prompt's K/V."""
+
+    request: EngineRequest
+    kv: KvImport
+
+
+HandoffOutcome = Union[Moved, Kept]
+
+
 class KvLink:
-    def __init__(self, service):
-        self.service = service
-        self.cfg = service.cfg
-        self.nc = service.nc
-        self.model = service.model
-        self.peers: Leases[EngineInfo] = Leases(self.cfg.switchboard.lease_seconds)
+    def __init__(self, nc, model: str, instance: str, lease_s: float, timeout_s: float):
+        self.nc, self.model, self.instance, self.timeout_s = nc, model, instance, timeout_s
+        self.peers: Leases[EngineInfo] = Leases(lease_s)
         self.incoming: dict[str, tuple[KvPart, list[bytes], float]] = {}  # id -> (first part, chunks, deadline)
         self.parts = decoder(KvPart)
         self.acks = decoder(KvAck)
         self.infos = decoder(EngineInfo)
 
-    @property
-    def timeout_s(self) -> float:
-        return self.cfg.switchboard.kv_trans_timeout_seconds
-
     async def start(self) -> None:
         await bus.subscribe(self.nc, subjects.engine_heartbeat(self.model), self.on_peer)
-        await bus.subscribe(self.nc, subjects.engine_kv(self.model, self.service.instance), self.on_part)
 
     async def on_peer(self, msg: NatsMsg) -> None:
         info = self.infos.decode(msg.data)
-        if info.instance and info.instance != self.service.instance:
+        if info.instance and info.instance != self.instance:
             self.peers.beat(info.instance, info)
 
     def decode_target(self) -> str | None:
@@ -70,8 +93,8 @@ class KvLink:
 
     # ---- prefill side -----------------------------------------------------------------------
 
-    async def hand_off(self, handoff: Handoff) -> None:
-        """Send one request on; keep it here (recomputed) when that is not possible in time."""
+    async def hand_off(self, handoff: Handoff) -> HandoffOutcome:
+        """Send one request on: ``Moved``, or ``Kept`` (recomputed here) when that is not possible in time."""
         req = msgspec.structs.replace(handoff.request, generated_ids=handoff.generated_ids, handoff=False)
         target = self.decode_target()
         started = time.monotonic()
@@ -85,15 +108,14 @@ class KvLink:
         except Exception as exc:  # noqa: BLE001 - any failure: the request stays here
             log.warning("handoff failed: recomputing here", extra={"request_id": req.id, "error": repr(exc)})
             telemetry.end_span(span, f"handoff failed, recomputed here: {exc!r}", **{"switchboard.outcome": "recompute"})
-            self.service.keep(req)
-            return
+            return Kept(req)
         seconds = time.monotonic() - started
         telemetry.end_span(span, **{"switchboard.outcome": "moved", "switchboard.kv_seconds": seconds,
                                     "switchboard.kv_bytes": sent})
         log.info("handed off", extra={"request_id": req.id, "engine": target, "kv_bytes": sent,
                                       "seconds": round(seconds, 4)})
         await bus.publish(self.nc, subjects.METRICS_EVENTS, KvTransferred(model=self.model, bytes=sent, seconds=seconds))
-        await self.service.moved(req, target)
+        return Moved(req, target)
 
     async def _send(self, target: str, req: EngineRequest, kv: KvImport) -> int:
         """The header part, then the chunks past the blocks the decode engine holds already (at least one
@@ -120,32 +142,33 @@ class KvLink:
 
     # ---- decode side ------------------------------------------------------------------------
 
-    async def on_part(self, msg: NatsMsg) -> None:
-        part = self.parts.decode(msg.data)
+    def receive(self, data: bytes, cached_blocks: Callable[[EngineRequest], int]) -> tuple[KvAck, Accepted | None]:
+        """One part of a transfer to this engine: its ack and, with the last part, the request and its K/V.
+        ``cached_blocks`` says how many of a request's leading blocks the prefix cache holds (those need not
+        travel). A bad part is refused; the sender keeps the request."""
+        part = self.parts.decode(data)
         self._expire()
         try:
-            ack = self._take(part)
-        except Exception as exc:  # noqa: BLE001 - a bad part is refused; the sender keeps the request
+            return self._take(part, cached_blocks)
+        except Exception as exc:  # noqa: BLE001
             self.incoming.pop(part.id, None)
-            ack = KvAck(ok=False, error=str(exc))
-        await bus.respond(msg, ack)
+            return KvAck(ok=False, error=str(exc)), None
 
-    def _take(self, part: KvPart) -> KvAck:
+    def _take(self, part: KvPart, cached_blocks: Callable[[EngineRequest], int]) -> tuple[KvAck, Accepted | None]:
         """The header registers the transfer and answers how many leading blocks are cached here; the last
         part completes it."""
         if part.index == 0:
             if part.request is None or len(part.layout) != 5:
                 raise ValueError("the first part lacks the request or its layout")
             self.incoming[part.id] = (part, [], time.monotonic() + self.timeout_s)
-            return KvAck(ok=True, cached_blocks=self.service.engine.cached_blocks(part.request))
+            return KvAck(ok=True, cached_blocks=cached_blocks(part.request)), None
         first, chunks, deadline = self.incoming[part.id]
         chunks.extend(part.chunks)
         if part.index < part.count - 1:
-            return KvAck(ok=True)
+            return KvAck(ok=True), None
         del self.incoming[part.id]
         kv = KvImport(KvLayout(*first.layout), first.num_tokens, chunks, first=part.first_block)
-        self.service.accept(first.request, kv)
-        return KvAck(ok=True)
+        return KvAck(ok=True), Accepted(first.request, kv)
 
     def _expire(self) -> None:
         """Drop transfers whose sender went silent (it keeps and recomputes those requests itself)."""

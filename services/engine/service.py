@@ -18,7 +18,7 @@ from services.engine.adapters import AdapterControl
 from services.engine.devices import kv_budget_bytes, resolve_device
 from services.engine.engine import Engine
 from services.engine.graphs import GraphPlan
-from services.engine.pd import KvLink
+from services.engine.pd import KvLink, Moved
 from services.engine.model_runner import ModelRunner
 from services.engine.scheduler import Limits
 from shared import bus, subjects, telemetry
@@ -113,7 +113,8 @@ class EngineService:
         self.adapters = AdapterControl(nc, self.model, self.instance, engine.runner.lora, stepper, self.announce)
         self.role = cfg.switchboard.engine_role
         self.roles = decoder(EngineRole)
-        self.kv_link = KvLink(self)
+        sb = cfg.switchboard
+        self.kv_link = KvLink(nc, self.model, self.instance, sb.lease_seconds, sb.kv_trans_timeout_seconds)
         self.transfers: set[asyncio.Task] = set()  # handoffs and a grammar warm-up under way (referenced until done)
 
     async def start(self) -> None:
@@ -126,6 +127,7 @@ class EngineService:
         await bus.subscribe(self.nc, subjects.heartbeat("tokenizer"), self.on_tokenizer_heartbeat)
         await self.adapters.start()
         await self.kv_link.start()
+        await bus.subscribe(self.nc, subjects.engine_kv(self.model, self.instance), self.on_kv_part)
 
     async def announce(self) -> None:
         await bus.publish(self.nc, subjects.engine_heartbeat(self.model), self.info())
@@ -199,9 +201,23 @@ class EngineService:
     def start_handoffs(self) -> None:
         """Send on the requests the last step finished prefilling (prefill role)."""
         for handoff in self.engine.take_handoffs():
-            task = asyncio.ensure_future(self.kv_link.hand_off(handoff))
+            task = asyncio.ensure_future(self._hand_off(handoff))
             self.transfers.add(task)
             task.add_done_callback(self.transfers.discard)
+
+    async def _hand_off(self, handoff) -> None:
+        outcome = await self.kv_link.hand_off(handoff)
+        if isinstance(outcome, Moved):
+            await self.moved(outcome.request, outcome.target)
+        else:
+            self.keep(outcome.request)
+
+    async def on_kv_part(self, msg: NatsMsg) -> None:
+        """A part of a request handed to this (decode) engine; the last one brings the request."""
+        ack, accepted = self.kv_link.receive(msg.data, self.engine.cached_blocks)
+        if accepted is not None:
+            self.accept(accepted.request, accepted.kv)
+        await bus.respond(msg, ack)
 
     def keep(self, req: EngineRequest) -> None:
         """A handoff that did not happen: the request goes on here, its prompt recomputed."""

@@ -42,16 +42,21 @@ def test_norms_and_activation(cpu_ops, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_store_rotates_in_place_and_writes_the_cache(cpu_ops, dtype):
+    check_rope_store(cpu_ops, dtype)
+
+
+def check_rope_store(ops, dtype) -> None:
+    """``ops.rope_store`` rotates q and k like ``TorchOps`` and writes k and v at the slots (also the Triton kernels')."""
     torch.manual_seed(1)
     cos, sin = rope_tables(64)
     width = (HEADS + 2 * KV_HEADS) * DIM
     strided = torch.randn(7, width + 8, dtype=dtype)[:, :width]  # rows with a stride, as a slice of a larger output
     positions, slots = torch.tensor([0, 3, 9, 17, 33, 40, 63]), torch.tensor([5, 0, 31, 8, 12, 2, 20])
     results = []
-    for ops in (cpu_ops, kernels.TorchOps()):
+    for each in (ops, kernels.TorchOps()):
         qkv = strided.clone()
         k_cache, v_cache = torch.zeros(KV_HEADS, 32, DIM, dtype=dtype), torch.zeros(KV_HEADS, 32, DIM, dtype=dtype)
-        ops.rope_store(qkv, cos, sin, positions, k_cache, v_cache, slots, HEADS, KV_HEADS, DIM)
+        each.rope_store(qkv, cos, sin, positions, k_cache, v_cache, slots, HEADS, KV_HEADS, DIM)
         results.append((qkv, k_cache, v_cache))
     for got, want in zip(*results):
         torch.testing.assert_close(got, want, **TOLERANCE[dtype])

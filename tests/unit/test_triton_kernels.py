@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from services.engine import kernels
+from tests.unit.test_kernels import check_rope_store
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
@@ -21,12 +22,6 @@ triton_ops = importlib.import_module("services.engine.triton_ops")
 HEADS, KV_HEADS, DIM, BLOCK = 6, 2, 16, 4
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 OPS, REF = triton_ops.TritonOps(), kernels.TorchOps()
-
-
-def rope_tables(positions: int, dim: int = DIM) -> tuple[torch.Tensor, torch.Tensor]:
-    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
-    angles = torch.arange(positions)[:, None].float() * inv
-    return angles.cos(), angles.sin()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -47,20 +42,7 @@ def test_norms_and_activation(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_store_rotates_in_place_and_writes_the_cache(dtype):
-    torch.manual_seed(1)
-    cos, sin = rope_tables(64)
-    width = (HEADS + 2 * KV_HEADS) * DIM
-    strided = torch.randn(7, width + 8, dtype=dtype)[:, :width]  # rows with a stride, as a slice of a larger output
-    positions, slots = torch.tensor([0, 3, 9, 17, 33, 40, 63]), torch.tensor([5, 0, 31, 8, 12, 2, 20])
-    results = []
-    for ops in (OPS, REF):
-        qkv = strided.clone()
-        k_cache, v_cache = torch.zeros(KV_HEADS, 32, DIM, dtype=dtype), torch.zeros(KV_HEADS, 32, DIM, dtype=dtype)
-        ops.rope_store(qkv, cos, sin, positions, k_cache, v_cache, slots, HEADS, KV_HEADS, DIM)
-        results.append((qkv, k_cache, v_cache))
-    for got, want in zip(*results):
-        torch.testing.assert_close(got, want, **TOLERANCE[dtype])
-    assert torch.equal(results[0][2][:, slots], strided[:, (HEADS + KV_HEADS) * DIM:].view(7, KV_HEADS, DIM).transpose(0, 1))
+    check_rope_store(OPS, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
