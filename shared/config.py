@@ -16,6 +16,7 @@ import msgspec
 from msgspec import Meta, field
 
 from shared.media_urls import normalize_domain, private_networks
+from shared.switchboard_config import SwitchboardConfig
 
 Port = Annotated[int, Meta(ge=1024, le=65535)]
 U32 = Annotated[int, Meta(ge=0, le=4294967295)]
@@ -174,82 +175,6 @@ class BackendConfig(Struct, kw_only=True):
     tokenizer_process_number: Annotated[int, Meta(ge=1, le=32)] = 1
     model_deploy_config: ModelDeployConfig = field(name="ModelDeployConfig")
     schedule_config: ScheduleConfig = field(default_factory=ScheduleConfig, name="ScheduleConfig")
-
-
-class SwitchboardConfig(Struct, kw_only=True):
-    """Keys MindIE lacks: the bus, the torch device, observability."""
-
-    nats_url: str = ""
-    """NATS server URL; empty = the launcher starts an embedded nats-server on a free loopback port."""
-    device: Literal["cpu", "cuda", "npu", "auto"] = "cpu"
-    """torch device of the engine; npu imports torch_npu only when chosen."""
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "float32"
-    cpu_kernels: bool = True
-    """on cpu, the engine's fused C++ kernels (built for this CPU on first use); false runs the same
-    operations as PyTorch calls."""
-    gpu_kernels: bool = True
-    """on cuda, the engine's Triton kernels (paged decode attention, fused norms, rotary + cache write,
-    SiLU * up); false runs the same operations as PyTorch calls."""
-    cuda_graphs: bool = True
-    """on cuda, decode steps replay CUDA graphs captured at start for batch sizes 1, 2, 4, 8, 16, 24, 32,
-    48, 64, ... up to maxBatchSize (at most 256; larger batches run eagerly); false runs every step eagerly."""
-    torch_threads: Annotated[int, Meta(ge=0, le=1024)] = 0
-    """intra-op threads of the engine's torch; 0 = torch's default (one per core)."""
-    engine_role: Literal["both", "prefill", "decode"] = "both"
-    """an engine's part in prefill/decode disaggregation: ``both`` (co-located), ``prefill`` (computes
-    prompts and first tokens, then hands each request to a decode engine) or ``decode`` (continues
-    handed-over requests; takes new ones only when no other engine does). ``switchboard engine --role``."""
-    device_index: Annotated[int, Meta(ge=-1, le=1023)] = -1
-    """the logical device this engine runs on (MindIE's ``device_logical_id``), as ``switchboard engine
-    --device-index`` sets it; -1 = none. In ``inferMode`` "dmi" a role assignment (``/v1/role``) whose
-    ``local`` devices name it gives the engine that role."""
-    kv_trans_timeout_seconds: Annotated[float, Meta(gt=0, le=3600)] = 10.0
-    """a prefill engine's limit for handing one request's K/V to a decode engine; past it the request
-    is recomputed where it is (MindIE's kv_trans_timeout)."""
-    kv_cache_memory_mb: Annotated[int, Meta(ge=16, le=1048576)] = 1024
-    """KV-cache budget in MiB on cpu (accelerators follow npuMemSize: -1 = 80% of free memory)."""
-    otlp_endpoint: str = ""
-    """OTLP/HTTP traces endpoint; empty = no spans exported."""
-    log_level: Literal["debug", "info", "warning", "error"] = "warning"
-    # Slow clients, per listener. The request head is a few hundred bytes, so 10 s is ample even on a
-    # bad mobile link (Go services commonly set ReadHeaderTimeout to 5-10 s; nginx's 60 s dates from
-    # dial-up). The body gets a whole deadline, not nginx's gap between reads, so a body sent a byte at a
-    # time cannot hold a connection forever; 30 s carries a typical request body over any link.
-    header_timeout_seconds: Annotated[int, Meta(ge=1, le=3600)] = 10
-    """a connection that has not sent a whole request head this long after it opened (or after the
-    first byte of a keep-alive request) gets 408 and is closed."""
-    body_timeout_seconds: Annotated[int, Meta(ge=1, le=3600)] = 30
-    """a request whose body has not fully arrived this long after its head gets 408 and is closed;
-    answers, streams included, are never cut by either timeout."""
-    # maxLinkNum (1000 by default) admits 3 x maxLinkNum requests (in progress plus queued); 4096
-    # connections leave room for all of them and for idle keep-alive connections, so overload is still a
-    # 429 in the family's shape, while a flood of idle or slow sockets cannot exhaust file descriptors.
-    max_connections: Annotated[int, Meta(ge=1, le=65536)] = 4096
-    """open connections per listener; beyond it a new connection gets 503 (and is closed) on its request."""
-    lease_seconds: Annotated[float, Meta(ge=0.5, le=60.0)] = 2.0
-    """an engine, tokenizer or gateway instance not heard from this long is dead for every other one;
-    heartbeats go out four times per lease."""
-
-    # Media of multimodal requests (shared/media.py): by default nothing is fetched.
-    media_root: str = ""
-    """local media files must lie under this folder (relative to the config file; MindIE uses
-    /data/multimodal_inputs/); empty = local files are refused."""
-    allowed_media_domains: list[str] = field(default_factory=list)
-    """hosts remote media may come from, each with its subdomains, joined with the comma-separated
-    environment variable ALLOWED_MEDIA_DOMAINS_ENV; empty (and no variable) = no remote media."""
-    allow_private_media_addresses: bool | list[str] = False
-    """media may come from loopback, link-local, private and other non-global addresses: true = any,
-    a list of networks ("10.1.0.0/16", "127.0.0.1") = those; false = none."""
-    media_max_request_mb: Annotated[int, Meta(ge=1, le=16384)] = 600
-    """all the media of one request together, in MiB (one item: image 20, video 512, audio 20)."""
-    media_fetch_timeout_seconds: Annotated[int, Meta(ge=1, le=3600)] = 30
-    """one remote item: name resolution, connection, redirects and the whole body."""
-    media_request_timeout_seconds: Annotated[int, Meta(ge=1, le=3600)] = 120
-    """all the media of one request."""
-
-    @property
-    def heartbeat_s(self) -> float:
-        return self.lease_seconds / 4
 
 
 class Config(msgspec.Struct, kw_only=True):

@@ -64,7 +64,7 @@ class DecodeBuffers:
     """The static inputs of a decode step, for up to ``rows`` rows."""
 
     def __init__(self, rows: int, width: int, scratch_block: int, block_size: int, device: torch.device):
-        self.rows, self.width, self.block_size, self.device = rows, width, block_size, device
+        self.block_size = block_size
         self.scratch_block, self.scratch_slot = scratch_block, scratch_block * block_size
         self.scalars = torch.zeros(4, rows, dtype=torch.long, device=device)  # ids, positions, slots, lens
         self.scalars[2] = self.scratch_slot
@@ -96,9 +96,11 @@ class DecodeBuffers:
         self.scalars[:, :bucket].copy_(scalars, non_blocking=True)
         self.tables[:bucket, :width].copy_(stage, non_blocking=True)
 
-    def batch(self, bucket: int, batch_type):
+    def batch(self, bucket: int):
         """The runner's ``Batch`` over rows [0, bucket) of the buffers."""
-        return batch_type(self.scalars[0, :bucket], self.scalars[1, :bucket], self.scalars[2, :bucket], bucket,
+        from services.engine.model_runner import Batch  # (the runner imports this module)
+
+        return Batch(self.scalars[0, :bucket], self.scalars[1, :bucket], self.scalars[2, :bucket], bucket,
                           self.tables[:bucket], self.scalars[3, :bucket], [], self.sample_rows[:bucket])
 
 
@@ -135,7 +137,7 @@ class DecodeGraphs:
     def bucket(self, n: int) -> int:
         return next(size for size in self.sizes if size >= n)
 
-    def run(self, items, batch_type) -> torch.Tensor:
+    def run(self, items) -> torch.Tensor:
         """Float32 logits [len(items), vocab] of the step's decode rows."""
         self.runner._check_ids([item.seq.token_ids[item.seq.num_computed] for item in items])
         bucket = self.bucket(len(items))
@@ -143,7 +145,7 @@ class DecodeGraphs:
         self.steps += 1
         captured = self.graphs.get(bucket)
         if captured is None:
-            return self.runner.forward(self.buffers.batch(bucket, batch_type))[0][: len(items)]
+            return self.runner.forward(self.buffers.batch(bucket))[0][: len(items)]
         graph, logits = captured
         graph.replay()
         self.replays += 1
@@ -153,11 +155,9 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Record one graph per size, largest first, in one shared memory pool (each replay overwrites
         what the last one left; a step reads its logits before the next replays)."""
-        from services.engine.model_runner import Batch
-
         started, pool = time.monotonic(), None
         for size in reversed(self.sizes):
-            batch = self.buffers.batch(size, Batch)
+            batch = self.buffers.batch(size)
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):

@@ -249,7 +249,7 @@ class ModelRunner:
         final hidden states of ``hidden_rows`` (rows of the flat batch: items' tokens in item order), for
         logits the caller takes in slices (prompt logprobs), or None."""
         if self.graphs is not None and self.graphs.fits(items, hidden_rows):
-            return self.graphs.run(items, Batch), None
+            return self.graphs.run(items), None
         return self.forward(self.prepare(items), hidden_rows)
 
     def forward(self, batch: Batch, hidden_rows: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -86,28 +86,40 @@ def test_padded_decode_steps_give_the_ordinary_steps_tokens(runners, mix):
     assert plain.graphs is None
 
 
-def test_padding_rows_leave_every_sequence_block_alone(runners):
-    """The padding rows write only the scratch block, which no sequence owns."""
+def test_padding_rows_write_only_the_scratch_block(runners):
+    """Three decode rows padded to 4: the padding row writes the scratch block, which no sequence owns, and
+    no position outside the three requests' own blocks changes."""
     _, padded = runners
     assert padded.scratch_block == padded.num_blocks
     assert padded.k_cache.shape[2] == (padded.num_blocks + 1) * BLOCK
-    before = padded.k_cache[:, :, : padded.num_blocks * BLOCK].clone()
+    padded.k_cache.zero_()
     engine = Engine(padded, limits(), {2})
-    engine.add_request(request("one", prompt(6), max_new_tokens=3, ignore_eos=True))
-    steps = padded.graphs.steps
-    run_until_idle(engine)
-    assert padded.graphs.steps == steps + 2  # two decode steps, one row padded to the size 1 (no padding) ...
-    changed = (padded.k_cache[:, :, : padded.num_blocks * BLOCK] != before).any(dim=-1).any(dim=1).any(dim=0)
-    assert int(changed.sum()) <= 8  # ... and only the request's own 8 positions changed in the pool
+    for i in range(3):
+        engine.add_request(request(f"r{i}", prompt(6, start=100 * i), max_new_tokens=4, ignore_eos=True))
+    steps, owned = padded.graphs.steps, set()
+    while engine.has_work:
+        engine.step()
+        owned.update(b for seq in engine.seqs.values() for b in seq.block_table)
+    assert padded.graphs.steps == steps + 3  # three decode steps, each 3 rows -> the size 4
+    written = (padded.k_cache != 0).any(dim=-1).any(dim=1).any(dim=0).view(-1, BLOCK).any(dim=1)  # per block
+    assert set(written.nonzero().flatten().tolist()) == owned | {padded.scratch_block}
 
 
-def test_batches_larger_than_the_ladder_and_positions_past_the_tables_run_the_ordinary_way(tiny_model_dir, adapter):
-    r = runner(tiny_model_dir, adapter, GraphPlan(max_rows=2, max_seq_len=40, capture=False))
+def test_batches_larger_than_the_ladder_run_the_ordinary_way(tiny_model_dir, adapter):
+    r = runner(tiny_model_dir, adapter, GraphPlan(max_rows=2, max_seq_len=512, capture=False))
     assert r.graphs.sizes == [1, 2]
     reqs = [request(f"r{i}", prompt(30, start=10 * i), max_new_tokens=14, ignore_eos=True) for i in range(3)]
     result = run(r, reqs)
     assert all(len(result.tokens[f"r{i}"]) == 14 for i in range(3))
-    assert r.graphs.steps == 0  # three rows at first; positions >= 48 (three blocks) later
+    assert r.graphs.steps == 0  # three rows in every decode step
+
+
+def test_positions_past_the_tables_run_the_ordinary_way(tiny_model_dir, adapter):
+    r = runner(tiny_model_dir, adapter, GraphPlan(max_rows=2, max_seq_len=40, capture=False))
+    assert r.graphs.max_position == 48  # three blocks of 16
+    result = run(r, [request("r", prompt(40), max_new_tokens=14, ignore_eos=True)])
+    assert len(result.tokens["r"]) == 14
+    assert r.graphs.steps == 8  # decode steps at positions 40..47 from the buffers; 48..52 the ordinary way
 
 
 def test_the_ladder():

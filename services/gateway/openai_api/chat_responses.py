@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator
 
+from services.gateway import finish
 from services.gateway.call import Call
 from services.gateway.openai_api.schemas import ChatRequest
-from services.gateway.openai_api.sse import Meta, UsagePlacement, finish_reason, sse
+from services.gateway.openai_api.sse import Meta, UsagePlacement, sse
 from services.gateway.openai_api.tools import ToolStream, extract
 from shared.messages import TokenOut
 
@@ -27,7 +28,7 @@ def logprobs_json(req: ChatRequest, tokens: list[TokenOut]) -> dict[str, Any] | 
 
 def _finish(end_reason: str | None, calls: bool) -> str | None:
     """``tool_calls`` when the answer is tool calls (and was not cut by max_tokens)."""
-    reason = finish_reason(end_reason)
+    reason = finish.openai(end_reason)
     return "tool_calls" if calls and reason == "stop" else reason
 
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator
 
+from services.gateway import finish
 from services.gateway.call import Call
 from services.gateway.openai_api.schemas import CompletionRequest
-from services.gateway.openai_api.sse import Meta, UsagePlacement, finish_reason, sse
+from services.gateway.openai_api.sse import Meta, UsagePlacement, sse
 from shared.messages import TokenOut
 
 
@@ -43,7 +44,7 @@ def echo_texts(req: CompletionRequest, call: Call) -> list[str]:
 
 
 def _choice(index: int, text: str, logprobs: Any, reason: str | None) -> dict[str, Any]:
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(reason),
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish.openai(reason),
             "stop_reason": None}
 
 

@@ -1,4 +1,4 @@
-"""What chat and completions bodies share: ids, end reasons, usage placement and SSE framing."""
+"""What chat and completions bodies share: ids, usage placement and SSE framing."""
 
 from __future__ import annotations
 
@@ -9,18 +9,11 @@ from typing import Any
 
 import msgspec
 
-from services.gateway import finish
 from services.gateway.call import Call
 from services.gateway.openai_api.errors import switchboard_body
 from shared.errors import SwitchboardError
-from shared.messages import FinishReason
 
 DONE = b"data: [DONE]\n\n"
-
-
-def finish_reason(engine_reason: FinishReason | None) -> str | None:
-    """eos_token, stop_sequence (and a stopInfer abort) are "stop"; length stays "length"."""
-    return finish.openai(engine_reason)
 
 
 @dataclass
