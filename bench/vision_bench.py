@@ -79,7 +79,7 @@ def images_per_s(base: str, photos: list[bytes], concurrency: int) -> float:
 def in_process(model_dir: Path, jpeg: bytes, repeats: int = 5) -> tuple[float, float]:
     """(preprocessing s, engine encode + prefill s) of one image, medians of ``repeats``."""
     from services.engine.engine import Engine
-    from services.tokenizer.multimodal import MediaProcessor
+    from services.tokenizer.media.multimodal import MediaProcessor
     from tests.unit.engine_helpers import limits, make_runner, request, run_until_idle
 
     processor = MediaProcessor.load(str(model_dir))

@@ -8,7 +8,7 @@ import enum
 
 class FinishReason(str, enum.Enum):
     """How a request ended, in every service and on the wire (msgspec sends the value). Each API family
-    names these in its own words (services/gateway/finish.py)."""
+    names these in its own words (services/gateway/common/finish.py)."""
 
     LENGTH = "length"  # max new tokens, or maxSeqLen
     EOS_TOKEN = "eos_token"  # an end-of-sequence or stop token id

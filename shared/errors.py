@@ -1,7 +1,7 @@
 """One error taxonomy for every service and every API family.
 
 Services raise or send :class:`ErrorInfo`; the gateway maps its ``kind`` to a status code and to
-the error body of the family that was called (see ``services/gateway/errors.py``).
+the error body of the family that was called (see ``services/gateway/web/errors.py``).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ unspecified, reserved or otherwise not global, unless ``Switchboard.allowPrivate
 admits it (``true``: any address; a list of networks: those).
 The URL and address rules live in ``shared.media_urls``. Names are resolved, every resolved address
 checked the same way, redirects re-checked and sizes and times enforced by the fetcher
-(``services/tokenizer/media_fetch.py``).
+(``services/tokenizer/media/fetch.py``).
 
 :func:`check_request` only reads filesystem metadata; a refusal is a 422 whose message names the
 media item (its position among the request's media, from 0) and the rule.

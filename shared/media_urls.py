@@ -2,7 +2,7 @@
 encoded, non-global addresses, the domain allow-list and the private networks admitted.
 
 The checks take any object with the policy's ``domains`` and ``private_networks``; they never
-touch the network (``services/tokenizer/media_fetch.py`` resolves names and checks each address
+touch the network (``services/tokenizer/media/fetch.py`` resolves names and checks each address
 with :func:`check_address`).
 """
 

@@ -54,7 +54,7 @@ def load(path: str, tls: bool = False) -> Config:
     try:
         cfg = load_config(path)
         if tls:
-            from services.gateway.tls import server_contexts
+            from services.gateway.web.tls import server_contexts
 
             server_contexts(cfg)
         return cfg

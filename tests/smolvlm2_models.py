@@ -7,7 +7,7 @@ steer the answer. The processor is a ``SmolVLMProcessor`` with the Pillow image 
 video processor (``SmolVLMVideoProcessor`` needs torchvision); it is saved as
 ``save_processor_without_video`` saves Qwen2-VL's, with ``video_sampling`` in the image processor's
 settings and a ``video_processor`` section as SmolVLM2's checkpoints have them, and it loads back with
-``services.tokenizer.multimodal.MediaProcessor.load`` (``AutoProcessor`` cannot: ImportError).
+``services.tokenizer.media.multimodal.MediaProcessor.load`` (``AutoProcessor`` cannot: ImportError).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from services.tokenizer.smolvlm_video import use_number_words
+from services.tokenizer.media.smolvlm_video import use_number_words
 from tests.vlm_models import (
     IDEFICS3_TOKENS,
     SMOL_DIR,

@@ -3,7 +3,7 @@
 ``make_mp4`` encodes a seeded moving pattern (so frames differ from each other and seeds differ from
 each other, visibly to a vision tower); ``video_data_url`` is how a client sends it inline.
 ``hf_generate_video`` is the oracle for Qwen2-VL videos: transformers' greedy ``generate`` on the
-``pixel_values_videos`` / ``video_grid_thw`` that ``services.tokenizer.video`` computes (transformers'
+``pixel_values_videos`` / ``video_grid_thw`` that ``services.tokenizer.media.video`` computes (transformers'
 own video processor needs torchvision, which is not installed).
 """
 
@@ -83,10 +83,10 @@ def hf_video_inputs(model_dir: Path, videos: list[bytes], *, text: str | None = 
                     fps: float = 2.0, max_frames: int = 32) -> dict:
     """What transformers' Qwen2VLProcessor would give for the prompt and the encoded ``videos`` (torch
     tensors): input_ids / attention_mask / mm_token_type_ids with each ``<|video_pad|>`` expanded, and
-    pixel_values_videos / video_grid_thw; computed by ``services.tokenizer.video``."""
+    pixel_values_videos / video_grid_thw; computed by ``services.tokenizer.media.video``."""
     import torch
 
-    from services.tokenizer.video import (
+    from services.tokenizer.media.video import (
         decode_video,
         expand_video_tokens,
         qwen2_vl_video,

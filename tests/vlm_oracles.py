@@ -26,7 +26,7 @@ def load_processor(model_dir: Path):
             raise
     config = json.loads((Path(model_dir) / "processor_config.json").read_text())
     if model_type(model_dir) == "smolvlm":  # SmolVLMProcessor needs num2words for videos' frame counts
-        from services.tokenizer.smolvlm_video import use_number_words
+        from services.tokenizer.media.smolvlm_video import use_number_words
 
         use_number_words()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

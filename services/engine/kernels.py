@@ -52,7 +52,7 @@ class TorchOps:
 
     @staticmethod
     def rope_store(qkv, cos, sin, positions, k_cache, v_cache, slots, num_heads, num_kv_heads, head_dim) -> None:
-        n, rotated = qkv.shape[0], num_heads + num_kv_heads
+        rotated = num_heads + num_kv_heads
         x = qkv[:, : rotated * head_dim].unflatten(-1, (rotated, head_dim))
         c, s = cos[positions][:, None, :].to(qkv.dtype), sin[positions][:, None, :].to(qkv.dtype)
         a, b = x[..., : head_dim // 2].clone(), x[..., head_dim // 2:].clone()

@@ -7,14 +7,17 @@ import logging
 import uuid
 
 import msgspec
-from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
 
-from services.gateway.failover import Failover
-from services.gateway.dresult import DResults
-from services.gateway.mailbox import Mailboxes
-from services.gateway.roles import Roles
-from services.gateway.served import Served
-from services.gateway.slots import Slots
+from services.gateway.common.served import Served
+from services.gateway.pd.dresult import DResults
+from services.gateway.pd.roles import Roles
+from services.gateway.request.context import SessionContext
+from services.gateway.request.failover import Failover
+from services.gateway.request.inflight import InFlight
+from services.gateway.request.mailbox import Mailboxes
+from services.gateway.request.slots import Slots
 from shared import bus, subjects
 from shared.config import Config
 from shared.engines import adapter_names, combined
@@ -22,7 +25,16 @@ from shared.errors import ErrorKind, SwitchboardError
 from shared.leases import Leases
 from shared.media import MediaPolicy
 from shared.messages import (
-    Cancel, CancelKind, EngineInfo, MetricsEvent, Ping, StopInfer, Tokenize, Tokenized, TokenizerInfo, decoder,
+    Cancel,
+    CancelKind,
+    EngineInfo,
+    MetricsEvent,
+    Ping,
+    StopInfer,
+    Tokenize,
+    Tokenized,
+    TokenizerInfo,
+    decoder,
     encode,
 )
 
@@ -40,18 +52,24 @@ class Gateway:
         self.mailboxes = Mailboxes(nc)
         self._tasks: set[asyncio.Task] = set()
         self.engines: Leases[EngineInfo] = Leases(cfg.switchboard.lease_seconds)  # engines by instance
-        self.failover = Failover(self)
         self._heartbeats = decoder(EngineInfo)
         self._stops = decoder(StopInfer)
-        self.live: dict[str, object] = {}  # session id -> every in-flight Session (the stop drain waits on it)
-        self.by_user: dict[str, object] = {}  # user id -> in-flight Session, for stopInfer
-        self.roles = Roles(self)  # PD role set by /v1/role, /v2/role, its peers, and every gateway heard
-        self.dresults = DResults(self)  # decode role: PD-split results for GET /dresult
+        self.inflight = InFlight()  # every in-flight Session (the stop drain waits on it; stopInfer finds by it)
         self.stopping = False  # set by /stopService: new inference is refused
+        sb = cfg.switchboard
+        self.roles = Roles(cfg, nc, self.instance, lambda: self.stopping)  # PD role (/v1/role), peers, gateways heard
+        self.failover = Failover(nc, self.model, sb.lease_seconds, sb.heartbeat_s, self.engines, self.inflight,
+                                 self.roles.heartbeat)
+        self.dresults = DResults(nc, self.instance, self.roles, sb.heartbeat_s, sb.lease_seconds)  # decode role
         self.slots = Slots(cfg.server.max_link_num)  # maxLinkNum in progress, 2 x maxLinkNum waiting (§2.2)
         self.lora_lock = asyncio.Lock()  # this gateway's LoRA loads and unloads, one at a time
         self.lora_version = 0  # the newest adapter-set version this gateway sent
         self.media_policy = MediaPolicy.from_config(cfg)  # what list-form media items may name (shared.media)
+        self.context = SessionContext(
+            nc=nc, model=self.model, instance=self.instance, mailboxes=self.mailboxes, slots=self.slots,
+            inflight=self.inflight, failover=self.failover, roles=self.roles, admit=self.require_engine,
+            engine_info=self.engine_info, emit=self.emit, spawn=self.spawn, heartbeat_s=sb.heartbeat_s,
+            token_timeout_s=float(cfg.server.token_timeout) + 5.0, resume_timeout_s=max(3.0, 2 * sb.lease_seconds))
 
     async def start(self) -> None:
         await self.mailboxes.start()
@@ -61,21 +79,7 @@ class Gateway:
         await self.dresults.start()
         await self.failover.start()
 
-    @property
-    def resume_timeout_s(self) -> float:
-        """How long a resumed request waits for a tokenizer's answer before trying again."""
-        return max(3.0, 2 * self.cfg.switchboard.lease_seconds)
-
     # ---- in-flight requests by the id their client gave (Triton stopInfer) -------------------
-
-    def register(self, session) -> None:
-        self.live[session.id] = session
-        self.by_user[session.user_id] = session
-
-    def unregister(self, session) -> None:
-        self.live.pop(session.id, None)
-        if self.by_user.get(session.user_id) is session:
-            del self.by_user[session.user_id]
 
     async def stop_infer(self, user_id: str) -> bool:
         """End the request ``user_id`` on whichever gateway runs it; False when none does."""
@@ -92,7 +96,7 @@ class Gateway:
             await msg.respond(b"")
 
     async def _stop_local(self, user_id: str) -> bool:
-        session = self.by_user.get(user_id)
+        session = self.inflight.by_user(user_id)
         if session is None:
             return False
         await bus.publish(self.nc, subjects.CANCEL, Cancel(id=session.current_id, reason=CancelKind.STOP_INFER))
@@ -118,7 +122,7 @@ class Gateway:
 
     def serving_engines(self) -> dict[str, EngineInfo]:
         """The live engines that take new requests (not draining)."""
-        return {i: e for i, e in self.live_engines().items() if not e.stopping}
+        return self.failover.serving_engines()
 
     def adapter_names(self) -> set[str]:
         """The LoRA adapters that at least one live engine has loaded and takes requests for."""
@@ -146,15 +150,7 @@ class Gateway:
         """Refuse new inference at once (503) while stopping or when no engine or tokenizer is live."""
         if self.stopping:
             raise SwitchboardError(ErrorKind.UNAVAILABLE, "The service has been stopped")
-        self.require_serving()
-
-    def require_serving(self, context: str = "") -> None:
-        """503 unless a live engine and a live tokenizer can take the request (``context`` prefixes the message)."""
-        prefix = f"{context} " if context else ""
-        if not self.serving_engines():
-            raise SwitchboardError(ErrorKind.UNAVAILABLE, f"{prefix}no engine is serving model {self.model}")
-        if not self.failover.tokenizer_live():
-            raise SwitchboardError(ErrorKind.UNAVAILABLE, f"{prefix}no tokenizer is serving model {self.model}")
+        self.failover.require_serving()
 
     def emit(self, event: MetricsEvent) -> None:
         """Fire-and-forget a lifecycle event to the metrics service."""

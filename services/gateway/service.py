@@ -9,10 +9,10 @@ import ssl
 
 import uvicorn
 
-from services.gateway.app import listeners
 from services.gateway.core import Gateway
-from services.gateway.slowloris import ClientLimits, protocol_class
-from services.gateway.tls import server_contexts
+from services.gateway.web.app import listeners
+from services.gateway.web.slowloris import ClientLimits, protocol_class
+from services.gateway.web.tls import server_contexts
 from shared import bus
 from shared.config import Config
 

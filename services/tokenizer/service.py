@@ -24,19 +24,38 @@ from nats.aio.msg import Msg as NatsMsg
 
 from services.tokenizer.detokenizer import IncrementalDecoder, StopMatcher, token_pieces
 from services.tokenizer.encoder import check_media_prompt, check_token_ids, encode_prompt
-from services.tokenizer.multimodal import MediaProcessor
-from shared import bus, subjects, telemetry
-from shared.config import Config
+from services.tokenizer.media.multimodal import MediaProcessor
 from services.tokenizer.routing import EngineRouter
 from services.tokenizer.tools import tool_format
+from shared import bus, subjects, telemetry
+from shared.config import Config
 from shared.errors import ErrorInfo, ErrorKind, SwitchboardError
 from shared.leases import Leases
 from shared.media import MediaPolicy
-from shared.tombstones import Tombstones
 from shared.messages import (
-    Cancel, CancelKind, EngineInfo, EngineRequest, Failed, FinishReason, GenerateRequest, Heartbeat, MediaInputs, Output, Started,
-    TokenBatch, TokenEvent, Tokenize, Tokenized, TokenizerInfo, TokenLogprob, TokenOut, TopToken, decoder, encode,
+    Cancel,
+    CancelKind,
+    EngineInfo,
+    EngineRequest,
+    Failed,
+    FinishReason,
+    GenerateRequest,
+    Heartbeat,
+    MediaInputs,
+    Output,
+    Started,
+    TokenBatch,
+    TokenEvent,
+    Tokenize,
+    Tokenized,
+    TokenizerInfo,
+    TokenLogprob,
+    TokenOut,
+    TopToken,
+    decoder,
+    encode,
 )
+from shared.tombstones import Tombstones
 
 log = logging.getLogger("switchboard.tokenizer")
 MB = 1 << 20

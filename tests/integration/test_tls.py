@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.gateway.tls import server_contexts
+from services.gateway.web.tls import server_contexts
 from shared.config import ConfigError, load_config
 from tests.conftest import write_config
 from tests.integration.stack import READY_PREFIX, running_stack

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from services.tokenizer.multimodal import MediaProcessor
+from services.tokenizer.media.multimodal import MediaProcessor
 from tests.integration.stack import post, running_stack
+from tests.media_items import data_url, test_image
 from tests.smolvlm2_models import make_smolvlm2
 from tests.video_items import make_mp4, video_data_url
-from tests.media_items import data_url, test_image
 from tests.vlm_oracles import hf_generate_prepared
 
 NEW = 12

@@ -47,7 +47,7 @@ def media_request(processor, rid: str, content: list[dict], items: list[tuple[st
                   max_new_tokens: int) -> EngineRequest:
     """What the tokenizer service sends the engine for a one-turn chat: ``content`` rendered by the
     model's template and the ``items`` ((kind, bytes) in order) through its processor
-    (``services.tokenizer.multimodal.MediaProcessor``); a chat without items takes the text path."""
+    (``services.tokenizer.media.multimodal.MediaProcessor``); a chat without items takes the text path."""
     from shared.messages import GenerateRequest
 
     chat = GenerateRequest(id=rid, model="m", reply_to="x", messages=[{"role": "user", "content": content}])

@@ -1,4 +1,4 @@
-"""services/tokenizer/audio.py: WAV (stdlib) and FLAC/MP3 (soundfile) decode to float32 mono at the
+"""services/tokenizer/media/audio.py: WAV (stdlib) and FLAC/MP3 (soundfile) decode to float32 mono at the
 model's rate; other rates are resampled; bad or absurd audio is a 422 naming the media item."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import wave
 import numpy as np
 import pytest
 
-from services.tokenizer import audio
-from services.tokenizer.audio import decode_audio
+from services.tokenizer.media import audio
+from services.tokenizer.media.audio import decode_audio
 from shared.errors import ErrorKind, SwitchboardError
 from tests.audio_models import flac_bytes, test_clip, wav_bytes
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from services.engine.engine import Engine
-from services.tokenizer.multimodal import MediaProcessor
+from services.tokenizer.media.multimodal import MediaProcessor
 from tests.audio_models import flac_bytes, hf_generate_audio, make_qwen2_audio, test_clip, wav_bytes
 from tests.unit.engine_helpers import assert_pool_whole, limits, make_runner, media_request, run_until_idle
 

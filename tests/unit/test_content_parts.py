@@ -1,4 +1,4 @@
-"""The one list-form parser (services/gateway/content.py): items → ContentPart in order, MindIE's
+"""The one list-form parser (services/gateway/common/content.py): items → ContentPart in order, MindIE's
 shape errors, each family's error shape, and the order of the media checks (shared.media's safety
 checks first, then the text-only refusal)."""
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.gateway.content import admit, mindie_input, parse_list
+from services.gateway.common.content import admit, mindie_input, parse_list
 from services.gateway.openai_api.errors import OpenAIError, content_error
-from services.gateway.validation import text_input
+from services.gateway.web.validation import text_input
 from shared.errors import ErrorKind, SwitchboardError
 from shared.media import MediaPolicy
 from shared.messages import ContentPart, MediaRef

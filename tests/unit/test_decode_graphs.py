@@ -8,7 +8,6 @@ which run the ordinary way), LoRA rows (run the ordinary way), grammar masks and
 from __future__ import annotations
 
 import pytest
-import torch
 
 from services.engine.engine import Engine
 from services.engine.graphs import GraphPlan, sizes_for
@@ -16,7 +15,17 @@ from services.engine.model_runner import ModelRunner
 from shared.grammar import json_schema
 from shared.lora import Outcome
 from tests.lora_adapters import make_adapter
-from tests.unit.engine_helpers import CPU, BLOCK, LOGPROB_ATOL, block_bytes, limits, outputs, prompt, request, run_until_idle
+from tests.unit.engine_helpers import (
+    BLOCK,
+    CPU,
+    LOGPROB_ATOL,
+    block_bytes,
+    limits,
+    outputs,
+    prompt,
+    request,
+    run_until_idle,
+)
 
 SCHEMA = {"type": "object", "properties": {"id": {"type": "integer"}, "tags": {"type": "array", "items": {"enum": ["a", "b"]}}},
           "required": ["id", "tags"], "additionalProperties": False}

@@ -49,7 +49,7 @@ def port_number(c: dict, port) -> int:
 
 def routes_on_port(cfg, port: int) -> set[str]:
     """The paths the gateway serves on ``port``: the planes app.listeners() puts there."""
-    from services.gateway import app
+    from services.gateway.web import app
 
     server = cfg.server
     planes = [(server.port, app.BUSINESS_ROUTES), (server.management_listen_port, app.MANAGEMENT_ROUTES),
@@ -145,7 +145,7 @@ def test_services_without_http_have_no_fake_probes():
 
 
 def test_gateway_prestop_drains_this_instance_within_the_grace_period():
-    from services.gateway import stop
+    from services.gateway.admin import stop
 
     cfg = switchboard_config()
     c = container("gateway")

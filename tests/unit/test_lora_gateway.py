@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from services.gateway.lora import Refused, parse_load, parse_unload
-from services.gateway.lora_engines import combine_load, combine_unload, shows
+from services.gateway.admin.lora import Refused, parse_load, parse_unload
+from services.gateway.admin.lora_engines import combine_load, combine_unload, shows
+from services.gateway.common.served import Served
 from services.gateway.openai_api.schemas import parse_chat, parse_completion
-from services.gateway.served import Served
 from services.gateway.tgi.schemas import parse_tgi
 from services.gateway.vllm.schemas import parse_vllm
 from shared import lora

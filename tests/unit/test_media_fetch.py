@@ -1,4 +1,4 @@
-"""services/tokenizer/media_fetch.py against a real HTTP server on 127.0.0.1 and real files: what is
+"""services/tokenizer/media/fetch.py against a real HTTP server on 127.0.0.1 and real files: what is
 admitted arrives byte for byte; redirects, names, sizes and times are enforced while fetching."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 
-from services.tokenizer.media_fetch import fetch, fetch_all, fetch_refs
+from services.tokenizer.media.fetch import fetch, fetch_all, fetch_refs
 from shared.errors import ErrorKind, SwitchboardError
 from shared.media import MB, MediaPolicy, check_request
 from shared.media_urls import private_networks

@@ -1,4 +1,4 @@
-"""SmolVLM2 videos without torchvision (services/tokenizer/smolvlm_video.py), checked against transformers:
+"""SmolVLM2 videos without torchvision (services/tokenizer/media/smolvlm_video.py), checked against transformers:
 its frame sampling and PyAV reader, SmolVLMProcessor's prompt text, the Pillow image processor's
 pixels, and SmolVLMForConditionalGeneration's own generate on what the module produces."""
 
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from services.tokenizer.multimodal import MediaProcessor
-from services.tokenizer.smolvlm_video import (
+from services.tokenizer.media.multimodal import MediaProcessor
+from services.tokenizer.media.smolvlm_video import (
     SampledVideo,
     VideoSettings,
     decode_smolvlm_video,

@@ -1,4 +1,4 @@
-"""Videos for Qwen2-VL without torchvision (services/tokenizer/video.py): PyAV decoding and sampling,
+"""Videos for Qwen2-VL without torchvision (services/tokenizer/media/video.py): PyAV decoding and sampling,
 the video processor's pixels from the Pillow image processor, token expansion, and transformers'
 own Qwen2-VL generate on them (the oracle for the engine)."""
 
@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from services.tokenizer.video import (
+from services.tokenizer.media.video import (
     decode_video,
     expand_video_tokens,
     qwen2_vl_video,
@@ -17,8 +17,8 @@ from services.tokenizer.video import (
     video_size,
 )
 from shared.errors import ErrorKind, SwitchboardError
-from tests.video_items import make_mp4, pattern_frame, video_data_url
 from tests.media_items import test_image
+from tests.video_items import make_mp4, pattern_frame, video_data_url
 from tests.vlm_models import QWEN2_VL_VIDEO
 
 

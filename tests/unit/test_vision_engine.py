@@ -8,11 +8,16 @@ from __future__ import annotations
 import pytest
 
 from services.engine.engine import Engine
-from services.tokenizer.multimodal import MediaProcessor
-from tests.unit.engine_helpers import (
-    Run, assert_pool_whole, limits, make_runner, media_request, run_until_idle,
-)
+from services.tokenizer.media.multimodal import MediaProcessor
 from tests.media_items import png_bytes, test_image
+from tests.unit.engine_helpers import (
+    Run,
+    assert_pool_whole,
+    limits,
+    make_runner,
+    media_request,
+    run_until_idle,
+)
 from tests.vlm_oracles import hf_generate
 
 NEW = 24

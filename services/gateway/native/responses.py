@@ -7,11 +7,11 @@ from typing import Any, AsyncIterator
 
 import msgspec
 
-from services.gateway import finish
-from services.gateway.call import Call
-from services.gateway.errors import mindie_body
+from services.gateway.common import finish
 from services.gateway.native.schemas import NativeRequest
-from services.gateway.session import End
+from services.gateway.request.call import Call
+from services.gateway.request.session import End
+from services.gateway.web.errors import mindie_body
 from shared.errors import SwitchboardError
 
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from litestar import Request, Response, post
 
-from services.gateway import lifecycle
-from services.gateway.call import Call
-from services.gateway.content import admit, prompt_parts
+from services.gateway.common.content import admit, prompt_parts
 from services.gateway.native.responses import collect, error_event, stream_events
 from services.gateway.native.schemas import parse_infer, parse_tokenize
-from services.gateway.session import Session
+from services.gateway.request import lifecycle
+from services.gateway.request.call import Call
+from services.gateway.request.session import Session
 
 
 @post(["/infer", "/infer_token"], status_code=200)
@@ -20,10 +20,10 @@ async def infer(request: Request) -> Response:
     req = parse_infer(await request.body())
     gateway = request.app.state.gateway
     admit([req.listed], gateway.media_policy, modalities=gateway.modalities())
-    session = Session(gateway, req.text or "", req.sampling, prompt_ids=req.ids, priority=req.priority,
+    session = Session(gateway.context, req.text or "", req.sampling, prompt_ids=req.ids, priority=req.priority,
                       parts=prompt_parts(req.listed),
                       timeout_s=req.timeout_s)
-    call = Call(gateway, [session])
+    call = Call(gateway.context, [session])
     full_text_mode = gateway.cfg.server.full_text_enabled
     return await lifecycle.respond(request, call, req.stream, lambda: collect(call, req),
                                    lambda: stream_events(call, req, full_text_mode), error_event)

@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from services.gateway.content import ListInput, mindie_input
-from services.gateway.sampling import NATIVE, mindie_sampling
-from services.gateway.validation import MAX_INPUT_CHARS, Fields, parse_json_object, stream_flag
+from services.gateway.common.content import ListInput, mindie_input
+from services.gateway.common.sampling import NATIVE, mindie_sampling
+from services.gateway.web.validation import MAX_INPUT_CHARS, Fields, parse_json_object, stream_flag
 from shared.errors import validation
 from shared.messages import Sampling
 

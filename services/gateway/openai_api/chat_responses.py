@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator
 
-from services.gateway import finish
-from services.gateway.call import Call
+from services.gateway.common import finish
 from services.gateway.openai_api.schemas import ChatRequest
 from services.gateway.openai_api.sse import Meta, UsagePlacement, sse
 from services.gateway.openai_api.tools import ToolStream, extract
+from services.gateway.request.call import Call
 from shared.messages import TokenOut
 
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator
 
-from services.gateway import finish
-from services.gateway.call import Call
+from services.gateway.common import finish
 from services.gateway.openai_api.schemas import CompletionRequest
 from services.gateway.openai_api.sse import Meta, UsagePlacement, sse
+from services.gateway.request.call import Call
 from shared.messages import TokenOut
 
 

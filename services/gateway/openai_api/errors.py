@@ -40,7 +40,7 @@ def bad_param(param: str | None, message: str) -> OpenAIError:
 
 
 def content_error(message: str, param: str | None) -> OpenAIError:
-    """:func:`bad_param` in the argument order of ``services.gateway.content``'s ``Fail``."""
+    """:func:`bad_param` in the argument order of ``services.gateway.common.content``'s ``Fail``."""
     return bad_param(param, message)
 
 

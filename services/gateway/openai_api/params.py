@@ -10,11 +10,11 @@ from typing import Any
 
 import msgspec
 
+from services.gateway.common.sampling import VllmDialect, vllm_sampling
+from services.gateway.common.served import Served
 from services.gateway.openai_api.errors import bad_param, model_not_found
 from services.gateway.openai_api.response_format import response_format
-from services.gateway.sampling import VllmDialect, vllm_sampling
-from services.gateway.served import Served
-from services.gateway.validation import INT32_MAX, Fields
+from services.gateway.web.validation import INT32_MAX, Fields
 from shared.config import Config
 from shared.messages import Sampling
 

@@ -3,25 +3,31 @@
 from __future__ import annotations
 
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 
 from litestar import Request, Response, Router, get, post, route
 from litestar.exceptions import MethodNotAllowedException
 from litestar.params import FromPath
 
-from services.gateway import lifecycle
-from services.gateway.call import Call
-from services.gateway.content import admit, chat_media
+from services.gateway.common.content import admit, chat_media
 from services.gateway.openai_api.chat_responses import chat_body, chat_chunks
 from services.gateway.openai_api.completion_responses import completion_body, completion_chunks
 from services.gateway.openai_api.errors import (
-    OPENAI_EXCEPTION_HANDLERS, bad_param, content_error, model_not_found,
+    OPENAI_EXCEPTION_HANDLERS,
+    bad_param,
+    content_error,
+    model_not_found,
 )
 from services.gateway.openai_api.params import Common
 from services.gateway.openai_api.runner import build_call
 from services.gateway.openai_api.schemas import parse_chat, parse_completion
 from services.gateway.openai_api.sse import DONE, error_event
+from services.gateway.request import lifecycle
+from services.gateway.request.call import Call
 from shared.errors import ErrorKind, SwitchboardError
+
+if TYPE_CHECKING:
+    from services.gateway.core import Gateway
 
 STARTED_AT = int(time.time())  # the gateway imports this module once, as it starts
 OWNER = "MindIE Server"
@@ -33,7 +39,7 @@ def model_card(model: str, parent: str | None = None) -> dict[str, Any]:
     return card if parent is None else {**card, "parent": parent}
 
 
-def cards(gateway) -> dict[str, dict[str, Any]]:
+def cards(gateway: Gateway) -> dict[str, dict[str, Any]]:
     """Every servable name's card by name: the base model first, then each loaded adapter by name (none in
     PD split mode, where requests cannot name them)."""
     served = gateway.served()
@@ -65,7 +71,7 @@ async def chat_completions(request: Request) -> Response:
               "truncate": req.common.truncate, "parts": chat_media(req.listed)}
     if req.tools is not None:
         prompt.update(tools=req.tools.declared, tool_choice=req.tools.choice)
-    call = build_call(gateway, [prompt], req.common.sampling, req.common.n, req.common.adapter)
+    call = build_call(gateway.context, [prompt], req.common.sampling, req.common.n, req.common.adapter)
     return await respond(request, req.common, call, "messages",
                          lambda: chat_body(req, call), lambda: chat_chunks(req, call))
 
@@ -76,7 +82,7 @@ async def completions(request: Request) -> Response:
     req = parse_completion(await request.body(), gateway.cfg, gateway.served())
     prompts = [{"prompt": p.text, "prompt_ids": p.ids, "return_prompt_ids": req.echo and p.ids is not None,
                 "truncate": req.common.truncate} for p in req.prompts]
-    call = build_call(gateway, prompts, req.common.sampling, req.common.n, req.common.adapter)
+    call = build_call(gateway.context, prompts, req.common.sampling, req.common.n, req.common.adapter)
     return await respond(request, req.common, call, "prompt",
                          lambda: completion_body(req, call), lambda: completion_chunks(req, call))
 

@@ -7,12 +7,12 @@ from typing import Any
 
 import msgspec
 
-from services.gateway.content import ListInput, parse_list, template_content
+from services.gateway.common.content import ListInput, parse_list, template_content
+from services.gateway.common.served import Served
 from services.gateway.openai_api.errors import bad_param, content_error
 from services.gateway.openai_api.params import Common, parse_common
 from services.gateway.openai_api.tools import Tools, parse_tools
-from services.gateway.served import Served
-from services.gateway.validation import MAX_INPUT_CHARS, Fields, parse_json_object
+from services.gateway.web.validation import MAX_INPUT_CHARS, Fields, parse_json_object
 from shared.config import Config
 
 PARSE_ERROR = "The request body must be a JSON object."
@@ -129,7 +129,7 @@ def _tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
 
 
 def _content(value: Any, where: str) -> tuple[str, ListInput | None]:
-    """A string, or a list of content parts (``services.gateway.content``): its text parts joined."""
+    """A string, or a list of content parts (``services.gateway.common.content``): its text parts joined."""
     if isinstance(value, str):
         return value, None
     if value is None:

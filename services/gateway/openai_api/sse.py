@@ -9,8 +9,8 @@ from typing import Any
 
 import msgspec
 
-from services.gateway.call import Call
 from services.gateway.openai_api.errors import switchboard_body
+from services.gateway.request.call import Call
 from shared.errors import SwitchboardError
 
 DONE = b"data: [DONE]\n\n"

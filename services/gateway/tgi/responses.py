@@ -6,14 +6,13 @@ from typing import Any, AsyncIterator
 
 import msgspec
 
-from services.gateway import finish
-from services.gateway.call import Call
-from services.gateway.errors import tgi_body
-from services.gateway.session import End
+from services.gateway.common import finish
+from services.gateway.request.call import Call
+from services.gateway.request.session import End
 from services.gateway.tgi.schemas import TgiRequest
+from services.gateway.web.errors import tgi_body
 from shared.errors import SwitchboardError
 from shared.messages import Started, TokenOut
-
 
 
 def token_json(token: TokenOut) -> dict[str, Any]:

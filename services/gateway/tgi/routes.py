@@ -5,14 +5,14 @@ from __future__ import annotations
 import msgspec
 from litestar import Request, Response, Router, post
 
-from services.gateway import lifecycle
-from services.gateway.call import Call
-from services.gateway.content import admit, markdown_images, prompt_parts
-from services.gateway.errors import TGI_EXCEPTION_HANDLERS
-from services.gateway.served import Served
-from services.gateway.session import Session
+from services.gateway.common.content import admit, markdown_images, prompt_parts
+from services.gateway.common.served import Served
+from services.gateway.request import lifecycle
+from services.gateway.request.call import Call
+from services.gateway.request.session import Session
 from services.gateway.tgi.responses import collect, error_event, stream_events
 from services.gateway.tgi.schemas import TgiRequest, parse_tgi
+from services.gateway.web.errors import TGI_EXCEPTION_HANDLERS
 from shared.errors import validation
 
 GENERATE_PARSE_ERROR = (
@@ -27,7 +27,7 @@ async def tgi_root(request: Request) -> Response:
 
 
 async def generate(request: Request, data: dict) -> Response:
-    """``POST /generate`` with a TGI body (services/gateway/generate.py tells it from vLLM's)."""
+    """``POST /generate`` with a TGI body (services/gateway/web/generate.py tells it from vLLM's)."""
     if data.get("inputs") is None:
         raise validation(GENERATE_PARSE_ERROR)
     return await respond(request, parse_tgi(data, _served(request), stream=False), as_array=False)
@@ -48,9 +48,9 @@ async def respond(request: Request, req: TgiRequest, as_array: bool) -> Response
     listed = req.listed or (markdown_images(req.inputs, "inputs") if "image" in modalities else None)
     admit([listed], gateway.media_policy, modalities=modalities)
     sampling = msgspec.structs.replace(req.sampling, prompt_logprobs=0) if req.decoder_input_details else req.sampling
-    session = Session(gateway, req.inputs, sampling, truncate=req.truncate, parts=prompt_parts(listed),
+    session = Session(gateway.context, req.inputs, sampling, truncate=req.truncate, parts=prompt_parts(listed),
                       return_prompt_ids=req.decoder_input_details, adapter=req.adapter)
-    call = Call(gateway, [session])
+    call = Call(gateway.context, [session])
     full_text_mode = gateway.cfg.server.full_text_enabled
     return await lifecycle.respond(request, call, req.stream, lambda: collect(call, req, as_array),
                                    lambda: stream_events(call, req, full_text_mode), error_event)

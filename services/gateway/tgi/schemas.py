@@ -8,10 +8,10 @@ from typing import Any
 
 import msgspec
 
-from services.gateway.content import ListInput, mindie_input
-from services.gateway.sampling import TGI, mindie_sampling
-from services.gateway.served import Served
-from services.gateway.validation import INT32_MAX, Fields, parse_json_object, stream_flag, text_input
+from services.gateway.common.content import ListInput, mindie_input
+from services.gateway.common.sampling import TGI, mindie_sampling
+from services.gateway.common.served import Served
+from services.gateway.web.validation import INT32_MAX, Fields, parse_json_object, stream_flag, text_input
 from shared.errors import validation
 from shared.grammar import json_schema, problem
 from shared.messages import Grammar, Sampling

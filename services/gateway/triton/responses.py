@@ -15,15 +15,14 @@ from typing import Any, AsyncIterator
 import msgspec
 from litestar import Response
 
-from services.gateway import finish
-from services.gateway.call import Call
-from services.gateway.errors import mindie_body
-from services.gateway.session import End, Session
+from services.gateway.common import finish
+from services.gateway.request.call import Call
+from services.gateway.request.session import End, Session
 from services.gateway.triton.binary import HEADER, pack_uint32
 from services.gateway.triton.schemas import Options
+from services.gateway.web.errors import mindie_body
 from shared.errors import ErrorKind, SwitchboardError
 from shared.messages import TokenOut
-
 
 
 def finish_reason(end: End) -> str:
@@ -67,7 +66,7 @@ class Clock:
 
 
 def _head(session: Session, text: str) -> dict[str, Any]:
-    return {"id": session.user_id, "model_name": session.gw.model, "model_version": None, "text_output": text}
+    return {"id": session.user_id, "model_name": session.ctx.model, "model_version": None, "text_output": text}
 
 
 def _details(clock: Clock, options: Options, upto: int, end: End | None) -> dict[str, Any]:
@@ -122,7 +121,7 @@ def _event(session: Session, clock: Clock, options: Options, text: str, cost: in
     first = upto <= 1
     if options.details or options.perf_stat:
         details = _details(clock, options, upto, end)
-        engine = session.gw.engine_info()
+        engine = session.ctx.engine_info()
         details["batch_size"] = max(1, engine.running) if engine else 1
         details["queue_wait_time"] = clock.queue_wait_ms if first else 0
         event["details"] = details

@@ -12,19 +12,18 @@ from __future__ import annotations
 from litestar import Request, Response, get, post
 from litestar.params import FromPath
 
-from services.gateway import lifecycle
-from services.gateway.call import Call
-from services.gateway.content import admit, prompt_parts
-from services.gateway.errors import mindie_error
-from services.gateway.session import Session
+from services.gateway.common.content import admit, prompt_parts
+from services.gateway.request import lifecycle
+from services.gateway.request.call import Call
+from services.gateway.request.session import Session
 from services.gateway.triton import metadata
 from services.gateway.triton.binary import HEADER, decode_body
 from services.gateway.triton.responses import collect_text, error_event, infer_response, stream_events
 from services.gateway.triton.schemas import PARSE_ERROR, checked_id, parse_text_request
 from services.gateway.triton.tensors import parse_infer
-from services.gateway.validation import parse_json_object
+from services.gateway.web.errors import mindie_error
+from services.gateway.web.validation import parse_json_object
 from shared.errors import ErrorKind, SwitchboardError, validation
-
 
 
 def model_paths(suffix: str = "") -> list[str]:
@@ -64,9 +63,9 @@ async def infer(request: Request, model: FromPath[str]) -> Response:
     body = decode_body(await request.body(), request.headers.get("content-encoding"), limit)
     req = parse_infer(body, request.headers.get(HEADER))
     opts = req.options
-    session = Session(gateway, "", opts.sampling, user_id=req.user_id, prompt_ids=req.prompt_ids,
+    session = Session(gateway.context, "", opts.sampling, user_id=req.user_id, prompt_ids=req.prompt_ids,
                       priority=opts.priority, timeout_s=opts.timeout_s)
-    call = Call(gateway, [session])
+    call = Call(gateway.context, [session])
     return await lifecycle.respond(request, call, False, lambda: infer_response(call, req.binary_output),
                                    _no_stream, error_event)
 
@@ -90,9 +89,9 @@ async def _text(request: Request, model: str, streaming: bool) -> Response:
     req = parse_text_request(await request.body())
     admit([req.listed], gateway.media_policy, modalities=gateway.modalities())
     opts = req.options
-    session = Session(gateway, req.text, opts.sampling, user_id=req.user_id, priority=opts.priority,
+    session = Session(gateway.context, req.text, opts.sampling, user_id=req.user_id, priority=opts.priority,
                       timeout_s=opts.timeout_s, parts=prompt_parts(req.listed))
-    call = Call(gateway, [session])
+    call = Call(gateway.context, [session])
     return await lifecycle.respond(request, call, streaming, lambda: collect_text(call, opts),
                                    lambda: stream_events(call, opts), error_event)
 

@@ -12,9 +12,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from services.gateway.content import ListInput, mindie_input
-from services.gateway.sampling import TRITON, mindie_sampling
-from services.gateway.validation import INT32_MAX, Fields, parse_json_object, text_input
+from services.gateway.common.content import ListInput, mindie_input
+from services.gateway.common.sampling import TRITON, mindie_sampling
+from services.gateway.web.validation import INT32_MAX, Fields, parse_json_object, text_input
 from shared.errors import validation
 from shared.messages import Sampling
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from services.gateway.triton.binary import Tail, split_body, unpack_uint32
 from services.gateway.triton.schemas import PARSE_ERROR, Options, optional_id, parse_options
-from services.gateway.validation import Fields, parse_json_object
+from services.gateway.web.validation import Fields, parse_json_object
 from shared.errors import validation
 
 MAX_TOKENS = 1048576

@@ -10,23 +10,24 @@ from typing import Any, AsyncIterator
 
 import msgspec
 
-from services.gateway.call import Call
-from services.gateway.content import prompt_parts
-from services.gateway.errors import mindie_body
-from services.gateway.sampling import choice_sampling
-from services.gateway.session import Session
+from services.gateway.common.content import prompt_parts
+from services.gateway.common.sampling import choice_sampling
+from services.gateway.request.call import Call
+from services.gateway.request.context import SessionContext
+from services.gateway.request.session import Session
 from services.gateway.vllm.schemas import VllmRequest
+from services.gateway.web.errors import mindie_body
 from shared.errors import SwitchboardError
 
 
-def build_call(gateway, req: VllmRequest) -> Call:
+def build_call(ctx: SessionContext, req: VllmRequest) -> Call:
     """A stream returns its n sequences as they come; a body ranks best_of of them."""
     count = req.n if req.stream else req.best_of
     sampling = req.sampling
     if count > req.n:  # ranking needs each token's log-probability
         sampling = msgspec.structs.replace(sampling, logprobs=0)
-    return Call(gateway, [Session(gateway, req.prompt, choice_sampling(sampling, j), adapter=req.adapter,
-                                  parts=prompt_parts(req.listed)) for j in range(count)])
+    return Call(ctx, [Session(ctx, req.prompt, choice_sampling(sampling, j), adapter=req.adapter,
+                              parts=prompt_parts(req.listed)) for j in range(count)])
 
 
 async def collect(call: Call, req: VllmRequest) -> dict[str, Any]:

@@ -9,11 +9,11 @@ from typing import Any
 
 from litestar import Request, Response
 
-from services.gateway import lifecycle
-from services.gateway.content import admit
-from services.gateway.errors import mindie_error
+from services.gateway.common.content import admit
+from services.gateway.request import lifecycle
 from services.gateway.vllm.responses import build_call, collect, error_chunk, stream_chunks
 from services.gateway.vllm.schemas import parse_vllm
+from services.gateway.web.errors import mindie_error
 from shared.errors import SwitchboardError
 
 
@@ -30,7 +30,7 @@ async def _generate(request: Request, data: dict[str, Any]) -> Response:
     req = parse_vllm(data, gateway.served(), schedule.max_iter_times,
                      min(schedule.max_n, schedule.max_batch_size, schedule.prefill_batch_size))
     admit([req.listed], gateway.media_policy, modalities=gateway.modalities())
-    call = build_call(gateway, req)
+    call = build_call(gateway.context, req)
     full_text_mode = gateway.cfg.server.full_text_enabled
     return await lifecycle.respond(request, call, req.stream, lambda: collect(call, req),
                                    lambda: stream_chunks(call, full_text_mode), error_chunk,

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from services.gateway.content import ListInput, mindie_input
-from services.gateway.sampling import VllmDialect, vllm_sampling
-from services.gateway.served import Served
-from services.gateway.validation import FLT_MAX, Fields, text_input
+from services.gateway.common.content import ListInput, mindie_input
+from services.gateway.common.sampling import VllmDialect, vllm_sampling
+from services.gateway.common.served import Served
+from services.gateway.web.validation import FLT_MAX, Fields, text_input
 from shared.errors import ErrorKind, SwitchboardError, validation
 from shared.messages import Sampling
 

@@ -12,15 +12,19 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import msgspec
-from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
 
 from shared import bus, subjects, telemetry
 from shared.engines import adapter_names
 from shared.lora import Outcome, message
 from shared.messages import EngineInfo, LoraCommand, LoraReply
+
+if TYPE_CHECKING:
+    from services.gateway.core import Gateway
 
 log = logging.getLogger("switchboard.gateway")
 ENGINE_TIMEOUT_S = 120.0  # loading reads the adapter's weights: well under a second for usual ranks
@@ -110,13 +114,13 @@ def shows(command: LoraCommand, instances: tuple[str, ...], engines: dict[str, E
 # ---- talking to the engines -------------------------------------------------------------------------
 
 
-async def ask(gateway, instances: list[str], command: LoraCommand, timeout_s: float) -> dict[str, LoraReply | None]:
+async def ask(gateway: Gateway, instances: list[str], command: LoraCommand, timeout_s: float) -> dict[str, LoraReply | None]:
     """Every engine's reply at once (None for one that did not answer in time, or is gone)."""
     replies = await asyncio.gather(*(_ask_one(gateway, i, command, timeout_s) for i in instances))
     return dict(zip(instances, replies))
 
 
-async def _ask_one(gateway, instance: str, command: LoraCommand, timeout_s: float) -> LoraReply | None:
+async def _ask_one(gateway: Gateway, instance: str, command: LoraCommand, timeout_s: float) -> LoraReply | None:
     subject = subjects.engine_lora(gateway.model, instance)
     try:
         return await bus.request(gateway.nc, subject, command, LoraReply, timeout=timeout_s)
@@ -126,20 +130,20 @@ async def _ask_one(gateway, instance: str, command: LoraCommand, timeout_s: floa
         return None
 
 
-def next_version(gateway) -> int:
+def next_version(gateway: Gateway) -> int:
     """One more than the newest adapter-set version any live engine reports or this gateway sent."""
     newest = max([gateway.lora_version, *(e.adapters_version for e in gateway.live_engines().values())])
     gateway.lora_version = newest + 1
     return gateway.lora_version
 
 
-async def _undo(gateway, name: str, instances: tuple[str, ...]) -> None:
+async def _undo(gateway: Gateway, name: str, instances: tuple[str, ...]) -> None:
     if instances:
         command = LoraCommand(op="unload", name=name, version=next_version(gateway))
         await ask(gateway, list(instances), command, UNDO_TIMEOUT_S)
 
 
-async def _settle(gateway, command: LoraCommand, instances: tuple[str, ...]) -> None:
+async def _settle(gateway: Gateway, command: LoraCommand, instances: tuple[str, ...]) -> None:
     """Wait (a lease at most) until the heartbeats show the change, so the next request sees it."""
     if not instances:
         return
@@ -152,18 +156,18 @@ async def _settle(gateway, command: LoraCommand, instances: tuple[str, ...]) -> 
         await asyncio.sleep(POLL_S)
 
 
-def _targets(gateway, op: str) -> dict[str, EngineInfo]:
+def _targets(gateway: Gateway, op: str) -> dict[str, EngineInfo]:
     return gateway.serving_engines() if op == "load" else gateway.live_engines()
 
 
-async def run(gateway, command: LoraCommand) -> Answer:
+async def run(gateway: Gateway, command: LoraCommand) -> Answer:
     """Load or unload on every engine and the one answer for the client. Shielded: a client that goes
     away mid-way does not cut a change short between engines (the undo of a failed load, the wait for
     the heartbeats); the change completes and only its answer is lost."""
     return await asyncio.shield(gateway.spawn(_run(gateway, command)))
 
 
-async def _run(gateway, command: LoraCommand) -> Answer:
+async def _run(gateway: Gateway, command: LoraCommand) -> Answer:
     async with gateway.lora_lock:
         if gateway.stopping:
             return Answer(503, "The service has been stopped.")
@@ -180,7 +184,7 @@ async def _run(gateway, command: LoraCommand) -> Answer:
             telemetry.end_span(span, None if answer.status == 200 else answer.text)
 
 
-async def _apply(gateway, engines: dict[str, EngineInfo], command: LoraCommand) -> Answer:
+async def _apply(gateway: Gateway, engines: dict[str, EngineInfo], command: LoraCommand) -> Answer:
     command = msgspec.structs.replace(command, version=next_version(gateway))
     replies = await ask(gateway, sorted(engines), command, ENGINE_TIMEOUT_S)
     if command.op == "load":

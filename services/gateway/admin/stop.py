@@ -14,32 +14,36 @@ is MindIE's whole-deployment stop.
 from __future__ import annotations
 
 import asyncio
+from typing import TYPE_CHECKING
 
 from litestar import Request, Response, get
 from litestar.params import FromQuery
 
-from services.gateway.errors import mindie_error
+from services.gateway.web.errors import mindie_error
 from shared import subjects
 from shared.errors import ErrorKind
+
+if TYPE_CHECKING:
+    from services.gateway.core import Gateway
 
 POLL_S = 0.1
 BROADCAST_DELAY_S = 0.3  # let the 200 reach the client before the listeners close
 SCOPES = ("deployment", "instance")
 
 
-def drained(gateway) -> bool:
+def drained(gateway: Gateway) -> bool:
     """No session in flight here and no request running or waiting on any live engine."""
     engine = gateway.engine_info()
     idle_engine = engine is None or (engine.running == 0 and engine.waiting == 0)
-    return not gateway.live and idle_engine
+    return not gateway.inflight and idle_engine
 
 
-def instance_drained(gateway) -> bool:
+def instance_drained(gateway: Gateway) -> bool:
     """This gateway has no session in flight (the engines may still serve other gateways)."""
-    return not gateway.live
+    return not gateway.inflight
 
 
-async def _broadcast_shutdown(gateway) -> None:
+async def _broadcast_shutdown(gateway: Gateway) -> None:
     await asyncio.sleep(BROADCAST_DELAY_S)
     await gateway.nc.publish(subjects.SHUTDOWN, b"")
     await gateway.nc.flush()

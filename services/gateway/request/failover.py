@@ -14,35 +14,59 @@ import asyncio
 import logging
 import random
 import time
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from shared import bus, subjects
-from shared.errors import SwitchboardError
+from shared.errors import ErrorKind, SwitchboardError
 from shared.leases import Leases
-from shared.messages import Heartbeat, decoder
+from shared.messages import EngineInfo, Heartbeat, decoder
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client
+
+    from services.gateway.request.session import Session
 
 log = logging.getLogger("switchboard.gateway")
 
 
 class Failover:
-    def __init__(self, gateway):
-        self.gw = gateway
-        self.tokenizers: Leases[Heartbeat] = Leases(gateway.cfg.switchboard.lease_seconds)
+    """``engines`` is the gateway's lease table of engines; ``sessions`` its in-flight registry;
+    ``heartbeat`` makes the gateway's own heartbeat (its PD role and whether it is stopping)."""
+
+    def __init__(self, nc: Client, model: str, lease_s: float, heartbeat_s: float, engines: Leases[EngineInfo],
+                 sessions: Iterable[Session], heartbeat: Callable[[], Heartbeat]):
+        self.nc, self.model, self.lease_s, self.heartbeat_s = nc, model, lease_s, heartbeat_s
+        self.engines, self.sessions, self.heartbeat = engines, sessions, heartbeat
+        self.tokenizers: Leases[Heartbeat] = Leases(lease_s)
         self.beats = decoder(Heartbeat)
         self.reconnects = 0
         self.tokenizer_deaths = 0  # leases run out so far: a request published meanwhile may be lost with one
         self.reconnected_at = -1e9  # monotonic time the bus came back (leases may have run out meanwhile)
+        self._watch: asyncio.Task | None = None
 
     async def start(self) -> None:
-        await bus.subscribe(self.gw.nc, subjects.heartbeat("tokenizer"), self.on_tokenizer_heartbeat)
-        self.gw.spawn(self.run())
+        await bus.subscribe(self.nc, subjects.heartbeat("tokenizer"), self.on_tokenizer_heartbeat)
+        self._watch = asyncio.ensure_future(self.run())
 
     async def on_tokenizer_heartbeat(self, msg) -> None:
         beat = self.beats.decode(msg.data)
-        if beat.model in ("", self.gw.model):
+        if beat.model in ("", self.model):
             self.tokenizers.beat(beat.instance, beat)
 
     def tokenizer_live(self) -> bool:
         return bool(self.tokenizers.live())
+
+    def serving_engines(self) -> dict[str, EngineInfo]:
+        """The live engines that take new requests (not draining)."""
+        return {i: e for i, e in self.engines.live().items() if not e.stopping}
+
+    def require_serving(self, context: str = "") -> None:
+        """503 unless a live engine and a live tokenizer can take the request (``context`` prefixes the message)."""
+        prefix = f"{context} " if context else ""
+        if not self.serving_engines():
+            raise SwitchboardError(ErrorKind.UNAVAILABLE, f"{prefix}no engine is serving model {self.model}")
+        if not self.tokenizer_live():
+            raise SwitchboardError(ErrorKind.UNAVAILABLE, f"{prefix}no tokenizer is serving model {self.model}")
 
     def tokenizer_subject(self) -> str:
         """Where a retried or resumed request goes: a live tokenizer's own subject (the queue group could hand
@@ -51,22 +75,22 @@ class Failover:
         return subjects.tokenizer_instance(random.choice(live)) if live else subjects.TOKENIZER_GENERATE
 
     async def run(self) -> None:
-        while not self.gw.nc.is_closed:
+        while not self.nc.is_closed:
             try:
-                await bus.publish(self.gw.nc, subjects.heartbeat("gateway"), self.gw.roles.heartbeat())
+                await bus.publish(self.nc, subjects.heartbeat("gateway"), self.heartbeat())
                 self.check()
             except Exception:  # noqa: BLE001 - the watch must outlive any one failure
                 log.exception("failover watch failed")
-            await asyncio.sleep(self.gw.cfg.switchboard.heartbeat_s)
+            await asyncio.sleep(self.heartbeat_s)
 
     def check(self) -> None:
         """Ask each in-flight session whose owners died (or whose messages may be lost) to resume."""
-        reconnects = self.gw.nc.stats.get("reconnects", 0)
+        reconnects = self.nc.stats.get("reconnects", 0)
         reconnected, self.reconnects = reconnects != self.reconnects, reconnects
         if reconnected:
             self.reconnected_at = time.monotonic()
         self.tokenizer_deaths += len(self.tokenizers.expire())
-        for session in list(self.gw.live.values()):
+        for session in self.sessions:
             reason = "the message bus reconnected" if reconnected else self.dead_owner(session)
             if reason:
                 session.ask_resume(reason)
@@ -74,19 +98,19 @@ class Failover:
     async def wait_serving(self, context: str) -> None:
         """Raise 503 unless a live engine and tokenizer can take a resumed request. Right after the bus came
         back, every lease may have run out during the outage: give the instances one lease to be heard again."""
-        deadline = max(time.monotonic(), self.reconnected_at + 2 * self.gw.cfg.switchboard.lease_seconds)
-        while not self.gw.nc.is_closed:
+        deadline = max(time.monotonic(), self.reconnected_at + 2 * self.lease_s)
+        while not self.nc.is_closed:
             try:
-                return self.gw.require_serving(context)
+                return self.require_serving(context)
             except SwitchboardError:
                 if time.monotonic() >= deadline:
                     raise
             await asyncio.sleep(0.05)
 
-    def dead_owner(self, session) -> str | None:
+    def dead_owner(self, session: Session) -> str | None:
         tokenizer, engine = session.owners
         if tokenizer and not self.tokenizers.is_live(tokenizer):
             return f"tokenizer {tokenizer} died"
-        if engine and not self.gw.engines.is_live(engine):
+        if engine and not self.engines.is_live(engine):
             return f"engine {engine} died"
         return None

@@ -22,7 +22,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator
 
 from litestar import Request, Response, get
 from litestar.response import Stream
@@ -30,6 +30,11 @@ from litestar.response import Stream
 from shared import bus, subjects
 from shared.messages import decoder
 from shared.pd_messages import DResultFrame
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client
+
+    from services.gateway.pd.roles import Roles
 
 log = logging.getLogger("switchboard.gateway")
 LIMIT = 10_000  # frames kept while no coordinator reads (MindIE's dispatcher queue holds as many)
@@ -56,9 +61,14 @@ class Open:
 
 
 class DResults:
-    def __init__(self, gateway, limit: int = LIMIT):
-        self.gw = gateway
+    """``roles`` tells which prefill gateways are live; ``lease_s`` is how long one may stay silent."""
+
+    def __init__(self, nc: Client, instance: str, roles: Roles, heartbeat_s: float, lease_s: float,
+                 limit: int = LIMIT):
+        self.nc, self.instance, self.roles = nc, instance, roles
+        self.heartbeat_s, self.lease_s = heartbeat_s, lease_s
         self.limit = limit
+        self._watch: asyncio.Task | None = None
         self.frames: deque[bytes] = deque()
         self.wake = asyncio.Event()
         self.generation = 0  # the newest /dresult connection; older ones close
@@ -66,8 +76,8 @@ class DResults:
         self.decoder = decoder(DResultFrame)
 
     async def start(self) -> None:
-        await bus.subscribe(self.gw.nc, subjects.gateway_dresult(self.gw.instance), self.on_frame)
-        self.gw.spawn(self.watch())
+        await bus.subscribe(self.nc, subjects.gateway_dresult(self.instance), self.on_frame)
+        self._watch = asyncio.ensure_future(self.watch())
 
     # ---- frames in ----------------------------------------------------------------------------------
 
@@ -98,15 +108,14 @@ class DResults:
 
     async def watch(self) -> None:
         """End in ``retry:`` each open request whose prefill gateway died."""
-        while not self.gw.nc.is_closed:
-            await asyncio.sleep(self.gw.cfg.switchboard.heartbeat_s)
+        while not self.nc.is_closed:
+            await asyncio.sleep(self.heartbeat_s)
             self.check_origins()
 
     def check_origins(self) -> None:
-        lease = self.gw.cfg.switchboard.lease_seconds
         now = time.monotonic()
         for req_id, entry in list(self.open.items()):
-            if not self.gw.roles.is_live(entry.origin) and now - entry.heard > lease:
+            if not self.roles.is_live(entry.origin) and now - entry.heard > self.lease_s:
                 del self.open[req_id]
                 log.info("prefill server died: asking the coordinator to recompute", extra={"req_id": req_id})
                 self.push(frame(req_id, "retry", entry.retry))

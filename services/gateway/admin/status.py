@@ -15,21 +15,24 @@ from __future__ import annotations
 
 import asyncio
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from litestar import Request, Response, get, post
 from litestar.params import FromPath
 
-from services.gateway.call import Call
-from services.gateway.errors import mindie_error
-from services.gateway.session import Session
-from services.gateway.validation import BodyError, read_json_object
+from services.gateway.request.call import Call
+from services.gateway.request.session import Session
+from services.gateway.web.errors import mindie_error
+from services.gateway.web.validation import BodyError, read_json_object
+from shared import bus, subjects
 from shared.engines import combined
 from shared.errors import ErrorKind, SwitchboardError
-from shared import bus, subjects
 from shared.messages import EngineInfo, Sampling
 from shared.pd_messages import EngineRole
+
+if TYPE_CHECKING:
+    from services.gateway.core import Gateway
 
 TIMED = re.compile(r"^timed(?:-(\d+))?$")
 ROLE_422_TYPE = "Input validation error"  # the PD role endpoints' own casing (reference §4.2)
@@ -57,7 +60,7 @@ def _engines(request: Request) -> dict[str, EngineInfo]:
     return engines
 
 
-def _service(gateway) -> dict[str, str]:
+def _service(gateway: Gateway) -> dict[str, str]:
     status, role = gateway.roles.status()
     return {"roleStatus": status, "currentRole": role}
 
@@ -89,7 +92,7 @@ async def status_v2(request: Request) -> Response:
                      "linkStatus": {"peers": _links(request.app.state.gateway)}}, media_type="application/json")
 
 
-def _links(gateway) -> list[dict[str, str]]:
+def _links(gateway: Gateway) -> list[dict[str, str]]:
     return [{"target": ip, "link": "ok" if up else "linking"} for ip, up in gateway.roles.links().items()]
 
 
@@ -190,15 +193,13 @@ def _probe_timeout(probe: str) -> int:
     return int(digits)
 
 
-async def _one_token(gateway) -> Any:
+async def _one_token(gateway: Gateway) -> Any:
     """A real inference through tokenizer and engine: one greedy token, highest priority."""
-    call = Call(gateway, [Session(gateway, "", Sampling(do_sample=False, max_new_tokens=1), prompt_ids=[1],
-                                  priority=1)])
-    try:
+    ctx = gateway.context
+    async with Call(ctx, [Session(ctx, "", Sampling(do_sample=False, max_new_tokens=1), prompt_ids=[1],
+                                  priority=1)]) as call:
         await call.start()
         await call.results()
-    finally:
-        call.close()
 
 
 @get("/health/{probe:str}")

@@ -1,26 +1,32 @@
 """One client request of any family: its sessions (prompts x choices), one admission, one close.
 
 Every family runs its requests through a Call (``lifecycle.py`` drives it): admission of one slot
-per choice, start of every choice, then collect or stream, then close. ``close()`` is idempotent
-and never suspends, so whatever ends the request (its last token, an error, the client going away
-at any moment, a cancelled task) frees its slots and cancels its unfinished choices exactly once.
+per choice, start of every choice, then collect or stream, then close. A call is a context:
+``async with call:`` closes it on the way out, whatever ended the request (its last token, an error,
+the client going away at any moment, a cancelled task). An owner that outlives the ``async with`` —
+a streaming response, MindIE's PD relay — takes the call over with ``detach()`` and closes it itself.
+``close()`` is idempotent and never suspends, so it frees the slots and cancels unfinished choices
+exactly once, even inside a cancelled scope.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator
 
-from services.gateway.session import End, Session, Step
+from services.gateway.request.session import End, Session, Step
 from shared.errors import ErrorKind, SwitchboardError
 from shared.messages import Started
+
+if TYPE_CHECKING:
+    from services.gateway.request.context import SessionContext
 
 
 class Call:
     """Choice ``p * n + j`` is the ``j``-th sample of prompt ``p`` (vLLM's order)."""
 
-    def __init__(self, gateway, sessions: list[Session], n: int = 1):
-        self.gw = gateway
+    def __init__(self, ctx: SessionContext, sessions: list[Session], n: int = 1):
+        self.ctx = ctx
         self.sessions = sessions
         for index, session in enumerate(sessions):
             session.index = index
@@ -28,6 +34,20 @@ class Call:
         self.started: list[Started] = []
         self.held = 0  # slots this call holds
         self.closed = False
+        self.detached = False  # taken over by an owner that closes it itself
+
+    async def __aenter__(self) -> Call:
+        return self
+
+    async def __aexit__(self, *exc) -> bool:
+        if not self.detached:
+            self.close()
+        return False
+
+    def detach(self) -> Call:
+        """Take the call over from its ``async with``, which then leaves it open: the caller closes it."""
+        self.detached = True
+        return self
 
     def __len__(self) -> int:
         return len(self.sessions)
@@ -35,18 +55,15 @@ class Call:
     # ---- start ----------------------------------------------------------------------------------
 
     async def start(self) -> list[Started]:
-        """Admit (one slot per choice) and start every choice; on any failure or cancel, close and raise."""
-        try:
-            self.gw.require_engine()
-            await self.gw.slots.acquire(len(self.sessions))
-            self.held = len(self.sessions)
-            if self.closed:  # closed while waiting for the slots
-                raise asyncio.CancelledError()
-            self.started = await all_or_cancel([s.start() for s in self.sessions])
-            return self.started
-        except BaseException:
-            self.close()
-            raise
+        """Admit (one slot per choice) and start every choice; raises on any failure or cancel (the owner
+        closes the call)."""
+        self.ctx.admit()
+        await self.ctx.slots.acquire(len(self.sessions))
+        self.held = len(self.sessions)
+        if self.closed:  # closed while waiting for the slots
+            raise asyncio.CancelledError()
+        self.started = await all_or_cancel([s.start() for s in self.sessions])
+        return self.started
 
     # ---- results --------------------------------------------------------------------------------
 
@@ -109,7 +126,7 @@ class Call:
         self.closed = True
         if self.held:
             held, self.held = self.held, 0
-            self.gw.slots.release(held)
+            self.ctx.slots.release(held)
         for session in self.sessions:
             session.close()
 

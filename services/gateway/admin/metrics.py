@@ -8,6 +8,8 @@ TBT are the deployment's).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from litestar import Request, Response, get
 
 from shared import bus, subjects
@@ -15,10 +17,13 @@ from shared.engines import combined
 from shared.errors import ErrorKind, SwitchboardError
 from shared.messages import MetricsSnapshot, Ping, PrometheusText
 
+if TYPE_CHECKING:
+    from services.gateway.core import Gateway
+
 PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-async def _ask(gateway, subject: str, reply_type):
+async def _ask(gateway: Gateway, subject: str, reply_type):
     try:
         return await bus.request(gateway.nc, subject, Ping(), reply_type, timeout=2.0)
     except Exception:  # no metrics service: the scrape fails loudly but the gateway keeps serving

@@ -20,10 +20,10 @@ from typing import Any
 
 from litestar import Request, Response, post
 
-from services.gateway import lora_engines
-from services.gateway.lora_engines import FAILED, Answer
-from services.gateway.served import PD_SPLIT
-from services.gateway.validation import BodyError, read_json_object
+from services.gateway.admin import lora_engines
+from services.gateway.admin.lora_engines import FAILED, Answer
+from services.gateway.common.served import PD_SPLIT
+from services.gateway.web.validation import BodyError, read_json_object
 from shared import lora
 from shared.lora import Outcome
 from shared.messages import LoraCommand

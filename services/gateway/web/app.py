@@ -9,13 +9,15 @@ from litestar import Litestar
 from litestar.datastructures import State
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
-from services.gateway import dresult, generate, health, lora, metrics, status, stop
+from services.gateway.admin import health, lora, metrics, status, stop
 from services.gateway.core import Gateway
-from services.gateway.errors import EXCEPTION_HANDLERS
 from services.gateway.native import routes as native
 from services.gateway.openai_api import routes as openai_api
+from services.gateway.pd import dresult
 from services.gateway.tgi import routes as tgi
 from services.gateway.triton import routes as triton
+from services.gateway.web import generate
+from services.gateway.web.errors import EXCEPTION_HANDLERS
 
 BUSINESS_ROUTES = [*tgi.ROUTES, *generate.ROUTES, *openai_api.ROUTES, *triton.ROUTES, *native.ROUTES, *dresult.ROUTES]
 MANAGEMENT_ROUTES = [*health.ROUTES, *status.ROUTES, *stop.ROUTES, *lora.ROUTES, *triton.MANAGEMENT_ROUTES,

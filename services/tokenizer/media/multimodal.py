@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from services.tokenizer.media_fetch import fetch_refs
+from services.tokenizer.media.fetch import fetch_refs
 from shared.errors import validation
 from shared.media import MediaPolicy
 from shared.messages import ContentPart, GenerateRequest, MediaInputs, Tensor
@@ -140,7 +140,7 @@ class MediaProcessor:
         processor (which needs torchvision), so the prompt is tokenized alone, the images go through the
         image processor, each video's sampled frames through ``video.qwen2_vl_video`` (the video
         processor's computation), and both kinds of placeholder are expanded as the processor would."""
-        from services.tokenizer.video import expand_video_tokens, qwen2_vl_video
+        from services.tokenizer.media.video import expand_video_tokens, qwen2_vl_video
 
         image_processor = self.processor.image_processor
         tensors: dict[str, np.ndarray] = {}
@@ -161,7 +161,7 @@ class MediaProcessor:
         return prepared(ids, tensors)
 
     def _audio(self, data: bytes, index: int) -> np.ndarray:
-        from services.tokenizer.audio import decode_audio
+        from services.tokenizer.media.audio import decode_audio
 
         return decode_audio(data, index, self.processor.feature_extractor.sampling_rate)
 
@@ -170,7 +170,7 @@ class MediaProcessor:
         """SmolVLM2 with videos: each video's sampled frames become single images of the model (its
         ``<video>`` placeholder the processor's text: duration, frame timestamps, image tokens), as
         ``smolvlm_video`` computes what transformers' torchvision video processor would."""
-        from services.tokenizer.smolvlm_video import decode_smolvlm_video, expand_smolvlm_prompt, video_settings
+        from services.tokenizer.media.smolvlm_video import decode_smolvlm_video, expand_smolvlm_prompt, video_settings
 
         settings = video_settings(self.path)
         videos = [decode_smolvlm_video(data, i, settings) for i, (kind, data) in enumerate(items) if kind == "video"]
@@ -184,7 +184,7 @@ def prepared(ids: list[int], arrays: dict[str, Any]) -> Prepared:
 
 
 def _video(data: bytes, index: int) -> list:
-    from services.tokenizer.video import decode_video
+    from services.tokenizer.media.video import decode_video
 
     return decode_video(data, index, fps=VIDEO_FPS)
 
@@ -217,7 +217,7 @@ def _without_video(path: str):
     config = json.loads((folder / "processor_config.json").read_text())
     cls = getattr(transformers, config["processor_class"])
     if cls.__name__ == "SmolVLMProcessor":
-        from services.tokenizer.smolvlm_video import use_number_words
+        from services.tokenizer.media.smolvlm_video import use_number_words
 
         use_number_words()
     processor = cls.__new__(cls)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from services.gateway.validation import FLT_MAX, INT32_MAX, UINT64_MAX, Fields
+from services.gateway.web.validation import FLT_MAX, INT32_MAX, UINT64_MAX, Fields
 from shared.errors import validation
 from shared.messages import Sampling
 

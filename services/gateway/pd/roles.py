@@ -17,42 +17,52 @@ between the two servers goes over the bus both are connected to.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Callable
+
 from shared import bus, subjects
 from shared.leases import Leases
 from shared.messages import Heartbeat, decoder
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client
+
+    from shared.config import Config
 
 # which roles a peer may hold to be linked to a gateway of each role
 COMPLEMENT = {"prefill": ("decode", "flex"), "decode": ("prefill", "flex"), "flex": ("prefill", "decode", "flex")}
 
 
 class Roles:
-    def __init__(self, gateway):
-        self.gw = gateway
+    """``instance`` is this gateway's id; ``stopping()`` says whether it refuses new inference."""
+
+    def __init__(self, cfg: Config, nc: Client, instance: str, stopping: Callable[[], bool]):
+        self.cfg, self.nc, self.instance, self.stopping = cfg, nc, instance, stopping
+        self.model = cfg.model.model_name
         self.role = "none"  # set by /v1/role, /v2/role
         self.peers: list[str] = []  # the peer server IPs the last assignment named
-        self.gateways: Leases[Heartbeat] = Leases(gateway.cfg.switchboard.lease_seconds)  # every gateway, this one too
+        self.gateways: Leases[Heartbeat] = Leases(cfg.switchboard.lease_seconds)  # every gateway, this one too
         self.beats = decoder(Heartbeat)
 
     async def start(self) -> None:
-        await bus.subscribe(self.gw.nc, subjects.heartbeat("gateway"), self.on_beat)
+        await bus.subscribe(self.nc, subjects.heartbeat("gateway"), self.on_beat)
 
     async def on_beat(self, msg) -> None:
         beat = self.beats.decode(msg.data)
-        if beat.model in ("", self.gw.model):
+        if beat.model in ("", self.model):
             self.gateways.expire()
             self.gateways.beat(beat.instance, beat)
 
     @property
     def dmi(self) -> bool:
-        return self.gw.cfg.server.infer_mode == "dmi"
+        return self.cfg.server.infer_mode == "dmi"
 
     def assign(self, role: str, peers: list[str]) -> None:
         self.role, self.peers = role, list(dict.fromkeys(peers))
 
     def heartbeat(self) -> Heartbeat:
-        server = self.gw.cfg.server
-        return Heartbeat(service="gateway", instance=self.gw.instance, model=self.gw.model,
-                         stopping=self.gw.stopping, server=f"{server.ip_address}:{server.port}",
+        server = self.cfg.server
+        return Heartbeat(service="gateway", instance=self.instance, model=self.model,
+                         stopping=self.stopping(), server=f"{server.ip_address}:{server.port}",
                          role="" if self.role == "none" else self.role, dmi=self.dmi)
 
     # ---- status -----------------------------------------------------------------------------------
@@ -60,7 +70,7 @@ class Roles:
     def links(self) -> dict[str, bool]:
         """Each peer IP the assignment named: is a gateway of the complementary role live there?"""
         wanted = COMPLEMENT.get(self.role, ())
-        live = [b for i, b in self.gateways.live().items() if i != self.gw.instance and b.dmi and b.role in wanted]
+        live = [b for i, b in self.gateways.live().items() if i != self.instance and b.dmi and b.role in wanted]
         return {ip: any(_host(b.server) == ip for b in live) for ip in self.peers}
 
     def status(self) -> tuple[str, str]:

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from litestar import Request, Response, get
 
-from services.gateway.errors import mindie_error
+from services.gateway.web.errors import mindie_error
 from shared.errors import ErrorKind
 
+if TYPE_CHECKING:
+    from services.gateway.core import Gateway
 
-def _links_down(gateway) -> Response | None:
+
+def _links_down(gateway: Gateway) -> Response | None:
     """In dmi mode, once a role is assigned: 500 while a peer it named is not linked (reference §3.1)."""
     roles = gateway.roles
     if roles.dmi and roles.role != "none" and not all(roles.links().values()):

@@ -144,7 +144,7 @@ def _outsized_integer(data: dict[str, Any]) -> str | None:
 
 def text_input(value: Any, key: str) -> str:
     """A prompt that must be one string of 1..MAX_INPUT_CHARS characters (the list form is read by
-    ``services.gateway.content``, which hands its joined text here)."""
+    ``services.gateway.common.content``, which hands its joined text here)."""
     if not isinstance(value, str):
         raise validation(f"{key} must be string type.", key)
     if not 0 < len(value) <= MAX_INPUT_CHARS:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from litestar import Request, Response, Router, post
 
-from services.gateway.errors import TGI_EXCEPTION_HANDLERS
 from services.gateway.tgi import routes as tgi
-from services.gateway.validation import parse_json_object
 from services.gateway.vllm import routes as vllm
+from services.gateway.web.errors import TGI_EXCEPTION_HANDLERS
+from services.gateway.web.validation import parse_json_object
 
 
 @post("/generate", status_code=200)

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from services.gateway.validation import json_kind
+from services.gateway.web.validation import json_kind
 from shared.errors import SwitchboardError, validation
 from shared.media import MediaPolicy, MediaRefused, check_request
 from shared.messages import ContentPart, MediaRef

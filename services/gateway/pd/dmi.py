@@ -32,8 +32,8 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 import msgspec
 from litestar import Request, Response
 
-from services.gateway.call import Call
-from services.gateway.disconnect import ClientDisconnected, unless_disconnected
+from services.gateway.request.call import Call
+from services.gateway.request.disconnect import ClientDisconnected, unless_disconnected
 from shared import bus, subjects
 from shared.errors import SwitchboardError, validation
 from shared.pd_messages import DResultFrame
@@ -67,7 +67,7 @@ class Ticket:
 
 def admit(request: Request, call: Call, stop_ok: bool) -> Ticket:
     """Check role, headers and the parameters PD split refuses; raises Refused or a validation error."""
-    roles = call.gw.roles
+    roles = call.ctx.roles
     status, _ = roles.status()
     if status != "RoleReady":
         raise Refused(503, f"The PD role of this server is not ready ({status}): the coordinator assigns it "
@@ -126,20 +126,26 @@ def _refuse_parameters(call: Call, stop_ok: bool) -> None:
 
 
 class Relay:
-    """Frames of one request to its decode gateway, numbered from 0 (``open``)."""
+    """Frames of one request to its decode gateway, numbered from 0 (``open``). Once the first-token JSON
+    is answered, the relay owns the call (``Call.detach``) and closes it when its frames are sent."""
 
     def __init__(self, call: Call, ticket: Ticket):
         self.call, self.ticket = call, ticket
         self.seq = 0
 
     async def send(self, kind: str, body: bytes) -> None:
-        gw = self.call.gw
-        await bus.publish(gw.nc, subjects.gateway_dresult(self.ticket.target),
-                          DResultFrame(self.ticket.req_id, kind, self.seq, gw.instance, body))
+        ctx = self.call.ctx
+        await bus.publish(ctx.nc, subjects.gateway_dresult(self.ticket.target),
+                          DResultFrame(self.ticket.req_id, kind, self.seq, ctx.instance, body))
         self.seq += 1
 
     def target_live(self) -> bool:
-        return self.call.gw.roles.is_live(self.ticket.target)
+        return self.call.ctx.roles.is_live(self.ticket.target)
+
+    def take_over(self, work: Callable[[], Awaitable[None]]) -> None:
+        """Own the call from now on: send the rest of its frames in the background (``finish``)."""
+        self.call.detach()
+        self.call.ctx.spawn(self.finish(work))
 
     async def finish(self, work: Callable[[], Awaitable[None]]) -> None:
         """Run ``work`` (which sends the frames), then ``error:`` on a failure; close the call however it ends."""
@@ -170,27 +176,23 @@ def _reply(ticket: Ticket, streaming: bool, output: bytes | None = None, last: b
 
 async def respond(request: Request, call: Call, ticket: Ticket, streaming: bool, body: Callable[[], Awaitable[Any]],
                   chunks: Callable[[], AsyncIterator[bytes]], trailer: bytes) -> Response:
-    """The started call's first-token JSON; the rest goes on in the background to the decode server."""
+    """The started call's first-token JSON; the rest goes on in the background to the decode server (the
+    relay takes the call over then; until then its caller's ``async with`` owns it)."""
     relay = Relay(call, ticket)
     try:
         if streaming:
             return await _respond_stream(request, relay, chunks(), trailer)
         return await _respond_body(request, relay, body)
     except ClientDisconnected:
-        call.close()
         return Response(b"", status_code=499)
-    except BaseException:
-        call.close()
-        raise
 
 
 async def _respond_stream(request: Request, relay: Relay, it: AsyncIterator[bytes], trailer: bytes) -> Response:
     head, ended = await unless_disconnected(request, _until_first_tokens(relay.call, it))
     if ended:
-        relay.call.close()
         return _reply(relay.ticket, True, head + trailer, last=True)
     await relay.send("open", await request.body())
-    relay.call.gw.spawn(relay.finish(lambda: _relay_stream(relay, it, trailer)))
+    relay.take_over(lambda: _relay_stream(relay, it, trailer))
     return _reply(relay.ticket, True, head)
 
 
@@ -227,17 +229,15 @@ async def _respond_body(request: Request, relay: Relay, body: Callable[[], Await
     finally:
         first.cancel()
     if task.done():
-        output = _render(task.result())
-        call.close()
-        return _reply(relay.ticket, False, output, last=True)
+        return _reply(relay.ticket, False, _render(task.result()), last=True)
     await relay.send("open", await request.body())
-    call.gw.spawn(relay.finish(lambda: _relay_body(relay, task)))
+    relay.take_over(lambda: _relay_body(relay, task))
     return _reply(relay.ticket, False)
 
 
 async def _relay_body(relay: Relay, task: asyncio.Future) -> None:
     while not task.done():
-        await asyncio.wait({task}, timeout=relay.call.gw.cfg.switchboard.heartbeat_s)
+        await asyncio.wait({task}, timeout=relay.call.ctx.heartbeat_s)
         if not task.done() and not relay.target_live():
             task.cancel()
             raise _TargetGone()

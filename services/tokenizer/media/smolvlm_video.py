@@ -141,7 +141,7 @@ def decode_smolvlm_video(data: bytes, index: int, settings: VideoSettings = Vide
     A stream without a frame rate cannot be timed (transformers refuses to sample it): 422."""
     import av
 
-    from services.tokenizer.video import (
+    from services.tokenizer.media.video import (
         _count_frames,
         _decode_at,
         _frame_rate,

@@ -7,7 +7,7 @@ import logging
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
 
-from services.gateway.disconnect import ClientDisconnected
+from services.gateway.request.disconnect import ClientDisconnected
 from shared.errors import MINDIE_TYPE, STATUS, TGI_TYPE, ErrorKind, SwitchboardError
 
 log = logging.getLogger("switchboard.gateway")

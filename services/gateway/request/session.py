@@ -1,6 +1,6 @@
 """One choice's round trip: publish to the tokenizer, read its events as steps, cancel, report metrics.
 
-A session is always owned by a :class:`~services.gateway.call.Call`, which admits it, starts it and
+A session is always owned by a :class:`~services.gateway.request.call.Call`, which admits it, starts it and
 closes it. Its events reach the family builders as :class:`Step` items; the last one carries an
 :class:`End` (text, finish reason, counts), so no builder re-derives the end of a stream.
 """
@@ -12,13 +12,29 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator
 
 import msgspec
 
 from shared import bus, subjects, telemetry
 from shared.errors import ErrorInfo, ErrorKind, SwitchboardError
-from shared.messages import Cancel, CancelKind, Failed, Finished, FinishReason, FirstToken, GenerateRequest, Output, Received, Sampling, Started, TokenOut
+from shared.messages import (
+    Cancel,
+    CancelKind,
+    Failed,
+    Finished,
+    FinishReason,
+    FirstToken,
+    GenerateRequest,
+    Output,
+    Received,
+    Sampling,
+    Started,
+    TokenOut,
+)
+
+if TYPE_CHECKING:
+    from services.gateway.request.context import SessionContext
 
 log = logging.getLogger("switchboard.gateway")
 START_TIMEOUT_S = 30.0
@@ -60,16 +76,16 @@ class Step:
 class Session:
     """``user_id`` is the id a client gave the request (Triton ``id``), by which stopInfer finds it."""
 
-    def __init__(self, gateway, prompt: str, sampling: Sampling, user_id: str | None = None, **fields):
-        self.gw = gateway
+    def __init__(self, ctx: SessionContext, prompt: str, sampling: Sampling, user_id: str | None = None, **fields):
+        self.ctx = ctx
         self.id = uuid.uuid4().hex
         self.user_id = user_id or self.id
         self.arrival = time.time()
-        self.reply_to, self.queue = gateway.mailboxes.open(self.id)
+        self.reply_to, self.queue = ctx.mailboxes.open(self.id)
         self.span = telemetry.start_span("gateway.request", None, **{"switchboard.request_id": self.id})
         self.request = GenerateRequest(
-            id=self.id, trace=telemetry.inject(self.span), model=gateway.model, reply_to=self.reply_to,
-            prompt=prompt, sampling=sampling, arrival=self.arrival, gateway=gateway.instance, **fields,
+            id=self.id, trace=telemetry.inject(self.span), model=ctx.model, reply_to=self.reply_to,
+            prompt=prompt, sampling=sampling, arrival=self.arrival, gateway=ctx.instance, **fields,
         )
         self.span.set_attribute("switchboard.adapter", self.request.adapter)  # "" = the base model
         self.attempt = 0  # resumes so far; the request's id on the bus is ``current_id``
@@ -87,16 +103,17 @@ class Session:
 
     async def start(self) -> Started:
         """Publish the request and wait for the tokenizer's answer (raises on a validation error)."""
-        self.gw.register(self)
-        self.gw.emit(Received(id=self.id, model=self.gw.model, adapter=self.request.adapter))
+        self.ctx.inflight.add(self)
+        self.ctx.emit(Received(id=self.id, model=self.ctx.model, adapter=self.request.adapter))
         self.published = True
         deadline = time.monotonic() + START_TIMEOUT_S
-        deaths, patience = self.gw.failover.tokenizer_deaths, 0.0
+        failover = self.ctx.failover
+        deaths, patience = failover.tokenizer_deaths, 0.0
         while True:
-            subject = subjects.TOKENIZER_GENERATE if self.attempt == 0 else self.gw.failover.tokenizer_subject()
-            await bus.publish(self.gw.nc, subject, msgspec.structs.replace(self.request, id=self.current_id))
+            subject = subjects.TOKENIZER_GENERATE if self.attempt == 0 else failover.tokenizer_subject()
+            await bus.publish(self.ctx.nc, subject, msgspec.structs.replace(self.request, id=self.current_id))
             asked = time.monotonic()
-            event = await self._answer(deadline, lambda: self.gw.failover.tokenizer_deaths != deaths
+            event = await self._answer(deadline, lambda: failover.tokenizer_deaths != deaths
                                        and time.monotonic() - asked >= patience)
             if isinstance(event, Started):
                 self.started = event
@@ -107,13 +124,13 @@ class Session:
                 raise SwitchboardError(ErrorKind.UNAVAILABLE, "the tokenizer service did not answer")
             # A tokenizer died since the first try: it may have held this request.
             self._supersede("a tokenizer died before it answered")
-            patience = self.gw.resume_timeout_s  # the next try goes to a live tokenizer: give it time
+            patience = self.ctx.resume_timeout_s  # the next try goes to a live tokenizer: give it time
 
     async def _answer(self, deadline: float, ask_again=lambda: False):
         """The current attempt's Started or Failed; None at the deadline, or once ``ask_again()`` (checked
         every heartbeat interval) says to give up on this attempt. Resume markers that come meanwhile are
         dropped: the attempt being awaited supersedes them."""
-        tick = self.gw.cfg.switchboard.heartbeat_s
+        tick = self.ctx.heartbeat_s
         while (left := deadline - time.monotonic()) > 0:
             try:
                 event = await asyncio.wait_for(self.queue.get(), min(left, tick))
@@ -129,7 +146,7 @@ class Session:
         """Cancel the current attempt and move on to the next id (at most MAX_RESUMES times)."""
         if self.attempt >= MAX_RESUMES:
             raise self._fail(ErrorKind.UNAVAILABLE, f"the request was lost {self.attempt + 1} times ({reason})")
-        self.gw.spawn(bus.publish(self.gw.nc, subjects.CANCEL, Cancel(id=self.current_id, reason=CancelKind.SUPERSEDED)))
+        self.ctx.spawn(bus.publish(self.ctx.nc, subjects.CANCEL, Cancel(id=self.current_id, reason=CancelKind.SUPERSEDED)))
         self.attempt += 1
         log.info("resuming request", extra={"request_id": self.id, "attempt": self.attempt, "reason": reason,
                                             "position": len(self.tokens)})
@@ -156,7 +173,7 @@ class Session:
         Exactly once: each output carries its position; a gap (a lost event), a retryable failure or
         a dead owner resumes the request from the tokens already delivered, and anything delivered
         twice is dropped."""
-        timeout = float(self.gw.cfg.server.token_timeout) + 5.0
+        timeout = self.ctx.token_timeout_s
         while self.finish_reason is None:
             event = await self._next(timeout, "no token arrived within tokenTimeout")
             if isinstance(event, Resume):
@@ -181,7 +198,7 @@ class Session:
         """Supersede the current attempt with one that starts from the tokens delivered so far, through any
         live tokenizer and engine (greedy and seeded requests give exactly the tokens of an unbroken run)."""
         while True:
-            await self.gw.failover.wait_serving(f"the request was interrupted ({reason}) and")
+            await self.ctx.failover.wait_serving(f"the request was interrupted ({reason}) and")
             self._supersede(reason)
             event = await self._publish_attempt()
             if isinstance(event, Started):
@@ -197,8 +214,8 @@ class Session:
         sampling = msgspec.structs.replace(self.request.sampling, seed=self.started.seed)
         request = msgspec.structs.replace(self.request, id=self.current_id, sampling=sampling,
                                           resume_ids=[t.id for t in self.tokens])
-        await bus.publish(self.gw.nc, self.gw.failover.tokenizer_subject(), request)
-        event = await self._answer(time.monotonic() + self.gw.resume_timeout_s)
+        await bus.publish(self.ctx.nc, self.ctx.failover.tokenizer_subject(), request)
+        event = await self._answer(time.monotonic() + self.ctx.resume_timeout_s)
         return event or Failed(id=self.current_id, error=ErrorInfo(ErrorKind.UNAVAILABLE, "no tokenizer answered"),
                       retryable=True)
 
@@ -233,7 +250,7 @@ class Session:
             self.prompt = event.prompt
         if event.tokens and self.first_token_at is None:
             self.first_token_at = time.time()
-            self.gw.emit(FirstToken(id=self.id, model=self.gw.model, ttft_s=self.first_token_at - self.arrival))
+            self.ctx.emit(FirstToken(id=self.id, model=self.ctx.model, ttft_s=self.first_token_at - self.arrival))
         self.tokens.extend(event.tokens)
         self.generated = event.generated_tokens
         self.finish_reason = event.finish_reason
@@ -251,15 +268,15 @@ class Session:
         if self.closed:
             return
         self.closed = True
-        self.gw.mailboxes.close(self.id)
-        self.gw.unregister(self)
+        self.ctx.mailboxes.close(self.id)
+        self.ctx.inflight.remove(self)
         if not self.published:
             telemetry.end_span(self.span, None, **{"switchboard.finish_reason": "not_started"})
             return
         if self.finish_reason is None:
             self.finish_reason = FinishReason.CANCELLED
-            self.gw.spawn(bus.publish(self.gw.nc, subjects.CANCEL, Cancel(id=self.current_id,
-                                                                          reason=CancelKind.CLIENT_DISCONNECTED)))
+            self.ctx.spawn(bus.publish(self.ctx.nc, subjects.CANCEL, Cancel(id=self.current_id,
+                                                                            reason=CancelKind.CLIENT_DISCONNECTED)))
         self._report()
 
     def _report(self) -> None:
@@ -268,6 +285,6 @@ class Session:
         prompt_tokens = self.started.prompt_tokens if self.started else 0
         telemetry.end_span(self.span, "failed" if self.finish_reason is FinishReason.ERROR else None, **{
             "switchboard.finish_reason": str(self.finish_reason), "switchboard.generated_tokens": self.generated})
-        self.gw.emit(Finished(id=self.id, model=self.gw.model, arrival=self.arrival, e2e_s=now - self.arrival,
-                              ttft_s=ttft, prompt_tokens=prompt_tokens, generated_tokens=self.generated,
-                              finish_reason=self.finish_reason, adapter=self.request.adapter))
+        self.ctx.emit(Finished(id=self.id, model=self.ctx.model, arrival=self.arrival, e2e_s=now - self.arrival,
+                               ttft_s=ttft, prompt_tokens=prompt_tokens, generated_tokens=self.generated,
+                               finish_reason=self.finish_reason, adapter=self.request.adapter))

@@ -4,9 +4,10 @@
    (validation, 429, 503) are ordinary responses, since no byte has been sent yet.
 2. ``collect``: the whole body, raced against the client going away (then 499, nobody reads it).
 3. ``stream``: the family's chunks; a failure after the start becomes the family's error event.
-4. Close, exactly once, whatever happened: the call's ``close()`` never suspends, so it completes
-   even inside a cancelled scope (Litestar cancels a stream's task group when the client leaves);
-   the stream also closes its call in the response's background task, which runs after any end.
+4. Close, exactly once, whatever happened: ``respond`` holds the call in ``async with``; a stream
+   takes it over (``detach``) and closes it in its ``finally`` and in the response's background task,
+   which runs after any end. The call's ``close()`` never suspends, so it completes even inside a
+   cancelled scope (Litestar cancels a stream's task group when the client leaves).
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from litestar import Request, Response
 from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 
-from services.gateway import dmi
-from services.gateway.call import Call
-from services.gateway.disconnect import ClientDisconnected, unless_disconnected
+from services.gateway.pd import dmi
+from services.gateway.request.call import Call
+from services.gateway.request.disconnect import ClientDisconnected, unless_disconnected
 from shared.errors import ErrorKind, SwitchboardError
 from shared.messages import Started
 
@@ -32,11 +33,7 @@ ErrorChunk = Callable[[SwitchboardError], bytes]
 
 async def start(request: Request, call: Call) -> list[Started]:
     """Admit and start the call; a client gone meanwhile raises ClientDisconnected (a quiet 499)."""
-    try:
-        return await unless_disconnected(request, call.start())
-    finally:
-        if not call.started:
-            call.close()
+    return await unless_disconnected(request, call.start())
 
 
 async def collect(request: Request, call: Call, work: Awaitable[Any], media_type: str = "application/json") -> Response:
@@ -45,8 +42,6 @@ async def collect(request: Request, call: Call, work: Awaitable[Any], media_type
         body = await unless_disconnected(request, work)
     except ClientDisconnected:
         return Response(b"", status_code=499)
-    finally:
-        call.close()
     if isinstance(body, Response):
         return body
     return Response(body, media_type=media_type)
@@ -54,7 +49,9 @@ async def collect(request: Request, call: Call, work: Awaitable[Any], media_type
 
 def stream(call: Call, chunks: AsyncIterator[bytes], error_chunk: ErrorChunk, media_type: str = "text/event-stream",
            trailer: bytes = b"") -> Stream:
-    """A streaming response of ``chunks``; a failure becomes ``error_chunk(exc)``; ``trailer`` ends it."""
+    """A streaming response of ``chunks``; a failure becomes ``error_chunk(exc)``; ``trailer`` ends it. The
+    stream owns the call from here: it closes it at its end, or in the background task if it never ran."""
+    call.detach()
     return Stream(_framed(call, chunks, error_chunk, trailer), media_type=media_type, headers=SSE_HEADERS,
                   background=BackgroundTask(call.aclose))
 
@@ -78,14 +75,15 @@ async def respond(request: Request, call: Call, streaming: bool, body: Callable[
                   chunks: Callable[[], AsyncIterator[bytes]], error_chunk: ErrorChunk,
                   media_type: str = "text/event-stream", trailer: bytes = b"", stop_ok: bool = False) -> Response:
     """The whole lifecycle: start, then a JSON body or a stream. In ``inferMode`` "dmi" the request came from
-    a coordinator: it is admitted by its headers, and answered with the first-token JSON (``dmi.py``);
+    a coordinator: it is admitted by its headers, and answered with the first-token JSON (``pd/dmi.py``);
     ``stop_ok`` says the family takes stop words there (the OpenAI routes)."""
-    if call.gw.roles.dmi:
-        return await _respond_dmi(request, call, streaming, body, chunks, trailer, stop_ok)
-    await start(request, call)
-    if streaming:
-        return stream(call, chunks(), error_chunk, media_type, trailer)
-    return await collect(request, call, body())
+    async with call:
+        if call.ctx.roles.dmi:
+            return await _respond_dmi(request, call, streaming, body, chunks, trailer, stop_ok)
+        await start(request, call)
+        if streaming:
+            return stream(call, chunks(), error_chunk, media_type, trailer)
+        return await collect(request, call, body())
 
 
 async def _respond_dmi(request: Request, call: Call, streaming: bool, body: Callable[[], Awaitable[Any]],
@@ -93,10 +91,6 @@ async def _respond_dmi(request: Request, call: Call, streaming: bool, body: Call
     try:
         ticket = dmi.admit(request, call, stop_ok)
     except dmi.Refused as refused:
-        call.close()
         return refused.response()
-    except BaseException:
-        call.close()
-        raise
     await start(request, call)
     return await dmi.respond(request, call, ticket, streaming, body, chunks, trailer)

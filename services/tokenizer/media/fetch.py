@@ -6,7 +6,7 @@ or the file swapped for a symlink after the check is refused), must still be a r
 the kind's limit, and is read up to that limit. A data: URL is decoded once, strictly. A URL's host
 name is resolved here and every address it resolves to is checked (a name may not lead to loopback,
 link-local or private addresses unless the policy allows them); the connection goes to a checked
-address with the name in ``Host`` and SNI (``media_http``), so a second resolution cannot redirect it.
+address with the name in ``Host`` and SNI (``media/http.py``), so a second resolution cannot redirect it.
 Redirects (at most ``MediaPolicy.max_redirects``) are each checked like the first URL. Content
 is recognised by its signature (JPEG, PNG, MP4, ...), not by its name or Content-Type.
 
@@ -25,7 +25,7 @@ import socket
 import stat
 from urllib.parse import urljoin
 
-from services.tokenizer import media_http
+from services.tokenizer.media import http as media_http
 from shared.errors import validation
 from shared.media import (
     KIND_NAMES,
