@@ -21,9 +21,10 @@ import torch
 from services.engine.block_manager import BlockManager, blocks_for
 from services.engine.grammar import Constraints, apply_masks
 from services.engine.isolation import Outcome, run_isolated
-from services.engine.kv_transfer import KvImport, KvLayout, export_blocks, import_blocks
+from services.engine.kv_transfer import KvImport
 from services.engine.model_runner import ModelRunner
 from services.engine.multimodal import salt
+from services.engine.pd import Handoff, KvHandoff
 from services.engine.sampler import raw_logprobs, sample, token_logprob
 from services.engine.scheduler import Finish, Limits, Scheduled, Scheduler
 from services.engine.sequence import Sequence
@@ -73,16 +74,6 @@ class _Abort:
 
 
 @dataclass(frozen=True)
-class Handoff:
-    """A request whose prompt this (prefill) engine computed and whose first token it sampled, to go on
-    on a decode engine: the request as received, its tokens so far and its prompt's K/V."""
-
-    request: EngineRequest
-    generated_ids: list[int]
-    kv: KvImport
-
-
-@dataclass(frozen=True)
 class _Received:
     """A handed-off request arriving at this (decode) engine with its prompt's K/V."""
 
@@ -94,10 +85,10 @@ class Engine:
     def __init__(self, runner: ModelRunner, limits: Limits, eos_token_ids: set[int], prefix_cache: bool = False):
         self.runner = runner
         self.blocks = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_cache=prefix_cache)
+        self.kv = KvHandoff(runner, self.blocks)  # PD disaggregation, at its three points (pd.py)
         self.scheduler = Scheduler(limits, self.blocks, eos_token_ids, on_finish=self._release_adapter,
-                                   on_admit=self._write_received_kv)
+                                   on_admit=self.kv.on_allocated)
         self.inbox: queue.SimpleQueue[EngineRequest | _Abort | _Received] = queue.SimpleQueue()
-        self.handoffs: list[Handoff] = []  # prefill role: requests ready for a decode engine (taken by the service)
         self.stats = Stats()
         self.held_until: float | None = None  # set by a step that held a small first batch back
         self.constraints = Constraints(runner.path, runner.model.lm_head.out_features)
@@ -113,15 +104,12 @@ class Engine:
         self.inbox.put(_Received(req, kv))
 
     def cached_blocks(self, req: EngineRequest) -> int:
-        """How many leading blocks of a handed-over request this engine's prefix cache holds now (those
-        K/V need not travel). Read from the bus's thread: a block evicted meanwhile is noticed on admission."""
-        seq = Sequence(req.id, req.prompt_ids, req.sampling)
-        seq.token_ids.extend(req.generated_ids)
-        return self.blocks.cached_tokens(seq) // self.blocks.block_size
+        """How many leading blocks of a handed-over request this engine holds now (``KvHandoff.cached_blocks``)."""
+        return self.kv.cached_blocks(req)
 
     def take_handoffs(self) -> list[Handoff]:
-        taken, self.handoffs = self.handoffs, []
-        return taken
+        """Prefill role: the requests ready for a decode engine since the last call (taken by the service)."""
+        return self.kv.take()
 
     def abort(self, request_id: str, reason: CancelKind = CancelKind.CANCELLED) -> None:
         self.inbox.put(_Abort(request_id, reason))
@@ -240,28 +228,11 @@ class Engine:
         seq.matcher = seq.request = seq.kv_import = None
 
     def _hand_off(self, seqs: list[Sequence]) -> None:
-        """Prefill role: each of ``seqs`` has its prompt's K/V and its first token; export the K/V, end the
-        sequence here (its first token is still reported) and queue it for a decode engine."""
+        """Prefill role: each of ``seqs`` has its prompt's K/V and its first token; they go to a decode engine
+        (``KvHandoff.on_prompt_done``) and the sequence ends here (its first token is still reported)."""
         for seq in seqs:
-            kv = KvImport(KvLayout.of(self.runner), seq.num_prompt_tokens,
-                          export_blocks(self.runner, seq.block_table, seq.num_prompt_tokens))
-            self.handoffs.append(Handoff(seq.request, list(seq.token_ids[seq.num_prompt_tokens:]), kv))
-            self._release(seq)  # its first token is still reported
-
-    def _write_received_kv(self, seq: Sequence) -> None:
-        """A handed-off sequence got its blocks: write the received K/V of its prompt (less the prefix
-        its blocks already hold); if they do not fit, or blocks that were cached when the transfer began
-        (so not sent) were evicted since, the prompt is recomputed, as for any resumed request."""
-        kv, seq.kv_import = seq.kv_import, None
-        if kv is None or seq.num_computed >= kv.num_tokens:
-            return
-        try:
-            done = import_blocks(self.runner, seq.block_table, kv, seq.num_computed // self.blocks.block_size)
-        except ValueError as exc:
-            log.warning("received K/V refused: recomputing the prompt", extra={"request_id": seq.id, "error": str(exc)})
-            return
-        start, seq.num_computed = seq.num_computed, done
-        self.blocks.cache_computed(seq, start)
+            self.kv.on_prompt_done(seq)
+            self._release(seq)
 
     def _end_failed(self, outcome: Outcome[Computed]) -> list[TokenEvent]:
         """End each request the step fails for, alone, with an internal error; free its blocks."""

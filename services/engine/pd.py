@@ -1,5 +1,14 @@
 """Prefill/decode disaggregation over the bus: a prefill engine hands each request on to a decode engine.
 
+Inside the engine, ``KvHandoff`` is called at three named points (the shape of vLLM's KV connector):
+
+* ``cached_blocks(req)`` (decode side, as a transfer begins): how many leading blocks of the request
+  this engine's prefix cache holds; their K/V do not travel;
+* ``on_allocated(seq)`` (decode side, from the scheduler): a handed-over sequence got its blocks; the
+  received K/V are written into them (or, when they do not fit, the prompt is recomputed);
+* ``on_prompt_done(seq)`` (prefill side, after the step that sampled its first token): its prompt's
+  K/V are exported and the request queued as a ``Handoff`` for the engine service (``take``).
+
 After a prefill engine has computed a request's prompt and first token (``Engine.take_handoffs``), it
 picks the least loaded live decode engine from the engines' heartbeats and sends it the request and
 the prompt's K/V (``kv_transfer``) as ``KvPart`` messages of at most ``PART_BYTES``, one at a time,
@@ -24,21 +33,75 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Union
+from typing import TYPE_CHECKING, Callable, Union
 
 import msgspec
 from nats.aio.msg import Msg as NatsMsg
 
-from services.engine.engine import Handoff
-from services.engine.kv_transfer import KvImport, KvLayout
+from services.engine.kv_transfer import KvImport, KvLayout, export_blocks, import_blocks
+from services.engine.sequence import Sequence
 from shared import bus, subjects, telemetry
 from shared.leases import Leases
 from shared.messages import EngineInfo, EngineRequest, KvTransferred, decoder, encode
 from shared.pd_messages import KvAck, KvPart
 
+if TYPE_CHECKING:
+    from services.engine.block_manager import BlockManager
+    from services.engine.model_runner import ModelRunner
+
 log = logging.getLogger("switchboard.engine")
 
 PART_BYTES = 8 << 20  # K/V bytes per message: well under the bus's 64 MiB, a few blocks at a time
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """A request whose prompt this (prefill) engine computed and whose first token it sampled, to go on
+    on a decode engine: the request as received, its tokens so far and its prompt's K/V."""
+
+    request: EngineRequest
+    generated_ids: list[int]
+    kv: KvImport
+
+
+class KvHandoff:
+    """The engine's side of a handoff, at its three points (see the module's docstring). Called from the
+    engine's thread, except ``cached_blocks`` (the bus's thread; a block evicted meanwhile is noticed on
+    admission, and the prompt recomputed)."""
+
+    def __init__(self, runner: ModelRunner, blocks: BlockManager):
+        self.runner, self.blocks = runner, blocks
+        self.ready: list[Handoff] = []  # prefill role: handoffs not yet taken by the engine service
+
+    def cached_blocks(self, req: EngineRequest) -> int:
+        seq = Sequence(req.id, req.prompt_ids, req.sampling)
+        seq.token_ids.extend(req.generated_ids)
+        return self.blocks.cached_tokens(seq) // self.blocks.block_size
+
+    def on_allocated(self, seq: Sequence) -> None:
+        """Write the received K/V of its prompt (less the prefix its blocks already hold); if they do not
+        fit, or blocks that were cached when the transfer began (so not sent) were evicted since, the
+        prompt is recomputed, as for any resumed request."""
+        kv, seq.kv_import = seq.kv_import, None
+        if kv is None or seq.num_computed >= kv.num_tokens:
+            return
+        try:
+            done = import_blocks(self.runner, seq.block_table, kv, seq.num_computed // self.blocks.block_size)
+        except ValueError as exc:
+            log.warning("received K/V refused: recomputing the prompt", extra={"request_id": seq.id, "error": str(exc)})
+            return
+        start, seq.num_computed = seq.num_computed, done
+        self.blocks.cache_computed(seq, start)
+
+    def on_prompt_done(self, seq: Sequence) -> None:
+        """Export its prompt's K/V and queue it, with its first token, for a decode engine."""
+        kv = KvImport(KvLayout.of(self.runner), seq.num_prompt_tokens,
+                      export_blocks(self.runner, seq.block_table, seq.num_prompt_tokens))
+        self.ready.append(Handoff(seq.request, list(seq.token_ids[seq.num_prompt_tokens:]), kv))
+
+    def take(self) -> list[Handoff]:
+        taken, self.ready = self.ready, []
+        return taken
 
 
 @dataclass(frozen=True)

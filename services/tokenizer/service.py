@@ -103,6 +103,8 @@ class TokenizerService:
         self.tokenizes = decoder(Tokenize)
         self.engine_beats = decoder(EngineInfo)
         self.beats = decoder(Heartbeat)
+        self.view_since = time.monotonic()  # since when the engines' leases here are heard first-hand
+        self.reconnects = 0
 
     async def start(self) -> None:
         await bus.subscribe(self.nc, subjects.TOKENIZER_GENERATE, self.on_request, queue=subjects.TOKENIZER_QUEUE)
@@ -120,6 +122,7 @@ class TokenizerService:
         """Say this instance is alive four times per lease; drop the requests of dead gateways."""
         beat = Heartbeat(service="tokenizer", instance=self.instance, model=self.model)
         while not stop.is_set():
+            self.note_reconnects()
             await bus.publish(self.nc, subjects.heartbeat("tokenizer"), beat)
             await self.drop_orphans()
             await self.resume_lost_handoffs()
@@ -127,6 +130,22 @@ class TokenizerService:
                 await asyncio.wait_for(stop.wait(), self.cfg.switchboard.heartbeat_s)
             except asyncio.TimeoutError:
                 pass
+
+    def note_reconnects(self) -> None:
+        """A bus that came back may have missed heartbeats: the view of the engines starts over then."""
+        reconnects = self.nc.stats.get("reconnects", 0)
+        if reconnects != self.reconnects:
+            self.reconnects, self.view_since = reconnects, time.monotonic()
+
+    def engine_patience(self) -> float:
+        """How long a request waits for an engine when none is live. Just after this instance started or its
+        bus came back, every lease may have run out while the engines were fine: up to a lease, for their
+        heartbeats. Otherwise this view is current, and the gateway's is the same within a heartbeat: one
+        heartbeat interval (a heartbeat in flight), so that a request admitted as the last engine died is
+        refused at once instead of a lease later."""
+        self.note_reconnects()
+        sb = self.cfg.switchboard
+        return sb.lease_seconds if time.monotonic() - self.view_since < 2 * sb.lease_seconds else sb.heartbeat_s
 
     async def on_engine_heartbeat(self, msg: NatsMsg) -> None:
         self.router.heartbeat(self.engine_beats.decode(msg.data))
@@ -195,12 +214,11 @@ class TokenizerService:
 
     async def choose_engine(self, adapter: str = "") -> str:
         """The least loaded live engine (one with the LoRA ``adapter``, when one is named). When none is live,
-        wait up to a lease for one to be heard (after a bus outage every lease may have run out while the
-        engines were in fact fine), then raise UNAVAILABLE. When engines serve but none lists the adapter,
-        raise NOT_FOUND after one heartbeat interval: the gateway admitted it on a heartbeat listing it,
-        which may reach this process a moment later."""
+        wait ``engine_patience()`` for one to be heard, then raise UNAVAILABLE. When engines serve but none
+        lists the adapter, raise NOT_FOUND after one heartbeat interval: the gateway admitted it on a heartbeat
+        listing it, which may reach this process a moment later."""
         start = time.monotonic()
-        deadline = start + self.cfg.switchboard.lease_seconds
+        deadline = start + self.engine_patience()
         while (engine := self.router.choose(adapter)) is None:
             if adapter and self.router.serving() and time.monotonic() - start >= self.cfg.switchboard.heartbeat_s:
                 raise SwitchboardError(ErrorKind.NOT_FOUND, f"LoRA adapter '{adapter}' is not loaded")

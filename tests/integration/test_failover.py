@@ -132,16 +132,42 @@ def test_nats_restarted_mid_stream_every_stream_exact_or_an_explicit_error(clust
     assert ok.status_code == 200 and ok.json()["generated_text"], ok.text  # every service is back
 
 
+async def sent_after(base: str, since: float, offsets: list[float]) -> list[tuple[float, int, float]]:
+    """A /generate sent at each of ``offsets`` seconds after ``since``: (offset, status, seconds to answer)."""
+    async def one(offset: float) -> tuple[float, int, float]:
+        await asyncio.sleep(max(0.0, since + offset - time.monotonic()))
+        sent = time.monotonic()
+        async with httpx.AsyncClient(timeout=20) as client:
+            r = await client.post(base + "/generate", json=body(0, False))
+        return offset, r.status_code, time.monotonic() - sent
+
+    return list(await asyncio.gather(*(one(o) for o in offsets)))
+
+
 def test_the_last_engine_killed_errors_within_3s_and_new_requests_503_at_once(tmp_path, tiny_model_dir):
+    """The streams it ran end in an error; requests sent while its lease runs out (the gateway may still
+    admit them) get their 503 within the lease plus one second; after it, at once."""
     cluster = Cluster(tmp_path, tiny_model_dir, engines=1, tokenizers=1)
+    lease = 2.0
     try:
         cluster.wait_ready()
         streams = Streams(cluster.base, seeded=False)
         killed = []
-        asyncio.run(streams.run(fault=lambda: (cluster.kill("engine-0"), killed.append(time.monotonic()))))
+
+        async def scenario() -> list[tuple[float, int, float]]:
+            running = asyncio.create_task(streams.run(fault=lambda: (cluster.kill("engine-0"),
+                                                                     killed.append(time.monotonic()))))
+            while not killed and not running.done():
+                await asyncio.sleep(0.01)
+            late = await sent_after(cluster.base, killed[0], [0.25 * i for i in range(8)])
+            await running
+            return late
+
+        late = asyncio.run(scenario())
         assert all(errors for errors in streams.errors), streams.errors
         assert all(e[-1]["error_type"] == "unavailable" for e in streams.errors), streams.errors
         assert max(streams.ended_at) - killed[0] < 3.0, [t - killed[0] for t in streams.ended_at]
+        assert all(status == 503 and took < lease + 1.0 for _, status, took in late), late
         started = time.monotonic()
         r = httpx.post(cluster.base + "/generate", json=body(0, False), timeout=10)
         assert r.status_code == 503 and time.monotonic() - started < 0.1, r.text

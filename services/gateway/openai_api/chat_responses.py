@@ -9,7 +9,7 @@ from services.gateway.openai_api.schemas import ChatRequest
 from services.gateway.openai_api.sse import Meta, UsagePlacement, sse
 from services.gateway.openai_api.tools import ToolStream, extract
 from services.gateway.request.call import Call
-from shared.messages import TokenOut
+from shared.messages import FinishReason, TokenOut
 
 
 def _bytes(text: str) -> list[int]:
@@ -26,10 +26,11 @@ def logprobs_json(req: ChatRequest, tokens: list[TokenOut]) -> dict[str, Any] | 
     return {"content": [logprob_entry(t) for t in tokens], "refusal": None} if req.logprobs else None
 
 
-def _finish(end_reason: str | None, calls: bool) -> str | None:
+def _finish(end_reason: FinishReason | None, calls: bool) -> str | None:
     """``tool_calls`` when the answer is tool calls (and was not cut by max_tokens)."""
-    reason = finish.openai(end_reason)
-    return "tool_calls" if calls and reason == "stop" else reason
+    if calls and end_reason is not None and end_reason is not FinishReason.LENGTH:
+        return "tool_calls"
+    return finish.openai(end_reason)
 
 
 async def chat_body(req: ChatRequest, call: Call) -> dict[str, Any]:

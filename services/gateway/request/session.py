@@ -97,6 +97,7 @@ class Session:
         self.first_token_at: float | None = None
         self.first_token = asyncio.Event()  # set with the first token, or at the end (PD split answers then)
         self.finish_reason: FinishReason | None = None
+        self.upstream_ended = False  # the current attempt ended upstream (its failure or last output came)
         self.generated = 0
         self.tokens: list[TokenOut] = []
         self.prompt: list[TokenOut] = []  # the prompt's tokens with their logprobs, when they were asked
@@ -121,7 +122,7 @@ class Session:
             if event is not None:
                 raise self._error(event)
             if time.monotonic() >= deadline:
-                raise SwitchboardError(ErrorKind.UNAVAILABLE, "the tokenizer service did not answer")
+                raise self._fail(ErrorKind.UNAVAILABLE, "the tokenizer service did not answer")
             # A tokenizer died since the first try: it may have held this request.
             self._supersede("a tokenizer died before it answered")
             patience = self.ctx.resume_timeout_s  # the next try goes to a live tokenizer: give it time
@@ -198,7 +199,10 @@ class Session:
         """Supersede the current attempt with one that starts from the tokens delivered so far, through any
         live tokenizer and engine (greedy and seeded requests give exactly the tokens of an unbroken run)."""
         while True:
-            await self.ctx.failover.wait_serving(f"the request was interrupted ({reason}) and")
+            try:
+                await self.ctx.failover.wait_serving(f"the request was interrupted ({reason}) and")
+            except SwitchboardError as exc:
+                raise self._failed(exc) from None
             self._supersede(reason)
             event = await self._publish_attempt()
             if isinstance(event, Started):
@@ -220,8 +224,12 @@ class Session:
                       retryable=True)
 
     def _fail(self, kind: ErrorKind, message: str) -> SwitchboardError:
+        return self._failed(SwitchboardError(kind, message))
+
+    def _failed(self, exc: SwitchboardError) -> SwitchboardError:
+        """The request ends with ``exc`` here (``close`` cancels its attempt unless that ended upstream)."""
         self.finish_reason = FinishReason.ERROR
-        return SwitchboardError(kind, message)
+        return exc
 
     async def result(self) -> End:
         """Run to the end and return it."""
@@ -234,13 +242,13 @@ class Session:
         try:
             return await asyncio.wait_for(self.queue.get(), timeout)
         except asyncio.TimeoutError:
-            raise SwitchboardError(ErrorKind.UNAVAILABLE if self.started is None else ErrorKind.TIMEOUT, what) from None
+            raise self._fail(ErrorKind.UNAVAILABLE if self.started is None else ErrorKind.TIMEOUT, what) from None
 
     def _error(self, event) -> SwitchboardError:
-        self.finish_reason = FinishReason.ERROR
         if isinstance(event, Failed):
-            return SwitchboardError(event.error.kind, event.error.message, event.error.param)
-        return SwitchboardError(ErrorKind.INTERNAL, f"unexpected event {type(event).__name__}")
+            self.upstream_ended = True
+            return self._failed(SwitchboardError(event.error.kind, event.error.message, event.error.param))
+        return self._fail(ErrorKind.INTERNAL, f"unexpected event {type(event).__name__}")
 
     def _observe(self, event: Output) -> Step | None:
         """The step an output makes (None when it brings nothing new)."""
@@ -254,6 +262,7 @@ class Session:
         self.tokens.extend(event.tokens)
         self.generated = event.generated_tokens
         self.finish_reason = event.finish_reason
+        self.upstream_ended = event.finish_reason is not None
         if self.tokens or self.finish_reason is not None:
             self.first_token.set()
         end = None
@@ -273,10 +282,11 @@ class Session:
         if not self.published:
             telemetry.end_span(self.span, None, **{"switchboard.finish_reason": "not_started"})
             return
-        if self.finish_reason is None:
-            self.finish_reason = FinishReason.CANCELLED
+        if not self.upstream_ended:  # nobody listens for the rest: its tokenizer and engine stop it
             self.ctx.spawn(bus.publish(self.ctx.nc, subjects.CANCEL, Cancel(id=self.current_id,
                                                                             reason=CancelKind.CLIENT_DISCONNECTED)))
+        if self.finish_reason is None:
+            self.finish_reason = FinishReason.CANCELLED
         self._report()
 
     def _report(self) -> None:
