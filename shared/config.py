@@ -236,8 +236,43 @@ def _readable(msg: str) -> str:
         return msg
     text, where = msg.split(" - at `$.", 1)
     path = where.rstrip("`")
+    if text.startswith("Object contains unknown field `"):
+        key = text.split("`")[1]
+        return f"{path}.{key}: not a key of the {path} section (its keys: {', '.join(_keys(path))})"
     allowed = _allowed(path)
     return f"{path}: {text}" + (f" (allowed: {allowed})" if allowed else "")
+
+
+def _keys(path: str) -> list[str]:
+    """The keys the section at ``path`` takes."""
+    info = msgspec.inspect.type_info(Config)
+    for part in path.split("."):
+        info = {f.encode_name: _unwrap(f.type) for f in _unwrap(info).fields}[part]
+    return sorted(f.encode_name for f in info.fields)
+
+
+def unused_keys(raw: bytes) -> list[str]:
+    """The keys of config.json that Switchboard reads nothing from (MindIE's sections hold keys for MindIE's
+    own features), as paths such as ``BackendConfig.ModelDeployConfig.ModelConfig[0].trustRemoteCode``."""
+    try:
+        return list(_unused(msgspec.json.decode(raw), msgspec.inspect.type_info(Config), ""))
+    except msgspec.DecodeError:
+        return []
+
+
+def _unused(value, info, path: str):
+    info = _unwrap(info)
+    if isinstance(info, msgspec.inspect.StructType) and isinstance(value, dict):
+        fields = {f.encode_name: f.type for f in info.fields}
+        for key, item in value.items():
+            where = f"{path}.{key}" if path else key
+            if key in fields:
+                yield from _unused(item, fields[key], where)
+            elif not key.startswith("_"):
+                yield where
+    elif isinstance(info, msgspec.inspect.ListType) and isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _unused(item, info.item_type, f"{path}[{index}]")
 
 
 def _allowed(path: str) -> str:

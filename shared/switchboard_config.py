@@ -9,8 +9,9 @@ import msgspec
 from msgspec import Meta, field
 
 
-class SwitchboardConfig(msgspec.Struct, rename="camel", kw_only=True):
-    """Keys MindIE lacks: the bus, the torch device, observability."""
+class SwitchboardConfig(msgspec.Struct, rename="camel", kw_only=True, forbid_unknown_fields=True):
+    """Keys MindIE lacks: the bus, the torch device, observability. A key this section does not know is an
+    error (a misspelt key would otherwise change nothing in silence)."""
 
     nats_url: str = ""
     """NATS server URL; empty = the launcher starts an embedded nats-server on a free loopback port."""

@@ -8,7 +8,8 @@ import os
 import sys
 from pathlib import Path
 
-from shared.config import Config, ConfigError, load_config
+from shared import model_folder
+from shared.config import Config, ConfigError, load_config, unused_keys
 from switchboard.runner import SERVICES
 
 DEFAULT_CONFIG = "config/config.json"
@@ -64,17 +65,32 @@ def load(path: str, tls: bool = False) -> Config:
 
 
 def ensure_model(cfg: Config) -> None:
-    """The default model is prepared on first use; any other model folder must already exist."""
+    """The default model is prepared on first use; any other model folder must already exist, and each file
+    of it that a service reads must parse (exit 2 naming the file)."""
     from switchboard.model_prep import DEFAULT_MODEL_DIR_NAME, prepare_default_model
 
     path = cfg.model_path
-    if (path / "config.json").exists() and path.name != DEFAULT_MODEL_DIR_NAME:
-        return
     if path.name == DEFAULT_MODEL_DIR_NAME:
         prepare_default_model(path, progress=lambda line: print(f"[model] {line}", flush=True))
-        return
-    print(f"switchboard: ModelConfig.modelWeightPath: {path} holds no config.json", file=sys.stderr)
-    raise SystemExit(2)
+    elif not (path / "config.json").exists():
+        print(f"switchboard: ModelConfig.modelWeightPath: {path} holds no config.json", file=sys.stderr)
+        raise SystemExit(2)
+    check_model(cfg)
+
+
+def check_model(cfg: Config) -> None:
+    try:
+        model_folder.check(cfg.model_path)
+    except model_folder.ModelFolderError as exc:
+        print(f"switchboard: ModelConfig.modelWeightPath: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def report_unused_keys(path: str) -> None:
+    """Once at start: the keys of config.json that Switchboard does not use (MindIE's own features)."""
+    unused = unused_keys(Path(path).read_bytes())
+    if unused:
+        print(f"[config] keys Switchboard does not use: {', '.join(unused)}", flush=True)
 
 
 def ensure_kernels(cfg: Config) -> None:
@@ -103,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         from switchboard.launcher import launch
 
+        report_unused_keys(args.config)
         ensure_model(cfg)
         ensure_kernels(cfg)
         try:
@@ -114,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     if not url:
         print("switchboard: no NATS URL: pass --nats or set Switchboard.natsUrl", file=sys.stderr)
         return 2
+    if args.command in ("engine", "tokenizer"):
+        check_model(cfg)
     if args.command == "engine":
         place_engine(cfg, args)
     from switchboard.runner import run_service

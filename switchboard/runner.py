@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import importlib
 import signal
+import sys
 
 from shared import bus, subjects
 from shared.config import Config
 from shared.logs import setup_logging
+from shared.model_folder import ModelFolderError
 from shared.telemetry import setup_tracing
 
 SERVICES = ("gateway", "tokenizer", "engine", "metrics")
@@ -21,7 +23,11 @@ def run_service(name: str, cfg: Config, nats_url: str, label: str | None = None)
     setup_tracing(name, cfg.switchboard.otlp_endpoint)
     _quiet_transformers()
     module = importlib.import_module(f"services.{name}.service")
-    asyncio.run(_main(module.serve, cfg, nats_url))
+    try:
+        asyncio.run(_main(module.serve, cfg, nats_url))
+    except ModelFolderError as exc:  # a file of the model folder the service read at start
+        print(f"switchboard {label or name}: ModelConfig.modelWeightPath: {exc}", file=sys.stderr, flush=True)
+        return 2
     return 0
 
 

@@ -118,3 +118,21 @@ def test_smolvlm2_videos_and_images_equal_transformers_in_batches_and_chunks(tmp
         for rid, items in cases.items():
             engine.add_request(media_request(processor, rid, video_content(items), items, NEW))
         assert run_until_idle(engine, check_blocks=True).tokens == reference, limit_kw
+
+
+def test_a_folder_naming_its_processor_in_preprocessor_config_loads(qwen2_vl_dir, tmp_path):
+    """As Qwen2-VL's folders on the Hub: no processor_config.json, the class in preprocessor_config.json."""
+    import json
+    import shutil
+
+    folder = tmp_path / "hub-layout"
+    shutil.copytree(qwen2_vl_dir, folder)
+    processor = json.loads((folder / "processor_config.json").read_text())
+    (folder / "processor_config.json").unlink()
+    pre = json.loads((folder / "preprocessor_config.json").read_text()) if (folder / "preprocessor_config.json").exists() \
+        else dict(processor.get("image_processor", {}))
+    pre["processor_class"] = processor["processor_class"]
+    (folder / "preprocessor_config.json").write_text(json.dumps(pre))
+    loaded = MediaProcessor.load(str(folder))
+    assert loaded.modalities == ["image", "video"]
+    assert type(loaded.processor).__name__ == processor["processor_class"]

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import io
-import json
 import logging
 import warnings
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from services.tokenizer.media.fetch import fetch_refs
 from shared.errors import validation
 from shared.media import MediaPolicy
 from shared.messages import ContentPart, GenerateRequest, MediaInputs, Tensor
+from shared.model_folder import ModelFolderError, processor_config
 
 log = logging.getLogger("switchboard.tokenizer")
 
@@ -214,8 +214,11 @@ def _without_video(path: str):
     from transformers import AutoImageProcessor, AutoTokenizer
 
     folder = Path(path)
-    config = json.loads((folder / "processor_config.json").read_text())
-    cls = getattr(transformers, config["processor_class"])
+    config = processor_config(folder)
+    cls = getattr(transformers, config["processor_class"], None)
+    if cls is None:
+        raise ModelFolderError(f"{folder}: processor_class {config['processor_class']!r} is not a processor this "
+                               f"transformers ({transformers.__version__}) has")
     if cls.__name__ == "SmolVLMProcessor":
         from services.tokenizer.media.smolvlm_video import use_number_words
 

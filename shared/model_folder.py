@@ -1,0 +1,64 @@
+"""A model folder as users have them, checked before any service loads it: each file the engine or the
+tokenizer will read must be there and parse, and an error names the file and what it needs (instead of a
+traceback from deep inside transformers at start). No torch or transformers here: the launcher runs it.
+
+A vision-language folder names its processor class in ``processor_config.json``, or — as Qwen2-VL's and
+many folders on the Hub do — in ``preprocessor_config.json`` or ``tokenizer_config.json``
+(transformers' own order); ``processor_class`` finds it in any of them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+JSON_FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "special_tokens_map.json",
+              "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "tokenizer_config.json")
+
+
+class ModelFolderError(ValueError):
+    """A file of the model folder is missing or malformed; the message names it and what it needs."""
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from ``path``; ModelFolderError naming the file otherwise."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ModelFolderError(f"{path}: cannot be read ({exc.strerror})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelFolderError(f"{path}: is not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise ModelFolderError(f"{path}: must hold a JSON object, not {type(value).__name__}")
+    return value
+
+
+def check(folder: Path) -> None:
+    """Raise ModelFolderError for the first missing or malformed file a service would need."""
+    if not folder.is_dir():
+        raise ModelFolderError(f"{folder}: is not a folder (ModelConfig.modelWeightPath names the model's folder)")
+    for name in JSON_FILES:
+        if name == "config.json" or (folder / name).exists():
+            read_json(folder / name)
+    config = read_json(folder / "config.json")
+    if not config.get("model_type") and not config.get("architectures"):
+        raise ModelFolderError(f"{folder / 'config.json'}: names neither model_type nor architectures: "
+                               "it is not a transformers model's config")
+    if not any((folder / name).exists() for name in TOKENIZER_FILES):
+        raise ModelFolderError(f"{folder}: holds no tokenizer (one of {', '.join(TOKENIZER_FILES)})")
+    if not list(folder.glob("*.safetensors")) and not list(folder.glob("*.bin")):
+        raise ModelFolderError(f"{folder}: holds no weights (*.safetensors or *.bin files)")
+
+
+def processor_config(folder: Path) -> dict[str, Any]:
+    """The first of ``PROCESSOR_FILES`` that names a ``processor_class`` (its whole object)."""
+    for name in PROCESSOR_FILES:
+        if (folder / name).exists():
+            config = read_json(folder / name)
+            if isinstance(config.get("processor_class"), str):
+                return config
+    raise ModelFolderError(f"{folder}: none of {', '.join(PROCESSOR_FILES)} names the model's processor_class "
+                           "(a vision or audio model needs one)")
