@@ -281,7 +281,7 @@ class EngineInfo(msgspec.Struct, omit_defaults=True):
     model: str
     loaded: bool
     device: str
-    dtype: str
+    dtype: str  # the activations' (and a float model's weights') dtype
     max_batch_size: int
     total_blocks: int
     free_blocks: int
@@ -301,6 +301,7 @@ class EngineInfo(msgspec.Struct, omit_defaults=True):
     modalities: list[str] = []  # media kinds the model takes besides text (image, video, audio); [] = text-only
     role: str = "both"  # prefill/decode disaggregation: both | prefill | decode
     device_index: int = -1  # the logical device it runs on (Switchboard.deviceIndex); -1 = none
+    quantization: str = "none"  # its linear layers' weight format: none (dtype's) | int8 | int4
 
 
 class LoraCommand(msgspec.Struct, omit_defaults=True):

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 log = logging.getLogger("switchboard.engine")
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.cpp"
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("cpu_ops.cpp", "quant_ops.cpp")]
 # -fopenmp: at::parallel_for is OpenMP inlined from the header. The extension's libgomp.so.1 is resolved
 # to the one torch already loaded (same soname), so kernels and torch share one thread team.
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
@@ -103,6 +103,8 @@ class CpuOps(TorchOps):
         self.silu_mul = module.silu_mul
         self.rope_store = module.rope_store
         self.paged_decode = module.paged_decode
+        self.q8_linear, self.q4_linear = module.q8_linear, module.q4_linear  # quantized weights (quant.py)
+        self.q8_dequant, self.q4_dequant = module.q8_dequant, module.q4_dequant
         self.module = module
 
     def lora_apply(self, y, x, a_parts, bts, rows) -> None:
@@ -123,7 +125,7 @@ def cpu_flags() -> str:
 def build_dir() -> Path:
     """A folder per source, torch version and CPU, so an edited kernel, a new torch or an image moved to
     another CPU never loads a stale (or illegal-instruction) build."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(CFLAGS).encode()
+    digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + torch.__version__.encode() + " ".join(CFLAGS).encode()
                             + cpu_flags().encode())
     root = Path(os.environ.get("SWITCHBOARD_KERNEL_CACHE") or Path.home() / ".cache" / "switchboard" / "kernels")
     folder = root / digest.hexdigest()[:16]
@@ -138,7 +140,7 @@ def compile_cpu_ops():
     bin_dir = str(Path(sys.executable).parent)  # the venv's ninja, when the venv is not on PATH
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-    return cpp_extension.load(name="switchboard_cpu_ops", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+    return cpp_extension.load(name="switchboard_cpu_ops", sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
                               extra_ldflags=["-fopenmp"], build_directory=str(build_dir()), verbose=False)
 
 

@@ -18,6 +18,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from services.engine import quant
+
 log = logging.getLogger("switchboard.engine")
 
 
@@ -75,8 +77,10 @@ def merge(linears: list[nn.Linear]) -> nn.Linear:
     return merged
 
 
-def layer_linears(layer: nn.Module, pack: bool, batch_hint: int) -> LayerLinears:
-    """Merge a transformers decoder layer's projections (and drop the originals to free memory)."""
+def layer_linears(layer: nn.Module, pack: bool, batch_hint: int, quantization: str = "none",
+                  kernels=None) -> LayerLinears:
+    """Merge a transformers decoder layer's projections (and drop the originals to free memory); then pack
+    them for oneDNN, or quantize them (``quant.py``)."""
     attn, mlp = layer.self_attn, layer.mlp
     q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
     out = LayerLinears(merge([q, k, v]), attn.o_proj, merge([mlp.gate_proj, mlp.up_proj]), mlp.down_proj,
@@ -84,8 +88,10 @@ def layer_linears(layer: nn.Module, pack: bool, batch_hint: int) -> LayerLinears
     for module, names in ((attn, ("q_proj", "k_proj", "v_proj", "o_proj")), (mlp, ("gate_proj", "up_proj", "down_proj"))):
         for name in names:
             delattr(module, name)
-    if pack:
-        for name in ("qkv", "o", "gate_up", "down"):
+    for name in ("qkv", "o", "gate_up", "down"):
+        if quantization != "none":
+            setattr(out, name, quant.quantize(getattr(out, name), quantization, kernels))
+        elif pack:
             setattr(out, name, PackedLinear(getattr(out, name), batch_hint))
     return out
 
@@ -101,11 +107,16 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
-def build(model: nn.Module, device: torch.device, dtype: torch.dtype, batch_hint: int) -> list[LayerLinears]:
-    """Every layer's merged projections; on cpu (float32, bfloat16) these and the lm_head are packed."""
-    pack = can_pack(device, dtype)
-    layers = [layer_linears(layer, pack, batch_hint) for layer in model.model.layers]
-    if pack:
+def build(model: nn.Module, device: torch.device, dtype: torch.dtype, batch_hint: int, quantization: str = "none",
+          kernels=None) -> list[LayerLinears]:
+    """Every layer's merged projections; on cpu (float32, bfloat16) these and the lm_head are packed, or with
+    ``quantization`` (int8, int4) quantized: the layers in that format, the lm_head in int8 (the logits are
+    where 4 bits cost the most quality). ``kernels``: the CPU kernels the quantized layers run on."""
+    pack = can_pack(device, dtype) and quantization == "none"
+    layers = [layer_linears(layer, pack, batch_hint, quantization, kernels) for layer in model.model.layers]
+    if quantization != "none":
+        model.lm_head = quant.quantize(model.lm_head, "int8", kernels)
+    elif pack:
         model.lm_head = PackedLinear(model.lm_head, batch_hint)
-    log.info("linear layers ready", extra={"layers": len(layers), "packed": pack})
+    log.info("linear layers ready", extra={"layers": len(layers), "packed": pack, "quantization": quantization})
     return layers

@@ -81,17 +81,23 @@ class Batch:
 class ModelRunner:
     def __init__(self, path: str, device: Device, block_size: int, kv_budget_bytes, max_blocks: int,
                  batch_hint: int = 16, cpu_kernels: bool = True, max_loras: int = 0, max_lora_rank: int = 64,
-                 graphs: GraphPlan | None = None):
+                 graphs: GraphPlan | None = None, quantization: str = "none"):
         """``kv_budget_bytes``: bytes, or a function giving them once the model is loaded (an
         accelerator's free memory); ``graphs``: run pure-decode steps from static buffers (as CUDA
-        graphs when ``graphs.capture``), their memory set aside before the KV cache is sized."""
+        graphs when ``graphs.capture``), their memory set aside before the KV cache is sized;
+        ``quantization``: the linear layers' weight format (``quant.py``; cpu only)."""
+        if quantization != "none" and device.torch_device.type != "cpu":
+            raise ValueError(f"Switchboard.quantization {quantization!r} runs on cpu only; the engine's device "
+                             f"is {device.torch_device.type}")
         self.path = path  # the model folder (its tokenizer builds structured output's grammars)
         self.device = device.torch_device
         self.dtype = device.dtype
         self.model, self.encoder = load_model(path, self.device, self.dtype)
         self.config = config = self.model.config
-        self.linears = linears.build(self.model, self.device, self.dtype, batch_hint)
         self.ops = kernels.for_device(self.device, cpu_kernels)
+        quant_kernels = self.ops if hasattr(self.ops, "q8_linear") else None
+        self.linears = linears.build(self.model, self.device, self.dtype, batch_hint, quantization, quant_kernels)
+        self.quantization = quantization
         self.block_size = block_size
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads

@@ -1,92 +1,145 @@
 """Quantized linear layers: fewer bytes per weight, so a decode step, which reads every weight once, reads less.
 
-Two packed formats, each run by a matrix product PyTorch ships (the "maintained library" of issue 25):
+Weights are kept in blocks of 32 input columns, in GGUF's two most used layouts (``Switchboard.quantization``):
 
-* ``Int8Linear`` (W8A16): an int8 weight per output channel, symmetric (``w = q * scale``), activations
-  in the model's dtype; ``torch._weight_int8pack_mm``.
-* ``Int4Linear`` (W4A16): 4-bit weights in groups of ``group`` input columns, each group with a scale
-  and a zero (``w = (q - 8) * scale + zero``, q in 0..15: tinygemm's convention, into which GGUF's
-  Q4_0, Q4_1 and Q4_K and AWQ/GPTQ's groups convert exactly); ``torch._weight_int4pack_mm_for_cpu``.
+* ``int8`` → ``Q8Linear``: ``w = d * q``, q int8, one float16 scale d per block (GGUF's Q8_0; 1.06 bytes
+  per weight instead of bfloat16's 2). Symmetric: d = max |w| / 127.
+* ``int4`` → ``Q4Linear``: ``w = d * q + m``, q in 0..15, a float16 scale d and offset m per block
+  (GGUF's Q4_1; 0.625 bytes per weight). Asymmetric: each block's [min, max] onto 0..15.
 
-Both hold only the packed weight (the float one is dropped) and give back their dequantized float weight
-(``dequantized``) for checks. ``quantize`` picks one for a float ``nn.Linear``.
+Each holds only its packed weight (the float one is dropped). On the CPU the engine's C++ kernels
+(``csrc/quant_ops.cpp``) multiply by it directly for decode-sized batches and dequantize it once for a
+larger batch (a prefill chunk), which then runs as a float matrix product; elsewhere (no compiler) the
+weight is dequantized by PyTorch operations at each use — slow, the same results.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 FORMATS = ("none", "int8", "int4")
-INT4_GROUPS = (32, 64, 128, 256)
+BLOCK = 32
+LARGE_BATCH = 32  # rows from which the matrix is dequantized once and multiplied in float
 
 
-class Int8Linear(nn.Module):
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+class QuantLinear(nn.Module):
+    """What both formats share: the shape, the bias, the choice between kernel and dequantized product."""
+
+    format = ""
+    bits = 0
+
+    def __init__(self, out_features: int, in_features: int, bias: torch.Tensor | None, kernels=None):
         super().__init__()
-        self.out_features, self.in_features = qweight.shape
-        self.qweight = qweight.contiguous()  # int8 [out, in]
-        self.scales = scales.to(dtype).contiguous()  # [out]
-        self.bias = None if bias is None else bias.detach().to(dtype)
-
-    @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
-        w = weight.detach().float()
-        scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
-        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-        return cls(q, scale, bias, weight.dtype)
+        self.out_features, self.in_features = out_features, in_features
+        self.bias = None if bias is None else bias.detach().clone()
+        self.kernels = kernels  # the CPU kernels (kernels.CpuOps), or None: PyTorch operations
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        out = torch._weight_int8pack_mm(rows, self.qweight, self.scales)
+        if self.kernels is not None and rows.shape[0] < LARGE_BATCH:
+            out = self._kernel(rows)
+        else:
+            out = F.linear(rows, self.dequantized(x.dtype))
         if self.bias is not None:
-            out = out + self.bias
+            out = out + self.bias.to(out.dtype)
         return out.reshape(*x.shape[:-1], self.out_features)
 
-    def dequantized(self) -> torch.Tensor:
-        return self.qweight.float() * self.scales.float()[:, None]
+    def _kernel(self, rows: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        raise NotImplementedError
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._tensors())
+
+    def _tensors(self) -> list[torch.Tensor]:
+        raise NotImplementedError
 
 
-class Int4Linear(nn.Module):
-    def __init__(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
-                 bias: torch.Tensor | None, dtype: torch.dtype):
-        """``q``: int32 [out, in] in 0..15; ``scales``, ``zeros``: [out, in / group]."""
-        super().__init__()
-        self.out_features, self.in_features = q.shape
-        self.group = group
-        self.packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
-        self.scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(dtype)
-        self.bias = None if bias is None else bias.detach().to(dtype)
+class Q8Linear(QuantLinear):
+    format, bits = "int8", 8
+
+    def __init__(self, q: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None = None, kernels=None):
+        """``q``: int8 [out, in]; ``d``: float16 [out, in / 32]."""
+        super().__init__(q.shape[0], q.shape[1], bias, kernels)
+        self.q, self.d = q.contiguous(), d.to(torch.float16).contiguous()
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, group: int = 32) -> Int4Linear:
-        """Asymmetric groups: each group's range [min, max] onto 0..15."""
-        out_features, in_features = weight.shape
-        w = weight.detach().float().reshape(out_features, in_features // group, group)
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, kernels=None) -> Q8Linear:
+        n, k = weight.shape
+        w = weight.detach().float().reshape(n, k // BLOCK, BLOCK)
+        d = (w.abs().amax(dim=-1) / 127.0).to(torch.float16)
+        safe = torch.where(d == 0, torch.ones_like(d), d).float()
+        q = torch.round(w / safe[..., None]).clamp(-127, 127).to(torch.int8)
+        return cls(q.reshape(n, k), d, bias, kernels)
+
+    def _kernel(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.kernels.q8_linear(rows, self.q, self.d)
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if self.kernels is not None:
+            return self.kernels.q8_dequant(self.q, self.d, dtype)
+        n, k = self.q.shape
+        w = self.q.float().reshape(n, k // BLOCK, BLOCK) * self.d.float()[..., None]
+        return w.reshape(n, k).to(dtype)
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [self.q, self.d]
+
+
+class Q4Linear(QuantLinear):
+    format, bits = "int4", 4
+
+    def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None = None,
+                 kernels=None):
+        """``q``: uint8 [out, in / 2] (byte j of a block: element j low, element j + 16 high); ``d``, ``m``:
+        float16 [out, in / 32]."""
+        super().__init__(q.shape[0], q.shape[1] * 2, bias, kernels)
+        self.q = q.contiguous()
+        self.d, self.m = d.to(torch.float16).contiguous(), m.to(torch.float16).contiguous()
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, kernels=None) -> Q4Linear:
+        n, k = weight.shape
+        w = weight.detach().float().reshape(n, k // BLOCK, BLOCK)
         low, high = w.amin(dim=-1), w.amax(dim=-1)
-        scale = ((high - low) / 15.0).clamp(min=1e-8)
-        q = torch.round((w - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
-        zero = low + 8.0 * scale
-        return cls(q.reshape(out_features, in_features), scale, zero, group, bias, weight.dtype)
+        d, m = ((high - low) / 15.0).to(torch.float16), low.to(torch.float16)
+        safe = torch.where(d == 0, torch.ones_like(d), d).float()
+        codes = torch.round((w - m.float()[..., None]) / safe[..., None]).clamp(0, 15).to(torch.uint8)
+        return cls(pack4(codes).reshape(n, k // 2), d, m, bias, kernels)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        out = torch._weight_int4pack_mm_for_cpu(rows, self.packed, self.group, self.scales_and_zeros)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
+    def _kernel(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.kernels.q4_linear(rows, self.q, self.d, self.m)
 
-    def dequantized(self) -> torch.Tensor:
-        eye = torch.eye(self.in_features, dtype=self.scales_and_zeros.dtype)
-        return torch._weight_int4pack_mm_for_cpu(eye, self.packed, self.group, self.scales_and_zeros).float().T
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if self.kernels is not None:
+            return self.kernels.q4_dequant(self.q, self.d, self.m, dtype)
+        n, k = self.out_features, self.in_features
+        codes = unpack4(self.q.reshape(n, k // BLOCK, BLOCK // 2)).float()
+        w = codes * self.d.float()[..., None] + self.m.float()[..., None]
+        return w.reshape(n, k).to(dtype)
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [self.q, self.d, self.m]
 
 
-def fits_int4(linear: nn.Linear, group: int) -> bool:
-    return linear.in_features % group == 0
+def pack4(codes: torch.Tensor) -> torch.Tensor:
+    """[..., 32] codes in 0..15 → [..., 16] bytes: element j in the low nibble of byte j, j + 16 in the high."""
+    return codes[..., : BLOCK // 2] | (codes[..., BLOCK // 2:] << 4)
 
 
-def quantize(linear: nn.Linear, fmt: str, group: int = 32) -> nn.Module:
-    """``linear`` in ``fmt`` (int8, or int4 where its input width divides into groups, else int8)."""
-    if fmt == "int4" and fits_int4(linear, group):
-        return Int4Linear.from_float(linear.weight, linear.bias, group)
-    return Int8Linear.from_float(linear.weight, linear.bias)
+def unpack4(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``pack4``."""
+    return torch.cat([packed & 0xF, packed >> 4], dim=-1)
+
+
+def quantize(linear: nn.Module, fmt: str, kernels=None) -> nn.Module:
+    """``linear`` (an nn.Linear) in ``fmt``; a width that is no whole number of blocks stays float."""
+    if fmt == "none" or linear.in_features % BLOCK:
+        return linear
+    cls = {"int8": Q8Linear, "int4": Q4Linear}[fmt]
+    return cls.from_float(linear.weight, linear.bias, kernels)

@@ -353,6 +353,12 @@ void lora_apply(torch::Tensor& y, const torch::Tensor& x, const std::vector<torc
   });
 }
 
+// quant_ops.cpp
+torch::Tensor q8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d);
+torch::Tensor q4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor m);
+torch::Tensor q8_dequant(torch::Tensor q, torch::Tensor d, torch::ScalarType dtype);
+torch::Tensor q4_dequant(torch::Tensor q, torch::Tensor d, torch::Tensor m, torch::ScalarType dtype);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm);
   m.def("add_rms_norm", &add_rms_norm);
@@ -360,4 +366,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_store", &rope_store);
   m.def("paged_decode", &paged_decode);
   m.def("lora_apply", &lora_apply);
+  m.def("q8_linear", &q8_linear);
+  m.def("q4_linear", &q4_linear);
+  m.def("q8_dequant", &q8_dequant);
+  m.def("q4_dequant", &q4_dequant);
 }

@@ -63,6 +63,7 @@ async def info(request: Request) -> Response:
         "models": [{
             "model_device_type": engine.device,
             "model_dtype": engine.dtype,
+            "model_quantization": engine.quantization,
             "model_id": gateway.model,
             "model_pipeline_tag": "text-generation",
             "model_sha": None,

@@ -1,0 +1,155 @@
+"""Quantized weights: Switchboard at float32, bfloat16, int8 and int4, side by side in one run.
+
+    .venv/bin/python bench/quant_bench.py [--requests 32] [--concurrency 16] [--tokens 64]
+
+Each variant is `switchboard serve` with the default model (SmolLM2-135M-Instruct) and one
+``Switchboard`` setting changed (``dtype``, ``quantization``), driven like bench/engine_bench.py (greedy
+TGI streams at concurrency 1 and --concurrency, after a warm-up). Quality is measured on the same server:
+the perplexity of a fixed English text written below (its prompt logprobs through ``/v1/completions``
+with ``echo``). Ratios are against float32 and bfloat16 of the same run; the CPU's model and flags are
+printed with them. The Markdown table is written to .cache/bench/quant.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from engine_bench import (  # bench/engine_bench.py
+    SWITCHBOARD_READY, WORK, Api, bench_server, make_prompts, switchboard_config, tgi_body, tgi_tokens,
+)
+from processes import log_tail, server  # bench/processes.py
+
+ROOT = Path(__file__).resolve().parent.parent
+REPORT = WORK / "quant.md"
+VARIANTS = {  # name -> the Switchboard keys it sets
+    "float32": {"dtype": "float32"},
+    "bfloat16": {"dtype": "bfloat16"},
+    "int8": {"dtype": "float32", "quantization": "int8"},
+    "int4": {"dtype": "float32", "quantization": "int4"},
+}
+TEXT = """The lighthouse stood at the end of a narrow spit of rock, and for most of the year the only people who
+saw it up close were the keeper and the men who brought his supplies. The keeper had lived there for eleven
+years. He kept a log of the weather, the ships that passed, and the birds that rested on the gallery rail
+during storms. In winter the wind came from the north and carried salt so far inland that the farmers
+complained their fences rusted in a single season. In summer the sea was calm and green, and children from
+the village rowed out to the rocks to look for crabs in the pools that the tide left behind.
+
+Every evening the keeper climbed the spiral stair, one hundred and twelve steps, to light the lamp. He
+trimmed the wick, polished the lens, and wound the clockwork that turned the light. The beam swept across
+the water once every ten seconds, and sailors who knew the coast could tell from the rhythm which light
+they were looking at. A ship that mistook one light for another could end up on the wrong side of the
+reef, and the records of the harbour office listed more than forty wrecks in the century before the tower
+was built.
+
+When the government decided to replace the clockwork with an electric motor, the keeper was asked to
+write a report on the old mechanism. He described how the weights descended through a shaft in the middle
+of the tower, how the governor kept the speed even, and how the gears had been cut by hand in a workshop
+in the city. He added that the mechanism had never failed in his time, except once, when a gull had
+flown through an open window and become tangled in the chain. The engineers read the report with
+interest, thanked him, and installed the motor the following spring.
+
+The village changed more slowly than the lighthouse. The school closed when the last family with young
+children moved to the town, and the bakery became a shop that sold maps and postcards to the visitors who
+came in July and August. The fishermen still went out before dawn, but there were fewer boats each year,
+and the younger men preferred work on the ferries, which paid a steady wage and brought them home every
+night. On Sundays the church was half full, and the priest, who also served two other parishes, arrived
+by bicycle in good weather and by bus in bad.
+
+Scientists began to visit the spit in the nineteen seventies to count the seabirds. They stayed in a hut
+behind the keeper's cottage and walked the cliffs with notebooks and binoculars. They found that the
+number of puffins had fallen by half in twenty years, and they wrote letters to the newspapers asking for
+the fishing of sand eels to be limited near the colonies. Some of the fishermen were angry at first, but
+the limits were set, and within a decade the birds began to return. The keeper noted each spring in his
+log the day the first puffin landed on the rocks below the tower.
+
+In the end the light was automated, as all the lights along the coast were. The keeper moved to a house in
+the village with a view of the sea, and on clear nights he could see the beam from his kitchen window. He
+said that he did not miss the stairs, but that he missed the sound of the clockwork, which he had heard
+every night for eleven years and which had told him, without his thinking about it, that everything was
+as it should be. He kept his logs in a wooden chest, and when the museum in the town asked for them, he
+gave them the weather and the ships but kept the birds for himself."""
+
+
+def cpu() -> str:
+    lines = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
+    info = {line.split(":", 1)[0].strip(): line.split(":", 1)[1].strip() for line in lines if ":" in line}
+    wanted = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8")
+    flags = [f for f in wanted if f in info.get("Flags", "").split()]
+    return f"{info.get('Model name', '?')}, {info.get('CPU(s)', '?')} CPUs, flags: {' '.join(flags)}"
+
+
+def perplexity(url: str) -> tuple[float, int]:
+    """exp of the mean negative log-likelihood of TEXT's tokens after the first, and how many were scored."""
+    model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    body = {"model": model, "prompt": TEXT, "max_tokens": 1, "echo": True, "logprobs": 0, "temperature": 0}
+    answer = httpx.post(url + "/v1/completions", json=body, timeout=600).json()
+    if "choices" not in answer:
+        raise RuntimeError(f"/v1/completions: {answer}")
+    logprobs = [lp for lp in answer["choices"][0]["logprobs"]["token_logprobs"] if lp is not None][:-1]
+    return math.exp(-sum(logprobs) / len(logprobs)), len(logprobs)
+
+
+def run_variant(name: str, keys: dict, prompts: list[str], tokens: int, levels: list[int]) -> dict:
+    log = WORK / f"quant-{name}.log"
+    with tempfile.TemporaryDirectory(prefix="sb-quant-") as tmp:
+        config, url = switchboard_config(Path(tmp))
+        data = json.loads(config.read_text())
+        data.setdefault("Switchboard", {}).update(keys)
+        data["Switchboard"]["logLevel"] = "warning"
+        config.write_text(json.dumps(data, indent=2))
+        cmd = [sys.executable, "-m", "switchboard.cli", "serve", "--config", str(config)]
+        with server(name, cmd, log, lambda: SWITCHBOARD_READY in log_tail(log, 200), cwd=ROOT):
+            ppl, scored = perplexity(url)
+            print(f"[{name}] perplexity {ppl:.3f} over {scored} tokens", flush=True)
+            runs = bench_server(name, url, Api("/generate_stream", tgi_body, tgi_tokens), prompts, tokens, levels)
+    return {"ppl": ppl, "scored": scored, **{run.concurrency: run for run in runs}}
+
+
+def render(results: dict[str, dict], levels: list[int], args: argparse.Namespace, seconds: float) -> str:
+    c_lo, c_hi = levels[0], levels[-1]
+    lines = [f"CPU: {cpu()}", f"Command: `.venv/bin/python bench/quant_bench.py {' '.join(sys.argv[1:])}` "
+             f"({args.requests} requests of {args.tokens} greedy tokens; {seconds:.0f} s)", "",
+             f"| weights | c{c_lo} tok/s | vs f32 | vs bf16 | c{c_hi} tok/s | vs f32 | vs bf16 | TTFT p50 c{c_hi} | "
+             "perplexity | vs bf16 |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    f32, bf16 = results.get("float32"), results.get("bfloat16")
+    for name, r in results.items():
+        row = [name]
+        for level in (c_lo, c_hi):
+            tok_s = r[level].tok_s
+            row += [f"{tok_s:.1f}", f"{tok_s / f32[level].tok_s:.2f}x" if f32 else "",
+                    f"{tok_s / bf16[level].tok_s:.2f}x" if bf16 else ""]
+        row += [f"{r[c_hi].ttft(0.5) * 1000:.0f} ms", f"{r['ppl']:.3f}",
+                f"{(r['ppl'] / bf16['ppl'] - 1) * 100:+.2f}%" if bf16 else ""]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of " + ", ".join(VARIANTS))
+    args = parser.parse_args()
+    WORK.mkdir(parents=True, exist_ok=True)
+    prompts, levels = make_prompts(args.requests), sorted({1, args.concurrency})
+    started = time.monotonic()
+    results = {name: run_variant(name, VARIANTS[name], prompts, args.tokens, levels)
+               for name in args.variants.split(",")}
+    report = render(results, levels, args, time.monotonic() - started)
+    REPORT.write_text(report + "\n")
+    print(f"\n{report}\n(written to {REPORT})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,242 @@
+// Quantized linear layers for the CPU (services/engine/quant.py): y = x W^T with W in blocks of 32 input
+// columns, as GGUF's Q8_0 and Q4_1 store them.
+//
+//   q8: w = d * q              q int8 [N, K], d float16 [N, K/32]
+//   q4: w = d * q + m          q uint8 [N, K/2] (byte j of a block holds element j in its low nibble and
+//                              element j + 16 in its high nibble), d and m float16 [N, K/32]
+//
+// A decode step multiplies a few rows by each matrix, so its cost is reading the weights: these read 1.06
+// (q8) or 0.625 (q4) bytes per weight instead of bfloat16's 2. The micro-kernel dequantizes NB weight rows
+// a vector at a time in registers and multiplies them with MB activation rows, so each weight is read and
+// dequantized once per MB rows; arithmetic is float32 whatever the activations' storage type. Larger
+// batches (prefill chunks) dequantize the matrix once (`*_dequant`) and use the float matrix product.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t BLOCK = 32;
+
+inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+#endif
+}
+
+struct Q8 {
+  const int8_t* q;
+  const uint16_t* d;
+  int64_t k;
+  float scale(int64_t n, int64_t b) const { return half_to_float(d[n * (k / BLOCK) + b]); }
+  float offset(int64_t, int64_t) const { return 0.f; }
+  int code(int64_t n, int64_t i) const { return q[n * k + i]; }
+};
+
+struct Q4 {
+  const uint8_t* q;
+  const uint16_t* d;
+  const uint16_t* m;
+  int64_t k;
+  float scale(int64_t n, int64_t b) const { return half_to_float(d[n * (k / BLOCK) + b]); }
+  float offset(int64_t n, int64_t b) const { return half_to_float(m[n * (k / BLOCK) + b]); }
+  int code(int64_t n, int64_t i) const {
+    const int64_t j = i % BLOCK;
+    const uint8_t byte = q[n * (k / 2) + (i / BLOCK) * (BLOCK / 2) + j % 16];
+    return j < 16 ? (byte & 0xf) : (byte >> 4);
+  }
+};
+
+template <typename Fmt>
+inline float weight(const Fmt& w, int64_t n, int64_t i) {
+  return w.scale(n, i / BLOCK) * w.code(n, i) + w.offset(n, i / BLOCK);
+}
+
+// One output: row x (float32, K values) times weight row n, in plain C++ (edges and CPUs without AVX2).
+template <typename Fmt>
+inline float dot(const Fmt& w, const float* x, int64_t n) {
+  float sum = 0.f;
+  for (int64_t b = 0; b < w.k / BLOCK; ++b) {
+    const float s = w.scale(n, b), o = w.offset(n, b);
+    float part = 0.f, xs = 0.f;
+    for (int64_t j = 0; j < BLOCK; ++j) {
+      part += x[b * BLOCK + j] * w.code(n, b * BLOCK + j);
+      xs += x[b * BLOCK + j];
+    }
+    sum += s * part + o * xs;
+  }
+  return sum;
+}
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(__AVX512F__)
+using V = __m512;
+constexpr int W = 16, MB_MAX = 8, NB = 2;
+inline V vzero() { return _mm512_setzero_ps(); }
+inline V vload(const float* p) { return _mm512_loadu_ps(p); }
+inline V vset(float f) { return _mm512_set1_ps(f); }
+inline V vmul(V a, V b) { return _mm512_mul_ps(a, b); }
+inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(V v) { return _mm512_reduce_add_ps(v); }
+inline V codes8(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline V codes4(const uint8_t* p, bool high) {
+  __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  if (high) v = _mm512_srli_epi32(v, 4);
+  return _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xf)));
+}
+#else
+using V = __m256;
+constexpr int W = 8, MB_MAX = 2, NB = 2;
+inline V vzero() { return _mm256_setzero_ps(); }
+inline V vload(const float* p) { return _mm256_loadu_ps(p); }
+inline V vset(float f) { return _mm256_set1_ps(f); }
+inline V vmul(V a, V b) { return _mm256_mul_ps(a, b); }
+inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(V v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline V codes8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline V codes4(const uint8_t* p, bool high) {
+  __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  if (high) v = _mm256_srli_epi32(v, 4);
+  return _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xf)));
+}
+#endif
+
+// Vector c (elements c*W .. c*W+W-1) of block b of weight row n, dequantized.
+inline V chunk(const Q8& w, int64_t n, int64_t b, int c, V scale, V) {
+  return vmul(scale, codes8(w.q + n * w.k + b * BLOCK + c * W));
+}
+
+inline V chunk(const Q4& w, int64_t n, int64_t b, int c, V scale, V offset) {
+  const int first = c * W;  // elements 0..15 are the low nibbles of the block's 16 bytes, 16..31 the high
+  return vfma(codes4(w.q + n * (w.k / 2) + b * (BLOCK / 2) + first % 16, first >= 16), scale, offset);
+}
+
+// y[i, n0 + j] for i < MB, j < NB: MB x NB accumulators, each weight vector used by MB rows.
+template <int MB, typename Fmt>
+void tile(const Fmt& w, const float* x, int64_t k, int64_t n0, float* y, int64_t ldy) {
+  V acc[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = vzero();
+  for (int64_t b = 0; b < k / BLOCK; ++b) {
+    V scale[NB], offset[NB];
+    for (int j = 0; j < NB; ++j) {
+      scale[j] = vset(w.scale(n0 + j, b));
+      offset[j] = vset(w.offset(n0 + j, b));
+    }
+    for (int c = 0; c < BLOCK / W; ++c) {
+      V wv[NB];
+      for (int j = 0; j < NB; ++j) wv[j] = chunk(w, n0 + j, b, c, scale[j], offset[j]);
+      for (int i = 0; i < MB; ++i) {
+        const V xv = vload(x + i * k + b * BLOCK + c * W);
+        for (int j = 0; j < NB; ++j) acc[i][j] = vfma(xv, wv[j], acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) y[i * ldy + n0 + j] = vsum(acc[i][j]);
+}
+
+// Rows in tiles of MB_MAX, the rest in halving tiles (a batch of 3 runs as 2 + 1).
+template <int MB, typename Fmt>
+void rows_from(const Fmt& w, const float* x, int64_t rows, int64_t k, int64_t n0, float* y, int64_t ldy) {
+  int64_t i = 0;
+  for (; i + MB <= rows; i += MB) tile<MB>(w, x + i * k, k, n0, y + i * ldy, ldy);
+  if constexpr (MB > 1) {
+    if (i < rows) rows_from<MB / 2>(w, x + i * k, rows - i, k, n0, y + i * ldy, ldy);
+  }
+}
+
+template <typename Fmt>
+void rows_tile(const Fmt& w, const float* x, int64_t rows, int64_t k, int64_t n0, float* y, int64_t ldy) {
+  rows_from<MB_MAX>(w, x, rows, k, n0, y, ldy);
+}
+#else
+constexpr int NB = 1;
+template <typename Fmt>
+void rows_tile(const Fmt& w, const float* x, int64_t rows, int64_t k, int64_t n0, float* y, int64_t ldy) {
+  for (int64_t i = 0; i < rows; ++i) y[i * ldy + n0] = dot(w, x + i * k, n0);
+}
+#endif
+
+template <typename Fmt>
+torch::Tensor linear(const Fmt& w, const torch::Tensor& x, int64_t n) {
+  const int64_t k = w.k;
+  TORCH_CHECK(x.size(-1) == k, "the input has ", x.size(-1), " columns, the weight ", k);
+  const torch::Tensor xf = x.reshape({-1, k}).to(torch::kFloat32).contiguous();
+  const int64_t rows = xf.size(0);
+  torch::Tensor y = torch::empty({rows, n}, xf.options());
+  const float* xp = xf.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t tiles = n / NB;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) rows_tile(w, xp, rows, k, t * NB, yp, n);
+  });
+  for (int64_t c = tiles * NB; c < n; ++c)  // the columns a whole tile does not cover
+    for (int64_t i = 0; i < rows; ++i) yp[i * n + c] = dot(w, xp + i * k, c);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  return y.to(x.scalar_type()).reshape(shape);
+}
+
+template <typename Fmt>
+torch::Tensor dequant(const Fmt& w, int64_t n, torch::ScalarType dtype) {
+  torch::Tensor out = torch::empty({n, w.k}, torch::dtype(torch::kFloat32));
+  float* p = out.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t i = 0; i < w.k; ++i) p[r * w.k + i] = weight(w, r, i);
+  });
+  return out.to(dtype);
+}
+
+Q8 q8_of(const torch::Tensor& q, const torch::Tensor& d) {
+  TORCH_CHECK(q.scalar_type() == torch::kInt8 && q.is_contiguous() && q.dim() == 2, "q8: q must be contiguous int8 [N, K]");
+  TORCH_CHECK(q.size(1) % BLOCK == 0, "q8: K must be a multiple of ", BLOCK);
+  TORCH_CHECK(d.scalar_type() == torch::kHalf && d.is_contiguous() && d.numel() == q.numel() / BLOCK,
+              "q8: d must be contiguous float16 [N, K / 32]");
+  return Q8{q.data_ptr<int8_t>(), reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()), q.size(1)};
+}
+
+Q4 q4_of(const torch::Tensor& q, const torch::Tensor& d, const torch::Tensor& m) {
+  TORCH_CHECK(q.scalar_type() == torch::kUInt8 && q.is_contiguous() && q.dim() == 2, "q4: q must be contiguous uint8 [N, K / 2]");
+  const int64_t k = q.size(1) * 2;
+  TORCH_CHECK(k % BLOCK == 0, "q4: K must be a multiple of ", BLOCK);
+  for (const auto* t : {&d, &m})
+    TORCH_CHECK(t->scalar_type() == torch::kHalf && t->is_contiguous() && t->numel() == q.size(0) * (k / BLOCK),
+                "q4: d and m must be contiguous float16 [N, K / 32]");
+  return Q4{q.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()),
+            reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>()), k};
+}
+
+}  // namespace
+
+torch::Tensor q8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d) { return linear(q8_of(q, d), x, q.size(0)); }
+
+torch::Tensor q4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor m) {
+  return linear(q4_of(q, d, m), x, q.size(0));
+}
+
+torch::Tensor q8_dequant(torch::Tensor q, torch::Tensor d, torch::ScalarType dtype) {
+  return dequant(q8_of(q, d), q.size(0), dtype);
+}
+
+torch::Tensor q4_dequant(torch::Tensor q, torch::Tensor d, torch::Tensor m, torch::ScalarType dtype) {
+  return dequant(q4_of(q, d, m), q.size(0), dtype);
+}

@@ -1,0 +1,39 @@
+"""The default model served from int4 weights (Switchboard.quantization), end to end through the openai client:
+a sensible answer, the format in /info, and the prompt's perplexity within the target of the float model's."""
+
+from __future__ import annotations
+
+import math
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from tests.integration.stack import running_stack
+
+TEXT = ("The lighthouse stood at the end of a narrow spit of rock, and for most of the year the only people who saw it "
+        "up close were the keeper and the men who brought his supplies. Every evening the keeper climbed the spiral "
+        "stair to light the lamp, trimmed the wick, polished the lens and wound the clockwork that turned the light.")
+
+
+@pytest.fixture(scope="module")
+def int4_stack(tmp_path_factory, smol_dir):
+    with running_stack(tmp_path_factory.mktemp("int4"), smol_dir, Switchboard={"quantization": "int4"}) as stack:
+        yield stack
+
+
+def perplexity(stack) -> float:
+    done = OpenAI(base_url=stack.url + "/v1", api_key="x").completions.create(
+        model=stack.model, prompt=TEXT, max_tokens=1, echo=True, logprobs=0, temperature=0)
+    logprobs = [lp for lp in done.choices[0].logprobs.token_logprobs if lp is not None][:-1]
+    return math.exp(-sum(logprobs) / len(logprobs))
+
+
+def test_the_default_model_at_int4_answers_through_the_openai_client(int4_stack, smol_stack):
+    client = OpenAI(base_url=int4_stack.url + "/v1", api_key="x")
+    answer = client.chat.completions.create(model=int4_stack.model, temperature=0, max_tokens=20,
+                                            messages=[{"role": "user", "content": "What is the capital of France?"}])
+    assert "Paris" in answer.choices[0].message.content
+    info = httpx.get(int4_stack.mgmt_url + "/info", timeout=10).json()
+    assert info["models"][0]["model_quantization"] == "int4"
+    assert perplexity(int4_stack) <= perplexity(smol_stack) * 1.05

@@ -1,0 +1,126 @@
+"""Quantized linear layers (services/engine/quant.py, csrc/quant_ops.cpp): each equals the product with its own
+dequantized weight, the layouts are GGUF's own (the gguf package's reference dequantizes them to the same
+numbers), and an engine serving quantized weights gives the tokens of the same model with those weights
+dequantized."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from services.engine import kernels
+from services.engine.engine import Engine
+from services.engine.model_runner import ModelRunner
+from services.engine.quant import BLOCK, Q4Linear, Q8Linear, quantize
+from tests.unit.engine_helpers import BLOCK as KV_BLOCK
+from tests.unit.engine_helpers import CPU, block_bytes, limits, request
+
+OPS = kernels.for_device(torch.device("cpu"))
+KERNELS = OPS if hasattr(OPS, "q8_linear") else None
+
+
+def weight(n: int = 72, k: int = 96, seed: int = 0) -> torch.Tensor:
+    torch.manual_seed(seed)
+    return torch.randn(n, k) * 0.05
+
+
+@pytest.mark.parametrize("cls", [Q8Linear, Q4Linear])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 5, 40])
+def test_a_quantized_linear_is_the_product_with_its_dequantized_weight(cls, dtype, rows):
+    w, bias = weight(), torch.randn(72)
+    layer = cls.from_float(w, bias, KERNELS)
+    deq = layer.dequantized()
+    x = torch.randn(2, rows, 96).to(dtype)
+    got = layer(x).float()
+    want = (x.float() @ deq.T + bias).to(dtype).float()
+    assert got.shape == (2, rows, 72)
+    tolerance = 1e-5 if dtype == torch.float32 else 0.05
+    assert torch.allclose(got, want, atol=tolerance, rtol=tolerance), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("cls", [Q8Linear, Q4Linear])
+def test_the_kernels_and_pytorch_dequantize_alike_and_within_the_formats_error(cls):
+    w = weight()
+    with_kernels, plain = cls.from_float(w, kernels=KERNELS), cls.from_float(w)
+    deq = plain.dequantized()
+    assert torch.equal(with_kernels.dequantized(), deq)
+    assert torch.equal(plain(torch.eye(96)), deq.T)  # the PyTorch path runs the same weights
+    blocks = w.reshape(72, -1, BLOCK)
+    spread = blocks.abs().amax(-1) / 127 if cls is Q8Linear else (blocks.amax(-1) - blocks.amin(-1)) / 15
+    error = (deq - w).abs().reshape(72, -1, BLOCK).amax(-1)
+    assert torch.all(error <= spread * 0.5 * 1.01 + 1e-6)
+    assert with_kernels.nbytes < w.numel() * (1.1 if cls is Q8Linear else 0.65)
+
+
+@pytest.mark.parametrize("cls, qtype", [(Q8Linear, GGMLQuantizationType.Q8_0), (Q4Linear, GGMLQuantizationType.Q4_1)])
+def test_the_layouts_are_gguf_q8_0_and_q4_1(cls, qtype):
+    """The gguf package's blocks (d, [m,] codes), split into our tensors, dequantize to its own numbers."""
+    w = weight().numpy()
+    raw = quants.quantize(w, qtype)  # [72, blocks * bytes per block]
+    size = 34 if cls is Q8Linear else 20
+    blocks = raw.reshape(72, -1, size)
+    d = torch.from_numpy(np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0])
+    if cls is Q8Linear:
+        layer = Q8Linear(torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(72, 96)), d,
+                         kernels=KERNELS)
+    else:
+        m = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0])
+        layer = Q4Linear(torch.from_numpy(np.ascontiguousarray(blocks[..., 4:]).reshape(72, 48)), d, m, kernels=KERNELS)
+    reference = torch.from_numpy(quants.dequantize(raw, qtype).astype(np.float32))
+    assert torch.equal(layer.dequantized(), reference)
+
+
+def test_a_width_that_is_no_whole_number_of_blocks_stays_float():
+    linear = torch.nn.Linear(40, 8)
+    assert quantize(linear, "int8") is linear and quantize(linear, "none") is linear
+
+
+@pytest.fixture(scope="module")
+def budget(tiny_model_dir):
+    return 64 * block_bytes(tiny_model_dir)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_an_engine_on_quantized_weights_gives_the_dequantized_models_tokens(tiny_model_dir, budget, fmt):
+    """The reference: the same runner whose quantized layers run their dequantized weights as float products."""
+    quantized = ModelRunner(str(tiny_model_dir), CPU, block_size=KV_BLOCK, kv_budget_bytes=budget, max_blocks=10_000,
+                            quantization=fmt)
+    reference = ModelRunner(str(tiny_model_dir), CPU, block_size=KV_BLOCK, kv_budget_bytes=budget, max_blocks=10_000,
+                            quantization=fmt)
+    for mine, theirs in zip(quantized.linears, reference.linears):
+        for name in ("qkv", "o", "gate_up", "down"):
+            q = getattr(mine, name)
+            setattr(theirs, name, _float(q))
+    reference.model.lm_head = _float(quantized.model.lm_head)
+    assert isinstance(quantized.linears[0].qkv, Q8Linear if fmt == "int8" else Q4Linear)
+    assert isinstance(quantized.model.lm_head, Q8Linear)
+    outputs = []
+    for runner in (quantized, reference):
+        engine = Engine(runner, limits(), {2})
+        for i, prompt in enumerate([[5, 9, 22, 31], [7, 3, 100, 200, 4, 8]]):
+            engine.add_request(request(f"r{i}", prompt, max_new_tokens=12, ignore_eos=True))
+        tokens: dict[str, list[int]] = {}
+        while engine.has_work:
+            for event in engine.step():
+                tokens.setdefault(event.id, []).extend(event.token_ids)
+        outputs.append(tokens)
+    assert outputs[0] == outputs[1] and all(len(t) == 12 for t in outputs[0].values())
+
+
+def _float(layer) -> torch.nn.Linear:
+    linear = torch.nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None)
+    linear.weight.data = layer.dequantized()
+    if layer.bias is not None:
+        linear.bias.data = layer.bias.float()
+    return linear.requires_grad_(False)
+
+
+def test_quantization_is_refused_off_the_cpu(tiny_model_dir, budget):
+    from services.engine.devices import Device
+
+    with pytest.raises(ValueError, match="runs on cpu only"):
+        ModelRunner(str(tiny_model_dir), Device("cuda", torch.bfloat16), block_size=KV_BLOCK,
+                    kv_budget_bytes=budget, max_blocks=10_000, quantization="int8")
