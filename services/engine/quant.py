@@ -1,11 +1,13 @@
 """Quantized linear layers: fewer bytes per weight, so a decode step, which reads every weight once, reads less.
 
-Weights are kept in blocks of 32 input columns, in GGUF's two most used layouts (``Switchboard.quantization``):
+Two formats (``Switchboard.quantization``):
 
-* ``int8`` → ``Q8Linear``: ``w = d * q``, q int8, one float16 scale d per block (GGUF's Q8_0; 1.06 bytes
-  per weight instead of bfloat16's 2). Symmetric: d = max |w| / 127.
-* ``int4`` → ``Q4Linear``: ``w = d * q + m``, q in 0..15, a float16 scale d and offset m per block
-  (GGUF's Q4_1; 0.625 bytes per weight). Asymmetric: each block's [min, max] onto 0..15.
+* ``int8`` → ``Q8Linear``: ``w = s * q``, q int8, one float32 scale s per output channel (1 byte per weight
+  instead of bfloat16's 2). Symmetric: s = max |w| / 127 over the row. Where the CPU has AVX-512 VNNI the
+  kernel quantizes the activations too, per block of 32 with a scale each, and multiplies int8 by int8
+  (W8A8); elsewhere it multiplies float activations by the dequantized weights (W8A16).
+* ``int4`` → ``Q4Linear``: ``w = d * q + m``, q in 0..15, a float16 scale d and offset m per block of 32
+  input columns (GGUF's Q4_1 layout; 0.625 bytes per weight). Asymmetric: each block's [min, max] onto 0..15.
 
 Each holds only its packed weight (the float one is dropped). On the CPU the engine's C++ kernels
 (``csrc/quant_ops.cpp``) multiply by it directly for decode-sized batches and dequantize it once for a
@@ -21,7 +23,7 @@ from torch import nn
 
 FORMATS = ("none", "int8", "int4")
 BLOCK = 32
-LARGE_BATCH = 32  # rows from which the matrix is dequantized once and multiplied in float
+LARGE_BATCH = 1 << 30  # (no batch is too large for the kernels: they beat dequantizing the matrix at every size measured)
 
 
 class QuantLinear(nn.Module):
@@ -63,32 +65,29 @@ class QuantLinear(nn.Module):
 class Q8Linear(QuantLinear):
     format, bits = "int8", 8
 
-    def __init__(self, q: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None = None, kernels=None):
-        """``q``: int8 [out, in]; ``d``: float16 [out, in / 32]."""
+    def __init__(self, q: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None = None, kernels=None):
+        """``q``: int8 [out, in]; ``s``: float32 [out]."""
         super().__init__(q.shape[0], q.shape[1], bias, kernels)
-        self.q, self.d = q.contiguous(), d.to(torch.float16).contiguous()
+        self.q, self.s = q.contiguous(), s.to(torch.float32).contiguous()
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, kernels=None) -> Q8Linear:
-        n, k = weight.shape
-        w = weight.detach().float().reshape(n, k // BLOCK, BLOCK)
-        d = (w.abs().amax(dim=-1) / 127.0).to(torch.float16)
-        safe = torch.where(d == 0, torch.ones_like(d), d).float()
-        q = torch.round(w / safe[..., None]).clamp(-127, 127).to(torch.int8)
-        return cls(q.reshape(n, k), d, bias, kernels)
+        w = weight.detach().float()
+        s = w.abs().amax(dim=1) / 127.0
+        safe = torch.where(s == 0, torch.ones_like(s), s)
+        q = torch.round(w / safe[:, None]).clamp(-127, 127).to(torch.int8)
+        return cls(q, s, bias, kernels)
 
     def _kernel(self, rows: torch.Tensor) -> torch.Tensor:
-        return self.kernels.q8_linear(rows, self.q, self.d)
+        return self.kernels.q8_linear(rows, self.q, self.s)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if self.kernels is not None:
-            return self.kernels.q8_dequant(self.q, self.d, dtype)
-        n, k = self.q.shape
-        w = self.q.float().reshape(n, k // BLOCK, BLOCK) * self.d.float()[..., None]
-        return w.reshape(n, k).to(dtype)
+            return self.kernels.q8_dequant(self.q, self.s, dtype)
+        return (self.q.float() * self.s[:, None]).to(dtype)
 
     def _tensors(self) -> list[torch.Tensor]:
-        return [self.q, self.d]
+        return [self.q, self.s]
 
 
 class Q4Linear(QuantLinear):

@@ -78,8 +78,8 @@ def test_a_dying_service_is_reported_with_its_last_error(tmp_path, tiny_model_di
     config = json.loads((tiny_model_dir / "config.json").read_text())
     config.update({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
     (model / "config.json").write_text(json.dumps(config))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (model / name).write_text((tiny_model_dir / name).read_text())
+    for name in ("tokenizer.json", "tokenizer_config.json", "model.safetensors"):  # a whole folder: it starts
+        (model / name).write_bytes((tiny_model_dir / name).read_bytes())
     result = serve(write_config(tmp_path, model))
     assert result.returncode == 1
     assert "engine service exited" in result.stderr

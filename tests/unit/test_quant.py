@@ -1,7 +1,7 @@
 """Quantized linear layers (services/engine/quant.py, csrc/quant_ops.cpp): each equals the product with its own
-dequantized weight, the layouts are GGUF's own (the gguf package's reference dequantizes them to the same
-numbers), and an engine serving quantized weights gives the tokens of the same model with those weights
-dequantized."""
+dequantized weight (of the activations as the int8 kernel quantizes them, where it does: W8A8 on AVX-512 VNNI),
+int4's layout is GGUF's Q4_1 (the gguf package's reference dequantizes it to the same numbers), and an engine
+serving quantized weights gives the tokens of the same model with those weights dequantized."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType, quants
 from services.engine import kernels
 from services.engine.engine import Engine
 from services.engine.model_runner import ModelRunner
-from services.engine.quant import BLOCK, Q4Linear, Q8Linear, quantize
+from services.engine.quant import BLOCK, LARGE_BATCH, Q4Linear, Q8Linear, quantize
 from tests.unit.engine_helpers import BLOCK as KV_BLOCK
 from tests.unit.engine_helpers import CPU, block_bytes, limits, request
 
@@ -26,16 +26,27 @@ def weight(n: int = 72, k: int = 96, seed: int = 0) -> torch.Tensor:
     return torch.randn(n, k) * 0.05
 
 
+def activations(layer, x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the layer's kernel multiplies it: quantized per block of 32 by the int8 kernel on VNNI (for
+    a width of whole pairs of blocks and a decode-sized batch), as it is otherwise."""
+    rows = x.reshape(-1, x.shape[-1]).shape[0]
+    if isinstance(layer, Q8Linear) and KERNELS is not None and KERNELS.int8_activations \
+            and x.shape[-1] % 64 == 0 and rows < LARGE_BATCH:
+        return KERNELS.q8_activations(x.float())
+    return x.float()
+
+
 @pytest.mark.parametrize("cls", [Q8Linear, Q4Linear])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 5, 40])
-def test_a_quantized_linear_is_the_product_with_its_dequantized_weight(cls, dtype, rows):
-    w, bias = weight(), torch.randn(72)
+@pytest.mark.parametrize("k", [96, 128])
+def test_a_quantized_linear_is_the_product_with_its_dequantized_weight(cls, dtype, rows, k):
+    w, bias = weight(k=k), torch.randn(72)
     layer = cls.from_float(w, bias, KERNELS)
     deq = layer.dequantized()
-    x = torch.randn(2, rows, 96).to(dtype)
+    x = torch.randn(2, rows, k).to(dtype)
     got = layer(x).float()
-    want = (x.float() @ deq.T + bias).to(dtype).float()
+    want = (activations(layer, x) @ deq.T + bias).to(dtype).float()
     assert got.shape == (2, rows, 72)
     tolerance = 1e-5 if dtype == torch.float32 else 0.05
     assert torch.allclose(got, want, atol=tolerance, rtol=tolerance), (got - want).abs().max()
@@ -49,28 +60,34 @@ def test_the_kernels_and_pytorch_dequantize_alike_and_within_the_formats_error(c
     assert torch.equal(with_kernels.dequantized(), deq)
     assert torch.equal(plain(torch.eye(96)), deq.T)  # the PyTorch path runs the same weights
     blocks = w.reshape(72, -1, BLOCK)
-    spread = blocks.abs().amax(-1) / 127 if cls is Q8Linear else (blocks.amax(-1) - blocks.amin(-1)) / 15
+    if cls is Q8Linear:  # one scale per row
+        spread = (w.abs().amax(1) / 127)[:, None].expand(72, blocks.shape[1])
+    else:
+        spread = (blocks.amax(-1) - blocks.amin(-1)) / 15
     error = (deq - w).abs().reshape(72, -1, BLOCK).amax(-1)
     assert torch.all(error <= spread * 0.5 * 1.01 + 1e-6)
     assert with_kernels.nbytes < w.numel() * (1.1 if cls is Q8Linear else 0.65)
 
 
-@pytest.mark.parametrize("cls, qtype", [(Q8Linear, GGMLQuantizationType.Q8_0), (Q4Linear, GGMLQuantizationType.Q4_1)])
-def test_the_layouts_are_gguf_q8_0_and_q4_1(cls, qtype):
-    """The gguf package's blocks (d, [m,] codes), split into our tensors, dequantize to its own numbers."""
+def test_int4_is_gguf_q4_1():
+    """The gguf package's Q4_1 blocks (d, m, codes), split into our tensors, dequantize to its own numbers."""
     w = weight().numpy()
-    raw = quants.quantize(w, qtype)  # [72, blocks * bytes per block]
-    size = 34 if cls is Q8Linear else 20
-    blocks = raw.reshape(72, -1, size)
+    raw = quants.quantize(w, GGMLQuantizationType.Q4_1)  # [72, blocks * 20 bytes]
+    blocks = raw.reshape(72, -1, 20)
     d = torch.from_numpy(np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0])
-    if cls is Q8Linear:
-        layer = Q8Linear(torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(72, 96)), d,
-                         kernels=KERNELS)
-    else:
-        m = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0])
-        layer = Q4Linear(torch.from_numpy(np.ascontiguousarray(blocks[..., 4:]).reshape(72, 48)), d, m, kernels=KERNELS)
-    reference = torch.from_numpy(quants.dequantize(raw, qtype).astype(np.float32))
+    m = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0])
+    layer = Q4Linear(torch.from_numpy(np.ascontiguousarray(blocks[..., 4:]).reshape(72, 48)), d, m, kernels=KERNELS)
+    reference = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType.Q4_1).astype(np.float32))
     assert torch.equal(layer.dequantized(), reference)
+
+
+@pytest.mark.skipif(KERNELS is None or not KERNELS.int8_activations, reason="W8A8 needs AVX-512 VNNI")
+def test_int8_activations_are_quantized_per_block_of_32():
+    x = torch.randn(3, 128) * torch.tensor([0.01] * 32 + [10.0] * 32 + [1.0] * 64)  # blocks of very different range
+    got = KERNELS.q8_activations(x)
+    blocks = x.reshape(3, 4, 32)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    assert torch.allclose(got.reshape(3, 4, 32), torch.round(blocks / scale) * scale, rtol=0, atol=1e-6)
 
 
 def test_a_width_that_is_no_whole_number_of_blocks_stays_float():
@@ -93,8 +110,8 @@ def test_an_engine_on_quantized_weights_gives_the_dequantized_models_tokens(tiny
     for mine, theirs in zip(quantized.linears, reference.linears):
         for name in ("qkv", "o", "gate_up", "down"):
             q = getattr(mine, name)
-            setattr(theirs, name, _float(q))
-    reference.model.lm_head = _float(quantized.model.lm_head)
+            setattr(theirs, name, Dequantized(q))
+    reference.model.lm_head = Dequantized(quantized.model.lm_head)
     assert isinstance(quantized.linears[0].qkv, Q8Linear if fmt == "int8" else Q4Linear)
     assert isinstance(quantized.model.lm_head, Q8Linear)
     outputs = []
@@ -110,12 +127,16 @@ def test_an_engine_on_quantized_weights_gives_the_dequantized_models_tokens(tiny
     assert outputs[0] == outputs[1] and all(len(t) == 12 for t in outputs[0].values())
 
 
-def _float(layer) -> torch.nn.Linear:
-    linear = torch.nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None)
-    linear.weight.data = layer.dequantized()
-    if layer.bias is not None:
-        linear.bias.data = layer.bias.float()
-    return linear.requires_grad_(False)
+class Dequantized(torch.nn.Module):
+    """A quantized layer's float reference: its dequantized weight times the activations it multiplies."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer, self.weight = layer, layer.dequantized()
+        self.in_features, self.out_features = layer.in_features, layer.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (activations(self.layer, x) @ self.weight.T).to(x.dtype)
 
 
 def test_quantization_is_refused_off_the_cpu(tiny_model_dir, budget):

@@ -122,8 +122,12 @@ async def run(world, spans, scenario, **request_fields) -> tuple[TokenizerServic
         await service.start()
         await peers.start()
         await nc_service.flush()
-        await peers.beat((ENGINE, "both"))
-        await until(lambda: service.router.serving() and service.gateways.live(), "the tokenizer heard no peer")
+        for _ in range(100):  # a loaded machine may let a lease run out before the check: beat until heard
+            await peers.beat((ENGINE, "both"))
+            if service.router.serving() and service.gateways.live():
+                break
+            await asyncio.sleep(0.05)
+        assert service.router.serving() and service.gateways.live(), "the tokenizer heard no peer"
         req = request(f"req-{time.monotonic_ns()}", **request_fields)
         req.model = cfg.model.model_name
         spans.clear()

@@ -354,9 +354,11 @@ void lora_apply(torch::Tensor& y, const torch::Tensor& x, const std::vector<torc
 }
 
 // quant_ops.cpp
-torch::Tensor q8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d);
+torch::Tensor q8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor s);
+bool q8_int8_activations();
+torch::Tensor q8_activations(torch::Tensor x);
 torch::Tensor q4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor m);
-torch::Tensor q8_dequant(torch::Tensor q, torch::Tensor d, torch::ScalarType dtype);
+torch::Tensor q8_dequant(torch::Tensor q, torch::Tensor s, torch::ScalarType dtype);
 torch::Tensor q4_dequant(torch::Tensor q, torch::Tensor d, torch::Tensor m, torch::ScalarType dtype);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -369,5 +371,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_linear", &q8_linear);
   m.def("q4_linear", &q4_linear);
   m.def("q8_dequant", &q8_dequant);
+  m.def("q8_int8_activations", &q8_int8_activations);
+  m.def("q8_activations", &q8_activations);
   m.def("q4_dequant", &q4_dequant);
 }

@@ -1,15 +1,17 @@
-// Quantized linear layers for the CPU (services/engine/quant.py): y = x W^T with W in blocks of 32 input
-// columns, as GGUF's Q8_0 and Q4_1 store them.
+// Quantized linear layers for the CPU (services/engine/quant.py): y = x W^T.
 //
-//   q8: w = d * q              q int8 [N, K], d float16 [N, K/32]
-//   q4: w = d * q + m          q uint8 [N, K/2] (byte j of a block holds element j in its low nibble and
-//                              element j + 16 in its high nibble), d and m float16 [N, K/32]
+//   q8: w = s * q              q int8 [N, K], s float32 [N] (one scale per output channel)
+//   q4: w = d * q + m          q uint8 [N, K/2] in blocks of 32 input columns, as GGUF's Q4_1 stores them
+//                              (byte j of a block holds element j in its low nibble and element j + 16 in its
+//                              high nibble), d and m float16 [N, K/32]
 //
-// A decode step multiplies a few rows by each matrix, so its cost is reading the weights: these read 1.06
-// (q8) or 0.625 (q4) bytes per weight instead of bfloat16's 2. The micro-kernel dequantizes NB weight rows
-// a vector at a time in registers and multiplies them with MB activation rows, so each weight is read and
-// dequantized once per MB rows; arithmetic is float32 whatever the activations' storage type. Larger
-// batches (prefill chunks) dequantize the matrix once (`*_dequant`) and use the float matrix product.
+// A decode step multiplies a few rows by each matrix, so its cost is reading the weights: these read 1
+// (q8) or 0.625 (q4) bytes per weight instead of bfloat16's 2. The float micro-kernel dequantizes NB weight
+// rows a vector at a time in registers and multiplies them with MB activation rows, so each weight is read
+// and dequantized once per MB rows; arithmetic is float32 whatever the activations' storage type.
+// Where the CPU has AVX-512 VNNI, q8 runs as int8 x int8 instead (W8A8): each activation row is quantized
+// per block of 32 (symmetric, its own scale), and `vpdpbusd` does 64 multiply-adds per instruction.
+// Larger batches (prefill chunks) dequantize the matrix once (`*_dequant`) and use the float matrix product.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -34,9 +36,9 @@ inline float half_to_float(uint16_t h) {
 
 struct Q8 {
   const int8_t* q;
-  const uint16_t* d;
+  const float* s;
   int64_t k;
-  float scale(int64_t n, int64_t b) const { return half_to_float(d[n * (k / BLOCK) + b]); }
+  float scale(int64_t n, int64_t) const { return s[n]; }
   float offset(int64_t, int64_t) const { return 0.f; }
   int code(int64_t n, int64_t i) const { return q[n * k + i]; }
 };
@@ -56,7 +58,7 @@ struct Q4 {
 };
 
 template <typename Fmt>
-inline float weight(const Fmt& w, int64_t n, int64_t i) {
+inline float weight(const Fmt& w, int64_t n, int64_t i) {  // (Q8: any block size divides K; blocks of 32)
   return w.scale(n, i / BLOCK) * w.code(n, i) + w.offset(n, i / BLOCK);
 }
 
@@ -119,7 +121,7 @@ inline V codes4(const uint8_t* p, bool high) {
 #endif
 
 // Vector c (elements c*W .. c*W+W-1) of block b of weight row n, dequantized.
-inline V chunk(const Q8& w, int64_t n, int64_t b, int c, V scale, V) {
+inline V chunk(const Q8& w, int64_t n, int64_t b, int c, V scale, V) {  // scale: the row's, whatever the block
   return vmul(scale, codes8(w.q + n * w.k + b * BLOCK + c * W));
 }
 
@@ -206,12 +208,12 @@ torch::Tensor dequant(const Fmt& w, int64_t n, torch::ScalarType dtype) {
   return out.to(dtype);
 }
 
-Q8 q8_of(const torch::Tensor& q, const torch::Tensor& d) {
+Q8 q8_of(const torch::Tensor& q, const torch::Tensor& s) {
   TORCH_CHECK(q.scalar_type() == torch::kInt8 && q.is_contiguous() && q.dim() == 2, "q8: q must be contiguous int8 [N, K]");
   TORCH_CHECK(q.size(1) % BLOCK == 0, "q8: K must be a multiple of ", BLOCK);
-  TORCH_CHECK(d.scalar_type() == torch::kHalf && d.is_contiguous() && d.numel() == q.numel() / BLOCK,
-              "q8: d must be contiguous float16 [N, K / 32]");
-  return Q8{q.data_ptr<int8_t>(), reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()), q.size(1)};
+  TORCH_CHECK(s.scalar_type() == torch::kFloat32 && s.is_contiguous() && s.numel() == q.size(0),
+              "q8: s must be contiguous float32 [N]");
+  return Q8{q.data_ptr<int8_t>(), s.data_ptr<float>(), q.size(1)};
 }
 
 Q4 q4_of(const torch::Tensor& q, const torch::Tensor& d, const torch::Tensor& m) {
@@ -225,18 +227,160 @@ Q4 q4_of(const torch::Tensor& q, const torch::Tensor& d, const torch::Tensor& m)
             reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>()), k};
 }
 
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#define SWITCHBOARD_VNNI 1
+// ---- W8A8 on AVX-512 VNNI ----------------------------------------------------------------------------
+//
+// Activations: each row, per block of 32, as int8 with its own scale dx (symmetric: dx = max |x| / 127,
+// xq = round(x / dx)). vpdpbusd multiplies unsigned bytes by signed ones, so the weights go in as q + 128
+// (their sign bit flipped) and the activations as they are; the extra 128 * sum(xq) * dx this adds is a
+// property of the row alone, taken off once at the end. A vector of 64 bytes covers two blocks: lanes 0-7
+// sum block b, lanes 8-15 block b + 1, so each lane's integer sum is scaled by its block's dx (a vector made
+// once per row) and accumulated in float; the weight row's scale multiplies the total.
+
+struct QuantRows {
+  torch::Tensor xq;    // int8 [rows, K]
+  torch::Tensor dx;    // float32 [rows, K / 64, 16]: each lane's block scale
+  torch::Tensor bias;  // float32 [rows]: 128 * sum over blocks of dx * sum(xq), what the sign flip adds
+};
+
+QuantRows quantize_rows(const torch::Tensor& xf) {
+  const int64_t rows = xf.size(0), k = xf.size(1), pairs = k / 64, blocks = k / BLOCK;
+  QuantRows out{torch::empty({rows, k}, torch::dtype(torch::kInt8)),
+                torch::empty({rows, pairs, 16}, torch::dtype(torch::kFloat32)), torch::empty({rows}, torch::kFloat32)};
+  torch::Tensor parts = torch::empty({rows, blocks}, torch::kFloat32);
+  const float* x = xf.data_ptr<float>();
+  int8_t* q = out.xq.data_ptr<int8_t>();
+  float* dx = out.dx.data_ptr<float>();
+  float* part = parts.data_ptr<float>();
+  at::parallel_for(0, rows * blocks, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const float* xb = x + g * BLOCK;
+      const __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+      const float d = amax / 127.f;
+      int sum = 0;
+      if (d == 0.f) {
+        std::memset(q + g * BLOCK, 0, BLOCK);
+      } else {  // x / d rounded to nearest even (the default rounding mode), |x / d| <= 127
+        const __m512 dv = _mm512_set1_ps(d);
+        const __m512i a = _mm512_cvtps_epi32(_mm512_div_ps(lo, dv)), b = _mm512_cvtps_epi32(_mm512_div_ps(hi, dv));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + g * BLOCK), _mm512_cvtsepi32_epi8(a));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + g * BLOCK + 16), _mm512_cvtsepi32_epi8(b));
+        sum = _mm512_reduce_add_epi32(_mm512_add_epi32(a, b));
+      }
+      part[g] = 128.f * d * static_cast<float>(sum);
+      const int64_t row = g / blocks, block = g % blocks;
+      float* lanes = dx + (row * pairs + block / 2) * 16 + (block % 2) * 8;
+      for (int j = 0; j < 8; ++j) lanes[j] = d;
+    }
+  });
+  float* bias = out.bias.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    float sum = 0.f;
+    for (int64_t b = 0; b < blocks; ++b) sum += part[r * blocks + b];
+    bias[r] = sum;
+  }
+  return out;
+}
+
+template <int MB, int NBV>
+void tile_w8a8(const Q8& w, const int8_t* xq, const float* dx, const float* bias, int64_t n0, float* y, int64_t ldy) {
+  const int64_t k = w.k, pairs = k / 64;
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[MB][NBV];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NBV; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512i wv[NBV];
+    for (int j = 0; j < NBV; ++j) wv[j] = _mm512_xor_si512(_mm512_loadu_si512(w.q + (n0 + j) * k + p * 64), flip);
+    for (int i = 0; i < MB; ++i) {
+      const __m512i xv = _mm512_loadu_si512(xq + i * k + p * 64);
+      const __m512 dv = _mm512_loadu_ps(dx + (i * pairs + p) * 16);
+      for (int j = 0; j < NBV; ++j)
+        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[j], xv)), dv,
+                                    acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NBV; ++j) y[i * ldy + n0 + j] = (_mm512_reduce_add_ps(acc[i][j]) - bias[i]) * w.s[n0 + j];
+}
+
+template <int MB, int NBV>
+void rows_w8a8(const Q8& w, const int8_t* xq, const float* dx, const float* bias, int64_t rows, int64_t n0, float* y,
+               int64_t ldy) {
+  const int64_t k = w.k, pairs = k / 64;
+  int64_t i = 0;
+  for (; i + MB <= rows; i += MB)
+    tile_w8a8<MB, NBV>(w, xq + i * k, dx + i * pairs * 16, bias + i, n0, y + i * ldy, ldy);
+  if constexpr (MB > 1) {
+    if (i < rows) rows_w8a8<MB / 2, NBV>(w, xq + i * k, dx + i * pairs * 16, bias + i, rows - i, n0, y + i * ldy, ldy);
+  }
+}
+
+// The activations as this kernel quantizes them, dequantized (for tests: the same numbers it multiplies).
+torch::Tensor w8a8_activations(torch::Tensor x) {
+  const torch::Tensor xf = x.reshape({-1, x.size(-1)}).to(torch::kFloat32).contiguous();
+  TORCH_CHECK(xf.size(1) % 64 == 0, "w8a8: K must be a multiple of 64");
+  QuantRows qr = quantize_rows(xf);
+  const torch::Tensor codes = qr.xq.to(torch::kFloat32);
+  const torch::Tensor scales = qr.dx.reshape({xf.size(0), -1, 2, 8}).select(3, 0).reshape({xf.size(0), -1, 1});
+  return (codes.reshape({xf.size(0), -1, BLOCK}) * scales).reshape(x.sizes());
+}
+
+torch::Tensor linear_w8a8(const Q8& w, const torch::Tensor& x, int64_t n) {
+  const int64_t k = w.k;
+  TORCH_CHECK(x.size(-1) == k, "the input has ", x.size(-1), " columns, the weight ", k);
+  if (k % 64) return linear(w, x, n);  // an odd number of blocks: the float kernel
+  const torch::Tensor xf = x.reshape({-1, k}).to(torch::kFloat32).contiguous();
+  const int64_t rows = xf.size(0);
+  QuantRows qr = quantize_rows(xf);
+  torch::Tensor y = torch::empty({rows, n}, xf.options());
+  const int8_t* xq = qr.xq.data_ptr<int8_t>();
+  const float* dx = qr.dx.data_ptr<float>();
+  const float* bias = qr.bias.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  constexpr int NBV = 4;
+  const int64_t tiles = n / NBV;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) rows_w8a8<4, NBV>(w, xq, dx, bias, rows, t * NBV, yp, n);
+  });
+  for (int64_t c = tiles * NBV; c < n; ++c) rows_w8a8<1, 1>(w, xq, dx, bias, rows, c, yp, n);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  return y.to(x.scalar_type()).reshape(shape);
+}
+#else
+#define SWITCHBOARD_VNNI 0
+#endif
+
 }  // namespace
 
-torch::Tensor q8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d) { return linear(q8_of(q, d), x, q.size(0)); }
+torch::Tensor q8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor s) {
+#if SWITCHBOARD_VNNI
+  return linear_w8a8(q8_of(q, s), x, q.size(0));
+#else
+  return linear(q8_of(q, s), x, q.size(0));
+#endif
+}
+
+bool q8_int8_activations() { return SWITCHBOARD_VNNI; }
 
 torch::Tensor q4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor m) {
   return linear(q4_of(q, d, m), x, q.size(0));
 }
 
-torch::Tensor q8_dequant(torch::Tensor q, torch::Tensor d, torch::ScalarType dtype) {
-  return dequant(q8_of(q, d), q.size(0), dtype);
+torch::Tensor q8_dequant(torch::Tensor q, torch::Tensor s, torch::ScalarType dtype) {
+  return dequant(q8_of(q, s), q.size(0), dtype);
 }
 
 torch::Tensor q4_dequant(torch::Tensor q, torch::Tensor d, torch::Tensor m, torch::ScalarType dtype) {
   return dequant(q4_of(q, d, m), q.size(0), dtype);
 }
+
+#if SWITCHBOARD_VNNI
+torch::Tensor q8_activations(torch::Tensor x) { return w8a8_activations(x); }
+#else
+torch::Tensor q8_activations(torch::Tensor x) { return x; }
+#endif
