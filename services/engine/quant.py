@@ -65,21 +65,25 @@ class QuantLinear(nn.Module):
 class Q8Linear(QuantLinear):
     format, bits = "int8", 8
 
-    def __init__(self, q: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None = None, kernels=None):
-        """``q``: int8 [out, in]; ``s``: float32 [out]."""
+    def __init__(self, q: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None = None, kernels=None,
+                 int8_activations: bool = True):
+        """``q``: int8 [out, in]; ``s``: float32 [out]; ``int8_activations``: W8A8 where the CPU has VNNI
+        (the lm_head keeps float activations: there, rounding them flipped greedy answers of the default model)."""
         super().__init__(q.shape[0], q.shape[1], bias, kernels)
         self.q, self.s = q.contiguous(), s.to(torch.float32).contiguous()
+        self.int8_activations = int8_activations and kernels is not None and kernels.int8_activations
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, kernels=None) -> Q8Linear:
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, kernels=None,
+                   int8_activations: bool = True) -> Q8Linear:
         w = weight.detach().float()
         s = w.abs().amax(dim=1) / 127.0
         safe = torch.where(s == 0, torch.ones_like(s), s)
         q = torch.round(w / safe[:, None]).clamp(-127, 127).to(torch.int8)
-        return cls(q, s, bias, kernels)
+        return cls(q, s, bias, kernels, int8_activations)
 
     def _kernel(self, rows: torch.Tensor) -> torch.Tensor:
-        return self.kernels.q8_linear(rows, self.q, self.s)
+        return self.kernels.q8_linear(rows, self.q, self.s, self.int8_activations)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if self.kernels is not None:
@@ -142,3 +146,10 @@ def quantize(linear: nn.Module, fmt: str, kernels=None) -> nn.Module:
         return linear
     cls = {"int8": Q8Linear, "int4": Q4Linear}[fmt]
     return cls.from_float(linear.weight, linear.bias, kernels)
+
+
+def quantize_head(linear: nn.Module, kernels=None) -> nn.Module:
+    """The lm_head: int8 weights, float activations (W8A16) whatever the CPU."""
+    if linear.in_features % BLOCK:
+        return linear
+    return Q8Linear.from_float(linear.weight, linear.bias, kernels, int8_activations=False)

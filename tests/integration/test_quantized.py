@@ -1,5 +1,6 @@
-"""The default model served from int4 weights (Switchboard.quantization), end to end through the openai client:
-a sensible answer, the format in /info, and the prompt's perplexity within the target of the float model's."""
+"""The default model served from quantized weights (Switchboard.quantization: int4, and its own Q4_1 GGUF), end to
+end through the openai client: a sensible answer, the format in /info, and the prompt's perplexity within the target
+of the float model's."""
 
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ TEXT = ("The lighthouse stood at the end of a narrow spit of rock, and for most 
         "stair to light the lamp, trimmed the wick, polished the lens and wound the clockwork that turned the light.")
 
 
-@pytest.fixture(scope="module")
-def int4_stack(tmp_path_factory, smol_dir):
-    with running_stack(tmp_path_factory.mktemp("int4"), smol_dir, Switchboard={"quantization": "int4"}) as stack:
+@pytest.fixture(scope="module", params=["int4", "gguf"])
+def quantized_stack(request, tmp_path_factory, smol_dir):
+    with running_stack(tmp_path_factory.mktemp(request.param), smol_dir,
+                       Switchboard={"quantization": request.param}) as stack:
+        stack.quantization = request.param
         yield stack
 
 
@@ -29,11 +32,11 @@ def perplexity(stack) -> float:
     return math.exp(-sum(logprobs) / len(logprobs))
 
 
-def test_the_default_model_at_int4_answers_through_the_openai_client(int4_stack, smol_stack):
-    client = OpenAI(base_url=int4_stack.url + "/v1", api_key="x")
-    answer = client.chat.completions.create(model=int4_stack.model, temperature=0, max_tokens=20,
+def test_the_quantized_default_model_answers_through_the_openai_client(quantized_stack, smol_stack):
+    client = OpenAI(base_url=quantized_stack.url + "/v1", api_key="x")
+    answer = client.chat.completions.create(model=quantized_stack.model, temperature=0, max_tokens=20,
                                             messages=[{"role": "user", "content": "What is the capital of France?"}])
     assert "Paris" in answer.choices[0].message.content
-    info = httpx.get(int4_stack.mgmt_url + "/info", timeout=10).json()
-    assert info["models"][0]["model_quantization"] == "int4"
-    assert perplexity(int4_stack) <= perplexity(smol_stack) * 1.05
+    info = httpx.get(quantized_stack.mgmt_url + "/info", timeout=10).json()
+    assert info["models"][0]["model_quantization"] == quantized_stack.quantization
+    assert perplexity(quantized_stack) <= perplexity(smol_stack) * 1.05

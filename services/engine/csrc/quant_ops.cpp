@@ -357,12 +357,12 @@ torch::Tensor linear_w8a8(const Q8& w, const torch::Tensor& x, int64_t n) {
 
 }  // namespace
 
-torch::Tensor q8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor s) {
+// int8_activations: W8A8 where the CPU has VNNI (else W8A16 whatever it says)
+torch::Tensor q8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor s, bool int8_activations) {
 #if SWITCHBOARD_VNNI
-  return linear_w8a8(q8_of(q, s), x, q.size(0));
-#else
-  return linear(q8_of(q, s), x, q.size(0));
+  if (int8_activations) return linear_w8a8(q8_of(q, s), x, q.size(0));
 #endif
+  return linear(q8_of(q, s), x, q.size(0));
 }
 
 bool q8_int8_activations() { return SWITCHBOARD_VNNI; }
