@@ -75,3 +75,20 @@ def smolvlm_dir(tmp_path_factory, smol_dir) -> Path:
     from tests.vlm_models import make_smolvlm
 
     return make_smolvlm(tmp_path_factory.mktemp("smolvlm"), smol_dir)
+
+
+@pytest.fixture(scope="session")
+def spans():
+    """Every span this process ends, in memory (cleared by the test that reads it)."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):
+        provider = TracerProvider()
+        trace.set_tracer_provider(provider)
+    memory = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    return memory

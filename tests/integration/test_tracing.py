@@ -16,11 +16,7 @@ import threading
 import httpx
 import msgspec
 import pytest
-from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from shared.config import load_config
 from switchboard.natsd import EmbeddedNats
@@ -31,14 +27,9 @@ SERVICES = ("metrics", "tokenizer", "engine", "gateway")
 
 
 @pytest.fixture(scope="module")
-def exporter():
-    provider = trace.get_tracer_provider()
-    if not isinstance(provider, TracerProvider):
-        provider = TracerProvider()
-        trace.set_tracer_provider(provider)
-    memory = InMemorySpanExporter()
-    provider.add_span_processor(SimpleSpanProcessor(memory))
-    return memory
+def exporter(spans):
+    spans.clear()  # this module's spans only
+    return spans
 
 
 async def start_in_process(cfg, url: str, stop: asyncio.Event, services=None) -> list[asyncio.Task]:

@@ -16,19 +16,3 @@ def tiny_runner(tiny_model_dir):
 def small_pool_runner(tiny_model_dir):
     return make_runner(tiny_model_dir, num_blocks=6)
 
-
-@pytest.fixture(scope="session")
-def spans():
-    """Every span this process ends, in memory (cleared by the test that reads it)."""
-    from opentelemetry import trace
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
-    provider = trace.get_tracer_provider()
-    if not isinstance(provider, TracerProvider):
-        provider = TracerProvider()
-        trace.set_tracer_provider(provider)
-    memory = InMemorySpanExporter()
-    provider.add_span_processor(SimpleSpanProcessor(memory))
-    return memory

@@ -226,20 +226,26 @@ def test_lost_token_events(world, spans):
     assert cancels_of(peers, rid) == [CancelKind.EVENTS_LOST]
 
 
+async def until_dropped(service: TokenizerService, peers: Peers, req: GenerateRequest, gateway: bool) -> None:
+    """Run the tokenizer's heartbeat loop (its lease checks) while only ENGINE (and the gateway, if ``gateway``)
+    beats, until the request is dropped or three leases have passed."""
+    stop = asyncio.Event()
+    beating = asyncio.ensure_future(service.heartbeat(stop))
+    try:
+        for _ in range(int(3 * LEASE_S / 0.2)):
+            await peers.beat((ENGINE, "both"), gateway=gateway)
+            if req.id not in service.pending:
+                break
+            await asyncio.sleep(0.2)
+    finally:
+        stop.set()
+        await beating
+
+
 def test_the_gateways_lease_running_out(world, spans):
     async def scenario(service, peers, req):
         await started(service, peers, req)
-        stop = asyncio.Event()
-        beating = asyncio.ensure_future(service.heartbeat(stop))
-        try:
-            for _ in range(int(3 * LEASE_S / 0.2)):  # the engine beats on, the gateway does not
-                await peers.beat((ENGINE, "both"), gateway=False)
-                if req.id not in service.pending:
-                    break
-                await asyncio.sleep(0.2)
-        finally:
-            stop.set()
-            await beating
+        await until_dropped(service, peers, req, gateway=False)  # the engine beats on, the gateway does not
 
     _, peers, rid = asyncio.run(run(world, spans, scenario))
     assert peers.ends_heard(rid) == []  # no client to tell
@@ -252,17 +258,7 @@ def test_the_decode_engine_that_took_it_over_dying(world, spans):
         await peers.beat((DECODE, "decode"))
         await tokens(peers, service, TokenEvent(req.id, [5]), moved={req.id: DECODE})
         await until(lambda: service.pending[req.id].moved, "the handoff was not noted")
-        stop = asyncio.Event()
-        beating = asyncio.ensure_future(service.heartbeat(stop))
-        try:
-            for _ in range(int(3 * LEASE_S / 0.2)):  # the decode engine is silent from now on
-                await peers.beat((ENGINE, "both"))
-                if req.id not in service.pending:
-                    break
-                await asyncio.sleep(0.2)
-        finally:
-            stop.set()
-            await beating
+        await until_dropped(service, peers, req, gateway=True)  # the decode engine is silent from now on
 
     _, peers, rid = asyncio.run(run(world, spans, scenario))
     [end] = peers.ends_heard(rid)
