@@ -15,17 +15,23 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
-
 from engine_bench import (  # bench/engine_bench.py
-    SWITCHBOARD_READY, WORK, Api, bench_server, make_prompts, switchboard_config, tgi_body, tgi_tokens,
+    SWITCHBOARD_READY,
+    WORK,
+    Api,
+    bench_server,
+    make_prompts,
+    switchboard_config,
+    tgi_body,
+    tgi_tokens,
 )
+from peers_report import cpu  # bench/peers_report.py
 from processes import log_tail, server  # bench/processes.py
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,14 +86,6 @@ as it should be. He kept his logs in a wooden chest, and when the museum in the 
 gave them the weather and the ships but kept the birds for himself."""
 
 
-def cpu() -> str:
-    lines = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
-    info = {line.split(":", 1)[0].strip(): line.split(":", 1)[1].strip() for line in lines if ":" in line}
-    wanted = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8")
-    flags = [f for f in wanted if f in info.get("Flags", "").split()]
-    return f"{info.get('Model name', '?')}, {info.get('CPU(s)', '?')} CPUs, flags: {' '.join(flags)}"
-
-
 def perplexity(url: str) -> tuple[float, int]:
     """exp of the mean negative log-likelihood of TEXT's tokens after the first, and how many were scored."""
     model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
@@ -117,7 +115,8 @@ def run_variant(name: str, keys: dict, prompts: list[str], tokens: int, levels: 
 
 def render(results: dict[str, dict], levels: list[int], args: argparse.Namespace, seconds: float) -> str:
     c_lo, c_hi = levels[0], levels[-1]
-    lines = [f"CPU: {cpu()}", f"Command: `.venv/bin/python bench/quant_bench.py {' '.join(sys.argv[1:])}` "
+    model, flags = cpu()
+    lines = [f"CPU: {model}; {' '.join(flags)}", f"Command: `.venv/bin/python bench/quant_bench.py {' '.join(sys.argv[1:])}` "
              f"({args.requests} requests of {args.tokens} greedy tokens; {seconds:.0f} s)", "",
              f"| weights | c{c_lo} tok/s | vs f32 | vs bf16 | c{c_hi} tok/s | vs f32 | vs bf16 | TTFT p50 c{c_hi} | "
              "perplexity | vs bf16 |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]

@@ -41,10 +41,10 @@ def check(folder: Path, gguf: bool = False) -> None:
     one ``*.gguf`` file that ``Switchboard.quantization: "gguf"`` reads the layers from)."""
     if not folder.is_dir():
         raise ModelFolderError(f"{folder}: is not a folder (ModelConfig.modelWeightPath names the model's folder)")
-    for name in JSON_FILES:
-        if name == "config.json" or (folder / name).exists():
-            read_json(folder / name)
     config = read_json(folder / "config.json")
+    for name in JSON_FILES[1:]:  # the others, where present
+        if (folder / name).exists():
+            read_json(folder / name)
     if not config.get("model_type") and not config.get("architectures"):
         raise ModelFolderError(f"{folder / 'config.json'}: names neither model_type nor architectures: "
                                "it is not a transformers model's config")

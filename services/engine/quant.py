@@ -10,8 +10,8 @@ Two formats (``Switchboard.quantization``):
   input columns (GGUF's Q4_1 layout; 0.625 bytes per weight). Asymmetric: each block's [min, max] onto 0..15.
 
 Each holds only its packed weight (the float one is dropped). On the CPU the engine's C++ kernels
-(``csrc/quant_ops.cpp``) multiply by it directly for decode-sized batches and dequantize it once for a
-larger batch (a prefill chunk), which then runs as a float matrix product; elsewhere (no compiler) the
+(``csrc/quant_ops.cpp``) multiply by it directly, whatever the batch (they beat dequantizing the matrix
+at every size measured, prefill chunks included); without them (no compiler, ``cpuKernels: false``) the
 weight is dequantized by PyTorch operations at each use — slow, the same results.
 """
 
@@ -21,16 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-FORMATS = ("none", "int8", "int4")
 BLOCK = 32
-LARGE_BATCH = 1 << 30  # (no batch is too large for the kernels: they beat dequantizing the matrix at every size measured)
 
 
 class QuantLinear(nn.Module):
     """What both formats share: the shape, the bias, the choice between kernel and dequantized product."""
-
-    format = ""
-    bits = 0
 
     def __init__(self, out_features: int, in_features: int, bias: torch.Tensor | None, kernels=None):
         super().__init__()
@@ -40,7 +35,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if self.kernels is not None and rows.shape[0] < LARGE_BATCH:
+        if self.kernels is not None:
             out = self._kernel(rows)
         else:
             out = F.linear(rows, self.dequantized(x.dtype))
@@ -63,7 +58,6 @@ class QuantLinear(nn.Module):
 
 
 class Q8Linear(QuantLinear):
-    format, bits = "int8", 8
 
     def __init__(self, q: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None = None, kernels=None,
                  int8_activations: bool = True):
@@ -95,7 +89,6 @@ class Q8Linear(QuantLinear):
 
 
 class Q4Linear(QuantLinear):
-    format, bits = "int4", 4
 
     def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None = None,
                  kernels=None):

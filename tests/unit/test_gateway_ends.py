@@ -139,6 +139,11 @@ async def whole(call: Call) -> list[End]:
         return await call.results()
 
 
+async def launch(call: Call, upstream: Upstream) -> tuple[asyncio.Future, GenerateRequest]:
+    """The call run whole in the background, and its request as the tokenizer received it."""
+    return asyncio.ensure_future(whole(call)), await upstream.request()
+
+
 def run(world, spans, scenario, context=lambda ctx: ctx, published: bool = True, **session_fields):
     """A gateway and its upstream; ``scenario(gateway, upstream, call)`` drives one single-choice call to its
     end. Then the checks every end shares; the upstream and the session, for the scenario's own checks."""
@@ -180,8 +185,7 @@ def finished(upstream: Upstream, session: Session) -> FinishReason:
 
 def test_the_last_output(world, spans):
     async def scenario(gateway, upstream, call):
-        task = asyncio.ensure_future(whole(call))
-        req = await upstream.request()
+        task, req = await launch(call, upstream)
         await upstream.answer(req, started(req), output(req, FinishReason.LENGTH))
         return await task
 
@@ -193,8 +197,7 @@ def test_the_last_output(world, spans):
 
 def test_stop_infer(world, spans):
     async def scenario(gateway, upstream, call):
-        task = asyncio.ensure_future(whole(call))
-        req = await upstream.request()
+        task, req = await launch(call, upstream)
         await upstream.answer(req, started(req), output(req, None))
         assert await gateway.stop_infer("client-7")
         await until(lambda: upstream.cancels, "stopInfer sent no cancel")
@@ -209,8 +212,7 @@ def test_stop_infer(world, spans):
 
 def test_the_client_leaving(world, spans):
     async def scenario(gateway, upstream, call):
-        task = asyncio.ensure_future(whole(call))
-        req = await upstream.request()
+        task, req = await launch(call, upstream)
         await upstream.answer(req, started(req), output(req, None))
         await asyncio.sleep(0.1)
         task.cancel()
@@ -224,8 +226,7 @@ def test_the_client_leaving(world, spans):
 
 def test_token_timeout(world, spans):
     async def scenario(gateway, upstream, call):
-        task = asyncio.ensure_future(whole(call))
-        req = await upstream.request()
+        task, req = await launch(call, upstream)
         await upstream.answer(req, started(req))  # and then nothing
         with pytest.raises(SwitchboardError) as raised:
             await task
@@ -238,8 +239,7 @@ def test_token_timeout(world, spans):
 
 def test_a_failure(world, spans):
     async def scenario(gateway, upstream, call):
-        task = asyncio.ensure_future(whole(call))
-        req = await upstream.request()
+        task, req = await launch(call, upstream)
         error = ErrorInfo(ErrorKind.TIMEOUT, "the request ran past its deadline")
         await upstream.answer(req, started(req), Failed(id=req.id, error=error))
         with pytest.raises(SwitchboardError) as raised:
@@ -253,8 +253,7 @@ def test_a_failure(world, spans):
 
 def test_a_superseded_attempt(world, spans):
     async def scenario(gateway, upstream, call):
-        task = asyncio.ensure_future(whole(call))
-        req = await upstream.request()
+        task, req = await launch(call, upstream)
         lost = ErrorInfo(ErrorKind.INTERNAL, "token events 1..2 were lost")
         await upstream.answer(req, started(req), output(req, None), Failed(id=req.id, error=lost, retryable=True))
         resumed = await upstream.request(1)
@@ -270,8 +269,7 @@ def test_a_superseded_attempt(world, spans):
 
 def test_the_engines_lease_running_out(world, spans):
     async def scenario(gateway, upstream, call):
-        task = asyncio.ensure_future(whole(call))
-        req = await upstream.request()
+        task, req = await launch(call, upstream)
         await upstream.answer(req, started(req), output(req, None))
         upstream.engine_alive = False  # its engine dies: the failover watch sees its lease run out
         died = time.monotonic()

@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType, quants
 from services.engine import kernels
 from services.engine.engine import Engine
 from services.engine.model_runner import ModelRunner
-from services.engine.quant import BLOCK, LARGE_BATCH, Q4Linear, Q8Linear, quantize
+from services.engine.quant import BLOCK, Q4Linear, Q8Linear, quantize
 from tests.unit.engine_helpers import BLOCK as KV_BLOCK
 from tests.unit.engine_helpers import CPU, block_bytes, limits, request
 
@@ -28,9 +28,8 @@ def weight(n: int = 72, k: int = 96, seed: int = 0) -> torch.Tensor:
 
 def activations(layer, x: torch.Tensor) -> torch.Tensor:
     """``x`` as the layer's kernel multiplies it: quantized per block of 32 by the int8 kernel on VNNI (for
-    a width of whole pairs of blocks and a decode-sized batch), as it is otherwise."""
-    rows = x.reshape(-1, x.shape[-1]).shape[0]
-    if isinstance(layer, Q8Linear) and layer.int8_activations and x.shape[-1] % 64 == 0 and rows < LARGE_BATCH:
+    a width of whole pairs of blocks), as it is otherwise."""
+    if isinstance(layer, Q8Linear) and layer.int8_activations and x.shape[-1] % 64 == 0:
         return KERNELS.q8_activations(x.float())
     return x.float()
 
