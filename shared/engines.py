@@ -19,7 +19,7 @@ def combined(engines: Iterable[EngineInfo]) -> EngineInfo | None:
         return None
     first = engines[0]
     return EngineInfo(
-        model=first.model, device=first.device, dtype=first.dtype, quantization=first.quantization,
+        model=first.model, device=first.device, dtype=first.dtype, quantization=first.quantization, kv_dtype=first.kv_dtype,
         loaded=any(e.loaded for e in engines), stopping=all(e.stopping for e in engines),
         **{name: sum(getattr(e, name) for e in engines) for name in SUMMED},
     )

@@ -36,9 +36,11 @@ def read_json(path: Path) -> dict[str, Any]:
     return value
 
 
-def check(folder: Path, gguf: bool = False) -> None:
-    """Raise ModelFolderError for the first missing or malformed file a service would need (with ``gguf``, the
-    one ``*.gguf`` file that ``Switchboard.quantization: "gguf"`` reads the layers from)."""
+def check(folder: Path, quantization: str = "none") -> None:
+    """Raise ModelFolderError for the first missing or malformed file a service would need (``quantization``,
+    the Switchboard key's value: with "gguf", the one ``*.gguf`` file it reads the layers from; with anything
+    but "none", a folder whose weights are not already quantized)."""
+    gguf = quantization == "gguf"
     if not folder.is_dir():
         raise ModelFolderError(f"{folder}: is not a folder (ModelConfig.modelWeightPath names the model's folder)")
     config = read_json(folder / "config.json")
@@ -52,9 +54,54 @@ def check(folder: Path, gguf: bool = False) -> None:
         raise ModelFolderError(f"{folder}: holds no tokenizer (one of {', '.join(TOKENIZER_FILES)})")
     if not list(folder.glob("*.safetensors")) and not list(folder.glob("*.bin")):
         raise ModelFolderError(f"{folder}: holds no weights (*.safetensors or *.bin files)")
+    method = checkpoint_quantization(config, folder / "config.json")
+    if method and quantization != "none":
+        raise ModelFolderError(f"{folder / 'config.json'}: the folder's weights are already {method.upper()} "
+                               f"(quantization_config); Switchboard.quantization {quantization!r} would quantize "
+                               "float weights: leave it \"none\"")
     if gguf and len(list(folder.glob("*.gguf"))) != 1:
         raise ModelFolderError(f"{folder}: Switchboard.quantization \"gguf\" needs exactly one *.gguf file here, "
                                f"found {len(list(folder.glob('*.gguf')))}")
+
+
+CHECKPOINT_METHODS = ("awq", "gptq")  # 4-bit checkpoints the engine converts at load (services/engine/prequantized.py)
+
+
+def checkpoint_quantization(config: dict[str, Any], where: Path | str = "config.json") -> str | None:
+    """The quantization a folder's weights are stored in (config.json's ``quantization_config``): "awq" or
+    "gptq" (4 bits, groups of a multiple of 32 input columns), None for float weights; ModelFolderError naming
+    the key for any other."""
+    qc = config.get("quantization_config")
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        raise ModelFolderError(f"{where}: quantization_config must be an object")
+    method = str(qc.get("quant_method", "")).lower()
+    if method not in CHECKPOINT_METHODS:
+        raise ModelFolderError(f"{where}: quantization_config.quant_method {qc.get('quant_method')!r} is not a format "
+                               f"Switchboard reads (it reads {', '.join(CHECKPOINT_METHODS)} 4-bit checkpoints, "
+                               "GGUF files, and float weights it quantizes itself)")
+    bits = qc.get("bits", qc.get("w_bit"))
+    if bits != 4:
+        raise ModelFolderError(f"{where}: quantization_config.bits is {bits!r}; Switchboard reads {method} checkpoints "
+                               "of 4 bits")
+    group = qc.get("group_size", qc.get("q_group_size", 128))
+    if not isinstance(group, int) or not (group == -1 or (group > 0 and group % 32 == 0)):
+        raise ModelFolderError(f"{where}: quantization_config.group_size {group!r} must be -1 or a multiple of 32")
+    if method == "awq":
+        version = str(qc.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise ModelFolderError(f"{where}: quantization_config.version {version!r}: Switchboard reads AWQ's GEMM "
+                                   "packing (the usual one), not GEMV's")
+        if qc.get("zero_point", True) is not True:
+            raise ModelFolderError(f"{where}: quantization_config.zero_point false: Switchboard reads AWQ "
+                                   "checkpoints with zero points")
+    else:
+        fmt = qc.get("checkpoint_format", "gptq")
+        if fmt not in ("gptq", "gptq_v2"):
+            raise ModelFolderError(f"{where}: quantization_config.checkpoint_format {fmt!r}: Switchboard reads "
+                                   "\"gptq\" and \"gptq_v2\"")
+    return method
 
 
 def processor_config(folder: Path) -> dict[str, Any]:

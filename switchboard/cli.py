@@ -82,7 +82,7 @@ def ensure_model(cfg: Config) -> None:
 
 def check_model(cfg: Config) -> None:
     try:
-        model_folder.check(cfg.model_path, gguf=cfg.switchboard.quantization == "gguf")
+        model_folder.check(cfg.model_path, cfg.switchboard.quantization)
     except model_folder.ModelFolderError as exc:
         print(f"switchboard: ModelConfig.modelWeightPath: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

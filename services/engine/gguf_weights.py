@@ -16,9 +16,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch import nn
 
-from services.engine.quant import Q4Linear, Q8Linear, QuantLinear
+from services.engine.quant import Q4Linear, Q8Linear, QuantLinear, merge
 
 NAMES = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output", "gate": "ffn_gate", "up": "ffn_up",
          "down": "ffn_down"}
@@ -108,16 +107,3 @@ def permute_rows(layer: QuantLinear, order: torch.Tensor) -> QuantLinear:
     if isinstance(layer, Q4Linear):
         return Q4Linear(layer.q[order], layer.d[order], layer.m[order], kernels=layer.kernels)
     return Q8Linear(layer.q[order], layer.s[order], kernels=layer.kernels)
-
-
-def merge(layers: list[QuantLinear], kernels=None) -> QuantLinear:
-    """Layers of one input width side by side (their outputs concatenated); int8 when their formats differ."""
-    if all(isinstance(layer, Q4Linear) for layer in layers):
-        return Q4Linear(torch.cat([l.q for l in layers]), torch.cat([l.d for l in layers]),
-                        torch.cat([l.m for l in layers]), kernels=kernels)
-    eights = [l if isinstance(l, Q8Linear) else Q8Linear.from_float(l.dequantized(), kernels=kernels) for l in layers]
-    return Q8Linear(torch.cat([l.q for l in eights]), torch.cat([l.s for l in eights]), kernels=kernels)
-
-
-def shapes_of(linears: dict[str, nn.Module]) -> dict[str, tuple[int, int]]:
-    return {key: (module.out_features, module.in_features) for key, module in linears.items()}

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 from torch import nn
 
-from services.engine import gguf_weights, quant
-from services.engine.gguf_weights import GgufLinears
+from services.engine import quant
 
 log = logging.getLogger("switchboard.engine")
 
@@ -78,16 +77,29 @@ def merge(linears: list[nn.Linear]) -> nn.Linear:
     return merged
 
 
+GROUPS = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down": ("down",)}  # merged: parts
+
+
+class LayerSource(Protocol):
+    """Where a model's projections come from when not from its float weights: a GGUF file
+    (``gguf_weights.GgufLinears``), an AWQ or GPTQ checkpoint (``prequantized.PrequantizedLinears``)."""
+
+    def layer(self, index: int, shapes: dict[str, tuple[int, int]]) -> dict[str, nn.Module]: ...
+
+
 def layer_linears(layer: nn.Module, pack: bool, batch_hint: int, quantization: str = "none",
-                  kernels=None, gguf: GgufLinears | None = None, index: int = 0) -> LayerLinears:
+                  kernels=None, source: LayerSource | None = None, index: int = 0) -> LayerLinears:
     """Merge a transformers decoder layer's projections (and drop the originals to free memory); then pack
-    them for oneDNN, or quantize them (``quant.py``), or take them from a GGUF file (``gguf_weights.py``)."""
+    them for oneDNN, or quantize them (``quant.py``), or take them from ``source`` (with the float model's biases)."""
     attn, mlp = layer.self_attn, layer.mlp
     q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
     sizes, intermediate = (q.out_features, k.out_features, v.out_features), mlp.gate_proj.out_features
-    if gguf is not None:
+    if source is not None:
         parts = {"q": q, "k": k, "v": v, "o": attn.o_proj, "gate": mlp.gate_proj, "up": mlp.up_proj, "down": mlp.down_proj}
-        mods = gguf.layer(index, gguf_weights.shapes_of(parts))
+        mods = source.layer(index, quant.shapes_of(parts))
+        for name, keys in GROUPS.items():
+            if mods[name].bias is None:
+                mods[name].bias = merged_bias([parts[key] for key in keys])
         out = LayerLinears(mods["qkv"], mods["o"], mods["gate_up"], mods["down"], mlp.act_fn, sizes, intermediate)
         quantization = "none"  # already in their format
     else:
@@ -99,9 +111,18 @@ def layer_linears(layer: nn.Module, pack: bool, batch_hint: int, quantization: s
     for name in ("qkv", "o", "gate_up", "down"):
         if quantization != "none":
             setattr(out, name, quant.quantize(getattr(out, name), quantization, kernels))
-        elif pack and gguf is None:
+        elif pack and source is None:
             setattr(out, name, PackedLinear(getattr(out, name), batch_hint))
     return out
+
+
+def merged_bias(linears: list[nn.Module]) -> torch.Tensor | None:
+    """The float linears' biases side by side (zeros for one without), or None when none has one."""
+    if all(l.bias is None for l in linears):
+        return None
+    like = next(l.bias for l in linears if l.bias is not None)
+    return torch.cat([l.bias.detach().float() if l.bias is not None else torch.zeros(l.out_features, device=like.device)
+                      for l in linears])
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -116,14 +137,14 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def build(model: nn.Module, device: torch.device, dtype: torch.dtype, batch_hint: int, quantization: str = "none",
-          kernels=None, gguf: GgufLinears | None = None) -> list[LayerLinears]:
+          kernels=None, source: LayerSource | None = None) -> list[LayerLinears]:
     """Every layer's merged projections; on cpu (float32, bfloat16) these and the lm_head are packed, or with
-    ``quantization`` (int8, int4) quantized, or ("gguf") read from ``gguf``: the layers in that format, the
-    lm_head in int8 (the logits are where 4 bits cost the most quality). ``kernels``: the CPU kernels the
-    quantized layers run on."""
+    ``quantization`` (int8, int4) quantized, or (gguf, awq, gptq) taken from ``source``: the layers in its
+    format, the lm_head in int8 (the logits are where 4 bits cost the most quality). ``kernels``: the CPU
+    kernels the quantized layers run on."""
     pack = can_pack(device, dtype) and quantization == "none"
-    own = "none" if quantization == "gguf" else quantization
-    layers = [layer_linears(layer, pack, batch_hint, own, kernels, gguf, i) for i, layer in enumerate(model.model.layers)]
+    own = quantization if source is None else "none"
+    layers = [layer_linears(layer, pack, batch_hint, own, kernels, source, i) for i, layer in enumerate(model.model.layers)]
     if quantization != "none":
         model.lm_head = quant.quantize_head(model.lm_head, kernels)
     elif pack:

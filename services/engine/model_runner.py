@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from services.engine import gguf_weights, kernels, linears
+from services.engine import gguf_weights, kernels, linears, prequantized
 from services.engine.devices import Device
 from services.engine.gguf_weights import GgufLinears
 from services.engine.graphs import DecodeGraphs, GraphPlan, reserve_bytes
@@ -88,22 +88,27 @@ class ModelRunner:
         accelerator's free memory); ``graphs``: run pure-decode steps from static buffers (as CUDA
         graphs when ``graphs.capture``), their memory set aside before the KV cache is sized;
         ``quantization``: the linear layers' weight format (``quant.py``; cpu only)."""
-        if quantization != "none" and device.torch_device.type != "cpu":
-            raise ValueError(f"Switchboard.quantization {quantization!r} runs on cpu only; the engine's device "
-                             f"is {device.torch_device.type}")
         self.path = path  # the model folder (its tokenizer builds structured output's grammars)
         self.device = device.torch_device
         self.dtype = device.dtype
-        self.model, self.encoder = load_model(path, self.device, self.dtype)
-        self.config = config = self.model.config
         self.ops = kernels.for_device(self.device, cpu_kernels)
         quant_kernels = self.ops if hasattr(self.ops, "q8_linear") else None
-        gguf = None
+        checkpoint = prequantized_config(path)
+        if checkpoint is not None:  # an AWQ or GPTQ folder: its layers as they are stored
+            if quantization != "none":
+                raise ValueError(f"Switchboard.quantization {quantization!r}: the model folder's weights are already "
+                                 f"{checkpoint['quant_method'].upper()}; leave it \"none\"")
+            quantization = str(checkpoint["quant_method"]).lower()
+        if quantization != "none" and device.torch_device.type != "cpu":
+            raise ValueError(f"Switchboard.quantization {quantization!r} runs on cpu only; the engine's device "
+                             f"is {device.torch_device.type}")
+        self.model, self.encoder, source = load_model(path, self.device, self.dtype, checkpoint, quant_kernels)
+        self.config = config = self.model.config
         if quantization == "gguf":
             heads = config.num_attention_heads
-            gguf = GgufLinears(gguf_weights.find(Path(path)), heads, getattr(config, "num_key_value_heads", None) or heads,
-                               quant_kernels)
-        self.linears = linears.build(self.model, self.device, self.dtype, batch_hint, quantization, quant_kernels, gguf)
+            source = GgufLinears(gguf_weights.find(Path(path)), heads,
+                                 getattr(config, "num_key_value_heads", None) or heads, quant_kernels)
+        self.linears = linears.build(self.model, self.device, self.dtype, batch_hint, quantization, quant_kernels, source)
         self.quantization = quantization
         self.block_size = block_size
         self.num_heads = config.num_attention_heads
@@ -369,20 +374,38 @@ def mrope_axes(rotary, half: int, device: torch.device) -> torch.Tensor | None:
     return torch.tensor(axes, dtype=torch.long, device=device)
 
 
-def load_model(path: str, device: torch.device, dtype: torch.dtype):
-    """The model's text half (a ``*ForCausalLM``, or a vision-language model's ``TextView``) and, for a
-    vision-language model, its media encoder (None for a text model)."""
+def prequantized_config(path: str) -> dict | None:
+    """The folder's ``quantization_config`` when its weights are an AWQ or GPTQ checkpoint; None for float weights."""
+    from shared.model_folder import checkpoint_quantization, read_json
+
+    config = read_json(Path(path) / "config.json")
+    if checkpoint_quantization(config, Path(path) / "config.json") is None:
+        return None
+    return config["quantization_config"]
+
+
+def load_model(path: str, device: torch.device, dtype: torch.dtype, checkpoint: dict | None = None, kernels=None):
+    """The model's text half (a ``*ForCausalLM``, or a vision-language model's ``TextView``), for a
+    vision-language model its media encoder (else None), and for an AWQ or GPTQ folder (``checkpoint``: its
+    quantization_config) the source of its packed layers (else None)."""
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(path)
     check_architecture(config)
     family = family_of(config)
+    if checkpoint is not None:
+        if family is not None:
+            raise UnsupportedModel(f"{checkpoint['quant_method']} checkpoints of vision-language models are not read")
+        del config.quantization_config  # the skeleton is built plain; its projections come from the packed tensors
+        tensors = prequantized.Tensors(Path(path))
+        model = prequantized.load_skeleton(path, config, dtype, tensors)  # cpu: quantized layers run there only
+        return model, None, prequantized.PrequantizedLinears(Path(path), checkpoint, kernels, tensors)
     if family is None:  # no gradients: a parameter that requires one makes inference tensors unusable outside inference mode
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval().requires_grad_(False), None
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval().requires_grad_(False), None, None
     model_class = getattr(transformers, next(a for a in config.architectures if a in FAMILIES))
     full = model_class.from_pretrained(path, dtype=dtype).to(device).eval().requires_grad_(False)
-    return TextView(full, family), MediaEncoder(full, family, device, dtype)
+    return TextView(full, family), MediaEncoder(full, family, device, dtype), None
 
 
 def check_architecture(config) -> None:

@@ -8,6 +8,9 @@ Two formats (``Switchboard.quantization``):
   (W8A8); elsewhere it multiplies float activations by the dequantized weights (W8A16).
 * ``int4`` → ``Q4Linear``: ``w = d * q + m``, q in 0..15, a float16 scale d and offset m per block of 32
   input columns (GGUF's Q4_1 layout; 0.625 bytes per weight). Asymmetric: each block's [min, max] onto 0..15.
+  Where the CPU has AVX-512 BF16 the kernel rounds the activations to bfloat16 (as a bfloat16 model does
+  everywhere) and multiplies with ``vdpbf16ps``; elsewhere float activations by dequantized weights.
+  GGUF files (``gguf_weights.py``) and AWQ / GPTQ checkpoints (``prequantized.py``) load into it as stored.
 
 Each holds only its packed weight (the float one is dropped). On the CPU the engine's C++ kernels
 (``csrc/quant_ops.cpp``) multiply by it directly, whatever the batch (they beat dequantizing the matrix
@@ -146,3 +149,16 @@ def quantize_head(linear: nn.Module, kernels=None) -> nn.Module:
     if linear.in_features % BLOCK:
         return linear
     return Q8Linear.from_float(linear.weight, linear.bias, kernels, int8_activations=False)
+
+
+def merge(layers: list[QuantLinear], kernels=None) -> QuantLinear:
+    """Layers of one input width side by side (their outputs concatenated); int8 when their formats differ."""
+    if all(isinstance(layer, Q4Linear) for layer in layers):
+        return Q4Linear(torch.cat([l.q for l in layers]), torch.cat([l.d for l in layers]),
+                        torch.cat([l.m for l in layers]), kernels=kernels)
+    eights = [l if isinstance(l, Q8Linear) else Q8Linear.from_float(l.dequantized(), kernels=kernels) for l in layers]
+    return Q8Linear(torch.cat([l.q for l in eights]), torch.cat([l.s for l in eights]), kernels=kernels)
+
+
+def shapes_of(linears: dict[str, nn.Module]) -> dict[str, tuple[int, int]]:
+    return {key: (module.out_features, module.in_features) for key, module in linears.items()}

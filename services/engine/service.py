@@ -265,7 +265,7 @@ class EngineService:
         runner = self.engine.runner
         return EngineInfo(
             model=self.model, loaded=True, device=self.device_label, dtype=str(runner.dtype).removeprefix("torch."),
-            quantization=runner.quantization,
+            quantization=runner.quantization, kv_dtype=str(runner.k_cache.dtype).removeprefix("torch."),
             max_batch_size=self.cfg.schedule.max_batch_size, total_blocks=runner.num_blocks,
             free_blocks=self.engine.blocks.num_free, running=self.engine.num_running, waiting=self.engine.num_waiting,
             free_slots=max(0, self.cfg.schedule.max_batch_size - self.engine.num_running),

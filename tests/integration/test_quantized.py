@@ -39,4 +39,9 @@ def test_the_quantized_default_model_answers_through_the_openai_client(quantized
     assert "Paris" in answer.choices[0].message.content
     info = httpx.get(quantized_stack.mgmt_url + "/info", timeout=10).json()
     assert info["models"][0]["model_quantization"] == quantized_stack.quantization
+    assert info["models"][0]["model_kv_cache_dtype"] == "float32"
+    card = client.models.retrieve(quantized_stack.model)
+    assert (card.quantization, card.kv_cache_dtype) == (quantized_stack.quantization, "float32")
+    config = httpx.get(quantized_stack.mgmt_url + "/v1/config", timeout=10).json()
+    assert (config["quantization"], config["kvCacheDtype"]) == (quantized_stack.quantization, "float32")
     assert perplexity(quantized_stack) <= perplexity(smol_stack) * 1.05

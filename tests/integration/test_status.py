@@ -32,7 +32,8 @@ async def status_after_heartbeat(stack, idle) -> dict:
 def test_v1_config(tiny_stack):
     body = get(tiny_stack, "/v1/config").json()
     assert body == {"modelName": tiny_stack.model, "maxSeqLen": 2560, "npuMemSize": -1, "cpuMemSize": 0,
-                    "worldSize": 1, "maxOutputLen": 512, "cacheBlockSize": 16}
+                    "worldSize": 1, "maxOutputLen": 512, "cacheBlockSize": 16,
+                    "quantization": "none", "kvCacheDtype": "float32"}
 
 
 async def test_status_reports_the_engine_state(tiny_stack):

@@ -358,6 +358,7 @@ torch::Tensor q8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor s, bool 
 bool q8_int8_activations();
 torch::Tensor q8_activations(torch::Tensor x);
 torch::Tensor q4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor m);
+std::vector<torch::Tensor> q4_operands(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor m);
 torch::Tensor q8_dequant(torch::Tensor q, torch::Tensor s, torch::ScalarType dtype);
 torch::Tensor q4_dequant(torch::Tensor q, torch::Tensor d, torch::Tensor m, torch::ScalarType dtype);
 
@@ -370,6 +371,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lora_apply", &lora_apply);
   m.def("q8_linear", &q8_linear);
   m.def("q4_linear", &q4_linear);
+  m.def("q4_operands", &q4_operands);
   m.def("q8_dequant", &q8_dequant);
   m.def("q8_int8_activations", &q8_int8_activations);
   m.def("q8_activations", &q8_activations);

@@ -64,6 +64,7 @@ async def info(request: Request) -> Response:
             "model_device_type": engine.device,
             "model_dtype": engine.dtype,
             "model_quantization": engine.quantization,
+            "model_kv_cache_dtype": engine.kv_dtype or engine.dtype,
             "model_id": gateway.model,
             "model_pipeline_tag": "text-generation",
             "model_sha": None,

@@ -40,12 +40,18 @@ ROLE_422_TYPE = "Input validation error"  # the PD role endpoints' own casing (r
 
 @get("/v1/config")
 async def config(request: Request) -> Response:
-    cfg = request.app.state.gateway.cfg
+    """MindIE's seven keys, then the formats the engines serve in (Switchboard's own: the configured ones until
+    an engine is live, which knows a folder's own format, e.g. AWQ)."""
+    gateway = request.app.state.gateway
+    cfg = gateway.cfg
     model = cfg.deploy.model_config[0]
+    engine = gateway.engine_info()
     return Response({
         "modelName": model.model_name, "maxSeqLen": cfg.deploy.max_seq_len, "npuMemSize": model.npu_mem_size,
         "cpuMemSize": model.cpu_mem_size, "worldSize": model.world_size, "maxOutputLen": cfg.schedule.max_iter_times,
         "cacheBlockSize": cfg.schedule.cache_block_size,
+        "quantization": engine.quantization if engine else cfg.switchboard.quantization,
+        "kvCacheDtype": (engine.kv_dtype or engine.dtype) if engine else cfg.switchboard.dtype,
     }, media_type="application/json")
 
 

@@ -44,7 +44,11 @@ def cards(gateway: Gateway) -> dict[str, dict[str, Any]]:
     PD split mode, where requests cannot name them)."""
     served = gateway.served()
     adapters = [] if served.pd_split else sorted(served.adapters)
-    return {served.model: model_card(served.model), **{name: model_card(name, served.model) for name in adapters}}
+    base = model_card(served.model)
+    engine = gateway.engine_info()
+    if engine is not None:  # what its weights and KV cache are stored in (vLLM's cards carry no such field)
+        base.update(dtype=engine.dtype, quantization=engine.quantization, kv_cache_dtype=engine.kv_dtype or engine.dtype)
+    return {served.model: base, **{name: model_card(name, served.model) for name in adapters}}
 
 
 @get("/v1/models")
