@@ -1,4 +1,4 @@
-"""Quantized weights: Switchboard at float32, bfloat16, int8 and int4, side by side in one run.
+"""Quantized weights and K/V: Switchboard at float32, bfloat16, int8 and int4 (and int8 K/V), side by side in one run.
 
     .venv/bin/python bench/quant_bench.py [--requests 32] [--concurrency 16] [--tokens 64]
 
@@ -7,7 +7,8 @@ Each variant is `switchboard serve` with the default model (SmolLM2-135M-Instruc
 TGI streams at concurrency 1 and --concurrency, after a warm-up). Quality is measured on the same server:
 the perplexity of a fixed English text written below (its prompt logprobs through ``/v1/completions``
 with ``echo``). Ratios are against float32 and bfloat16 of the same run; the CPU's model and flags are
-printed with them. The Markdown table is written to .cache/bench/quant.md.
+printed with them. Each row also says how many 1,000-token sequences the KV cache holds in the default
+``kvCacheMemoryMb`` (from ``/v1/status``). The Markdown table is written to .cache/bench/quant.md.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ VARIANTS = {  # name -> the Switchboard keys it sets
     "int8": {"dtype": "float32", "quantization": "int8"},
     "int4": {"dtype": "float32", "quantization": "int4"},
     "gguf Q4_1": {"dtype": "float32", "quantization": "gguf"},  # the default model's own file
+    "bfloat16, int8 KV": {"dtype": "bfloat16", "kvCacheDtype": "int8"},
+    "int8, int8 KV": {"dtype": "float32", "quantization": "int8", "kvCacheDtype": "int8"},
 }
 TEXT = """The lighthouse stood at the end of a narrow spit of rock, and for most of the year the only people who
 saw it up close were the keeper and the men who brought his supplies. The keeper had lived there for eleven
@@ -107,10 +110,20 @@ def run_variant(name: str, keys: dict, prompts: list[str], tokens: int, levels: 
         config.write_text(json.dumps(data, indent=2))
         cmd = [sys.executable, "-m", "switchboard.cli", "serve", "--config", str(config)]
         with server(name, cmd, log, lambda: SWITCHBOARD_READY in log_tail(log, 200), cwd=ROOT):
+            seqs = sequences_held(url, data)
             ppl, scored = perplexity(url)
             print(f"[{name}] perplexity {ppl:.3f} over {scored} tokens", flush=True)
             runs = bench_server(name, url, Api("/generate_stream", tgi_body, tgi_tokens), prompts, tokens, levels)
-    return {"ppl": ppl, "scored": scored, **{run.concurrency: run for run in runs}}
+    return {"ppl": ppl, "scored": scored, "seqs": seqs, **{run.concurrency: run for run in runs}}
+
+
+def sequences_held(url: str, config: dict) -> int:
+    """How many 1,000-token sequences the engine's KV cache holds (its blocks, from /v1/status)."""
+    block = config["BackendConfig"]["ScheduleConfig"]["cacheBlockSize"]
+    port = config["ServerConfig"]["managementPort"]
+    mgmt = url.rsplit(":", 1)[0] + f":{port}"
+    blocks = httpx.get(mgmt + "/v1/status", timeout=30).json()["resource"]["totalNpuBlockNums"]
+    return blocks // -(-1000 // block)
 
 
 def render(results: dict[str, dict], levels: list[int], args: argparse.Namespace, seconds: float) -> str:
@@ -119,7 +132,7 @@ def render(results: dict[str, dict], levels: list[int], args: argparse.Namespace
     lines = [f"CPU: {model}; {' '.join(flags)}", f"Command: `.venv/bin/python bench/quant_bench.py {' '.join(sys.argv[1:])}` "
              f"({args.requests} requests of {args.tokens} greedy tokens; {seconds:.0f} s)", "",
              f"| weights | c{c_lo} tok/s | vs f32 | vs bf16 | c{c_hi} tok/s | vs f32 | vs bf16 | TTFT p50 c{c_hi} | "
-             "perplexity | vs bf16 |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "perplexity | vs bf16 | 1k-token seqs in KV |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     f32, bf16 = results.get("float32"), results.get("bfloat16")
     for name, r in results.items():
         row = [name]
@@ -128,7 +141,7 @@ def render(results: dict[str, dict], levels: list[int], args: argparse.Namespace
             row += [f"{tok_s:.1f}", f"{tok_s / f32[level].tok_s:.2f}x" if f32 else "",
                     f"{tok_s / bf16[level].tok_s:.2f}x" if bf16 else ""]
         row += [f"{r[c_hi].ttft(0.5) * 1000:.0f} ms", f"{r['ppl']:.3f}",
-                f"{(r['ppl'] / bf16['ppl'] - 1) * 100:+.2f}%" if bf16 else ""]
+                f"{(r['ppl'] / bf16['ppl'] - 1) * 100:+.2f}%" if bf16 else "", str(r["seqs"])]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 

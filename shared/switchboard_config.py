@@ -25,6 +25,10 @@ class SwitchboardConfig(msgspec.Struct, rename="camel", kw_only=True, forbid_unk
     int8 in all of them, the embeddings stay float. ``gguf`` takes the layers from the model folder's one
     ``*.gguf`` file as it stores them (Q4_0, Q4_1 exactly; other types converted to int4 or int8; the default
     model's folder holds its own Q4_1 file). ``none`` keeps ``dtype``'s weights."""
+    kv_cache_dtype: Literal["auto", "int8"] = "auto"
+    """the KV cache's element type: ``auto`` = ``dtype``'s; ``int8`` (cpu only) stores each head's K and V of a
+    position as int8 codes with one float16 scale, so ``kvCacheMemoryMb`` holds about twice the tokens of a
+    bfloat16 cache (four times float32's)."""
     cpu_kernels: bool = True
     """on cpu, the engine's fused C++ kernels (built for this CPU on first use); false runs the same
     operations as PyTorch calls."""

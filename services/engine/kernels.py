@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from services.engine import kv_cache
+
 log = logging.getLogger("switchboard.engine")
 
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("cpu_ops.cpp", "quant_ops.cpp")]
@@ -51,26 +53,46 @@ class TorchOps:
         return F.silu(gate) * up
 
     @staticmethod
-    def rope_store(qkv, cos, sin, positions, k_cache, v_cache, slots, num_heads, num_kv_heads, head_dim) -> None:
+    def rotate(qkv, cos, sin, positions, num_heads, num_kv_heads, head_dim) -> torch.Tensor:
+        """Rotates q and k in place; returns the rows' k and v [T, 2, Hkv, D]."""
         rotated = num_heads + num_kv_heads
         x = qkv[:, : rotated * head_dim].unflatten(-1, (rotated, head_dim))
         c, s = cos[positions][:, None, :].to(qkv.dtype), sin[positions][:, None, :].to(qkv.dtype)
         a, b = x[..., : head_dim // 2].clone(), x[..., head_dim // 2:].clone()
         x[..., : head_dim // 2] = a * c - b * s
         x[..., head_dim // 2:] = b * c + a * s
-        kv = qkv[:, num_heads * head_dim:].unflatten(-1, (2, num_kv_heads, head_dim))
+        return qkv[:, num_heads * head_dim:].unflatten(-1, (2, num_kv_heads, head_dim))
+
+    @classmethod
+    def rope_store(cls, qkv, cos, sin, positions, k_cache, v_cache, slots, num_heads, num_kv_heads, head_dim) -> None:
+        kv = cls.rotate(qkv, cos, sin, positions, num_heads, num_kv_heads, head_dim)
         k_cache.index_copy_(1, slots, kv[:, 0].transpose(0, 1))
         v_cache.index_copy_(1, slots, kv[:, 1].transpose(0, 1))
+
+    @classmethod
+    def rope_store_q8(cls, qkv, cos, sin, positions, k_cache, v_cache, k_scale, v_scale, slots, num_heads,
+                      num_kv_heads, head_dim) -> None:
+        """rope_store into an int8 cache (``kv_cache.py``): codes [Hkv, S, D], float16 scales [Hkv, S]."""
+        kv = cls.rotate(qkv, cos, sin, positions, num_heads, num_kv_heads, head_dim)
+        for i, (cache, scales) in enumerate(((k_cache, k_scale), (v_cache, v_scale))):
+            codes, scale = kv_cache.quantize(kv[:, i])
+            cache.index_copy_(1, slots, codes.transpose(0, 1))
+            scales.index_copy_(1, slots, scale.transpose(0, 1))
 
     @staticmethod
     def paged_decode(q, k_cache, v_cache, block_tables, lens, block_size, num_heads, num_kv_heads, head_dim,
                      scale) -> torch.Tensor:
-        n, width = q.shape[0], block_tables.shape[1] * block_size
         keys, values = (gather_blocks(cache, block_tables, block_size) for cache in (k_cache, v_cache))
-        mask = (torch.arange(width, device=q.device)[None] < lens[:, None])[:, None, None, :]
-        query = q.reshape(n, num_heads, 1, head_dim)
-        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
-        return out.reshape(n, num_heads * head_dim)
+        return attend_rows(q, keys, values, lens, num_heads, head_dim, scale)
+
+    @staticmethod
+    def paged_decode_q8(q, k_cache, v_cache, k_scale, v_scale, block_tables, lens, block_size, num_heads,
+                        num_kv_heads, head_dim, scale) -> torch.Tensor:
+        """paged_decode over an int8 cache: each row's positions dequantized, then the same attention."""
+        keys, values = (kv_cache.dequantize(gather_blocks(cache, block_tables, block_size),
+                                            gather_blocks(scales[..., None], block_tables, block_size)[..., 0], q.dtype)
+                        for cache, scales in ((k_cache, k_scale), (v_cache, v_scale)))
+        return attend_rows(q, keys, values, lens, num_heads, head_dim, scale)
 
     @staticmethod
     def lora_apply(y, x, a_parts, bts, rows) -> None:
@@ -82,6 +104,15 @@ class TorchOps:
             width = bt.shape[1]
             y[:, col:col + width] += ((x @ a.t()) * mask) @ bt
             col += width
+
+
+def attend_rows(q, keys, values, lens, num_heads, head_dim, scale) -> torch.Tensor:
+    """One query row per sequence over its gathered keys and values [N, Hkv, W, D], the first lens[i] of them."""
+    n, width = q.shape[0], keys.shape[2]
+    mask = (torch.arange(width, device=q.device)[None] < lens[:, None])[:, None, None, :]
+    query = q.reshape(n, num_heads, 1, head_dim)
+    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.reshape(n, num_heads * head_dim)
 
 
 def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -103,6 +134,7 @@ class CpuOps(TorchOps):
         self.silu_mul = module.silu_mul
         self.rope_store = module.rope_store
         self.paged_decode = module.paged_decode
+        self.rope_store_q8, self.paged_decode_q8 = module.rope_store_q8, module.paged_decode_q8  # int8 K/V
         self.q8_linear, self.q4_linear = module.q8_linear, module.q4_linear  # quantized weights (quant.py)
         self.q8_dequant, self.q4_dequant = module.q8_dequant, module.q4_dequant
         self.q8_activations = module.q8_activations  # the activations as the int8 kernel quantizes them

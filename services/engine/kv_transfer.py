@@ -3,11 +3,11 @@
 A prefill engine computes a prompt's K/V and its first token; a decode engine continues from there. What
 moves is the prompt's K/V, block by block, in the cache's own layout: for each block, K then V of every
 layer, ``[2, layers, kv_heads, block_size, head_dim]`` in the cache's dtype (720 KiB for a 16-token
-block of SmolLM2-135M in float32). A block is the unit because both caches are paged by it: the
+block of SmolLM2-135M in float32), followed for an int8 cache by the positions' scales (``kv_cache.py``). A block is the unit because both caches are paged by it: the
 receiver writes each chunk into one of its own blocks with one copy, and skips the blocks its prefix
 cache already holds.
 
-Both engines must run the same model in the same dtype and block size (``KvLayout``); a chunk that
+Both engines must run the same model with the same KV dtype and block size (``KvLayout``); a chunk that
 does not fit is refused, and the receiver then recomputes the prompt instead (the request's tokens
 are all it needs for that).
 """
@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from services.engine.kv_cache import token_bytes
+
 
 @dataclass(frozen=True)
 class KvLayout:
@@ -27,17 +29,18 @@ class KvLayout:
     kv_heads: int
     head_dim: int
     block_size: int
-    dtype: str
+    dtype: str  # the cache's: the model's dtype, or int8
 
     @classmethod
     def of(cls, runner) -> KvLayout:
-        k = runner.k_cache
-        return cls(k.shape[0], k.shape[1], k.shape[3], runner.block_size, str(k.dtype).removeprefix("torch."))
+        k = runner.kv.k
+        return cls(k.shape[0], k.shape[1], k.shape[3], runner.block_size, runner.kv.dtype_name)
 
     @property
     def chunk_bytes(self) -> int:
-        itemsize = torch.empty(0, dtype=getattr(torch, self.dtype)).element_size()
-        return 2 * self.layers * self.kv_heads * self.block_size * self.head_dim * itemsize
+        dtype = getattr(torch, self.dtype)
+        return self.block_size * token_bytes(self.layers, self.kv_heads, self.head_dim, dtype,
+                                             "int8" if dtype == torch.int8 else "auto")
 
 
 @dataclass
@@ -55,13 +58,7 @@ def export_blocks(runner, block_table: list[int], num_tokens: int) -> list[bytes
     """The K/V of positions [0, num_tokens) of the sequence holding ``block_table``, one chunk per block
     (the last block's positions past ``num_tokens`` travel too, and are overwritten at the receiver)."""
     count = -(-num_tokens // runner.block_size)
-    return [_block(runner, block).numpy().tobytes() for block in block_table[:count]]
-
-
-def _block(runner, block: int) -> torch.Tensor:
-    size = runner.block_size
-    span = slice(block * size, (block + 1) * size)
-    return torch.stack([runner.k_cache[:, :, span], runner.v_cache[:, :, span]]).contiguous().cpu()
+    return [runner.kv.block_bytes(block, runner.block_size) for block in block_table[:count]]
 
 
 def import_blocks(runner, block_table: list[int], kv: KvImport, first: int = 0) -> int:
@@ -76,12 +73,6 @@ def import_blocks(runner, block_table: list[int], kv: KvImport, first: int = 0) 
         raise ValueError("KV chunks do not fit the sequence's blocks")
     if first < kv.first:
         raise ValueError(f"blocks {first}..{kv.first - 1} were not sent and are no longer cached here")
-    dtype = getattr(torch, layout.dtype)
-    shape = (2, layout.layers, layout.kv_heads, layout.block_size, layout.head_dim)
-    size = runner.block_size
     for chunk, block in list(zip(kv.chunks, block_table[kv.first:]))[first - kv.first:]:
-        data = torch.frombuffer(bytearray(chunk), dtype=dtype).view(shape).to(runner.k_cache.device)
-        span = slice(block * size, (block + 1) * size)
-        runner.k_cache[:, :, span] = data[0]
-        runner.v_cache[:, :, span] = data[1]
+        runner.kv.write_block(block, runner.block_size, chunk)
     return kv.num_tokens

@@ -30,6 +30,7 @@ from services.engine import gguf_weights, kernels, linears, prequantized
 from services.engine.devices import Device
 from services.engine.gguf_weights import GgufLinears
 from services.engine.graphs import DecodeGraphs, GraphPlan, reserve_bytes
+from services.engine.kv_cache import KvCache, token_bytes
 from services.engine.lora import GroupStack, LoraSet, Rows
 from services.engine.multimodal import FAMILIES, MediaEncoder, TextView, family_of
 from services.engine.scheduler import Scheduled
@@ -83,11 +84,12 @@ class Batch:
 class ModelRunner:
     def __init__(self, path: str, device: Device, block_size: int, kv_budget_bytes, max_blocks: int,
                  batch_hint: int = 16, cpu_kernels: bool = True, max_loras: int = 0, max_lora_rank: int = 64,
-                 graphs: GraphPlan | None = None, quantization: str = "none"):
+                 graphs: GraphPlan | None = None, quantization: str = "none", kv_cache_dtype: str = "auto"):
         """``kv_budget_bytes``: bytes, or a function giving them once the model is loaded (an
         accelerator's free memory); ``graphs``: run pure-decode steps from static buffers (as CUDA
         graphs when ``graphs.capture``), their memory set aside before the KV cache is sized;
-        ``quantization``: the linear layers' weight format (``quant.py``; cpu only)."""
+        ``quantization``: the linear layers' weight format (``quant.py``; cpu only); ``kv_cache_dtype``: "auto"
+        (the model's dtype) or "int8" (``kv_cache.py``; cpu only)."""
         self.path = path  # the model folder (its tokenizer builds structured output's grammars)
         self.device = device.torch_device
         self.dtype = device.dtype
@@ -115,6 +117,7 @@ class ModelRunner:
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.scale = self.model.model.layers[0].self_attn.scaling
+        self.kv_cache_dtype = kv_cache_dtype
         budget = kv_budget_bytes() if callable(kv_budget_bytes) else kv_budget_bytes
         if graphs is not None and graphs.capture:
             budget -= reserve_bytes(self.config, graphs.max_rows, self.dtype)
@@ -122,7 +125,8 @@ class ModelRunner:
         if self.num_blocks < 1:
             raise RuntimeError(f"KV-cache budget of {budget} bytes holds no block of {self.block_bytes} bytes")
         self.scratch_block = self.num_blocks  # one more block, owned by no sequence: padding rows write there
-        self.k_cache, self.v_cache = self._allocate_cache()
+        self.kv = self._allocate_cache(kv_cache_dtype)
+        self.k_cache, self.v_cache = self.kv.k, self.kv.v
         self.cos = self.sin = torch.empty(0, self.head_dim // 2)
         self._rope_tables(1024)
         self.lora = LoraSet(config, self.device, self.dtype, max_loras, max_lora_rank)
@@ -133,8 +137,8 @@ class ModelRunner:
 
     @property
     def block_bytes(self) -> int:
-        layers = self.config.num_hidden_layers
-        return 2 * layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        return self.block_size * token_bytes(self.config.num_hidden_layers, self.num_kv_heads, self.head_dim,
+                                             self.dtype, self.kv_cache_dtype)
 
     @property
     def vocab_size(self) -> int:
@@ -145,12 +149,11 @@ class ModelRunner:
         """Media kinds the model takes besides text; [] for a text model."""
         return self.encoder.modalities if self.encoder is not None else []
 
-    def _allocate_cache(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _allocate_cache(self, kv_dtype: str) -> KvCache:
         slots = (self.num_blocks + 1) * self.block_size  # the scratch block last
-        shape = (self.config.num_hidden_layers, self.num_kv_heads, slots, self.head_dim)
-        log.info("kv cache", extra={"blocks": self.num_blocks, "block_size": self.block_size})
-        return (torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device))
+        log.info("kv cache", extra={"blocks": self.num_blocks, "block_size": self.block_size, "kv_dtype": kv_dtype})
+        return KvCache(self.config.num_hidden_layers, self.num_kv_heads, slots, self.head_dim, self.dtype, kv_dtype,
+                       self.device)
 
     def _rope_tables(self, positions: int) -> None:
         """cos and sin [P, head_dim / 2] (float32) of the model's own rotary embedding for positions
@@ -293,12 +296,9 @@ class ModelRunner:
         if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm of each head's q and k before the rotation
             self._qk_norm(qkv, attn)
         if batch.rope_cos is None:
-            self.ops.rope_store(qkv, self.cos, self.sin, batch.positions, self.k_cache[index], self.v_cache[index],
-                                batch.slots, self.num_heads, self.num_kv_heads, self.head_dim)
+            self._store(index, qkv, self.cos, self.sin, batch.positions, batch.slots)
         else:
-            self.ops.rope_store(qkv, batch.rope_cos, batch.rope_sin, self._row_index(qkv.shape[0]),
-                                self.k_cache[index], self.v_cache[index], batch.slots, self.num_heads,
-                                self.num_kv_heads, self.head_dim)
+            self._store(index, qkv, batch.rope_cos, batch.rope_sin, self._row_index(qkv.shape[0]), batch.slots)
         o = self._attend(index, qkv, batch)
         x = self.ops.add_rms_norm(self._lora(lin.o(o), o, stacks, "o", batch), residual,
                                   *_norm(layer.post_attention_layernorm))
@@ -325,19 +325,35 @@ class ModelRunner:
         q.copy_(attn.q_norm(q))
         k.copy_(attn.k_norm(k))
 
+    def _store(self, index: int, qkv: torch.Tensor, cos, sin, positions, slots) -> None:
+        """Rotate q and k in place and write the rows' K/V to layer ``index``'s cache at ``slots``."""
+        layer = self.kv.layer(index)
+        if self.kv.quantized:
+            self.ops.rope_store_q8(qkv, cos, sin, positions, layer["k_cache"], layer["v_cache"], layer["k_scale"],
+                                   layer["v_scale"], slots, self.num_heads, self.num_kv_heads, self.head_dim)
+        else:
+            self.ops.rope_store(qkv, cos, sin, positions, layer["k_cache"], layer["v_cache"], slots, self.num_heads,
+                                self.num_kv_heads, self.head_dim)
+
+    def _decode(self, index: int, q: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """The decode rows' attention over their cached positions in layer ``index``."""
+        layer = self.kv.layer(index)
+        shape = (batch.decode_tables, batch.decode_lens, self.block_size, self.num_heads, self.num_kv_heads,
+                 self.head_dim, self.scale)
+        if self.kv.quantized:
+            return self.ops.paged_decode_q8(q, layer["k_cache"], layer["v_cache"], layer["k_scale"], layer["v_scale"],
+                                            *shape)
+        return self.ops.paged_decode(q, layer["k_cache"], layer["v_cache"], *shape)
+
     def _attend(self, index: int, qkv: torch.Tensor, batch: Batch) -> torch.Tensor:
         """[T, heads * head_dim]: each row's attention output."""
         width = self.num_heads * self.head_dim
         q = qkv[:, :width]
         if not batch.chunks:
-            return self.ops.paged_decode(q, self.k_cache[index], self.v_cache[index], batch.decode_tables,
-                                         batch.decode_lens, self.block_size, self.num_heads, self.num_kv_heads,
-                                         self.head_dim, self.scale)
+            return self._decode(index, q, batch)
         out = torch.empty(qkv.shape[0], width, dtype=qkv.dtype, device=qkv.device)
         if batch.num_decode:
-            out[: batch.num_decode] = self.ops.paged_decode(
-                q[: batch.num_decode], self.k_cache[index], self.v_cache[index], batch.decode_tables,
-                batch.decode_lens, self.block_size, self.num_heads, self.num_kv_heads, self.head_dim, self.scale)
+            out[: batch.num_decode] = self._decode(index, q[: batch.num_decode], batch)
         for chunk in batch.chunks:
             out[chunk.start:chunk.end] = self._attend_chunk(index, qkv[chunk.start:chunk.end], chunk)
         return out
@@ -350,9 +366,8 @@ class ModelRunner:
         came from the cache (in bfloat16 a different kernel path flips near-tie tokens)."""
         n, h, d = qkv.shape[0], self.num_heads, self.head_dim
         q = qkv[:, : h * d].view(n, h, d).transpose(0, 1)[None]
-        k = self.k_cache[index].index_select(1, chunk.slots)[None]
-        v = self.v_cache[index].index_select(1, chunk.slots)[None]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.mask, scale=self.scale, enable_gqa=True)
+        k, v = self.kv.read(index, chunk.slots, qkv.dtype)
+        o = F.scaled_dot_product_attention(q, k[None], v[None], attn_mask=chunk.mask, scale=self.scale, enable_gqa=True)
         return o[0].transpose(0, 1).reshape(n, h * d)
 
 

@@ -56,6 +56,7 @@ def build_engine(cfg: Config) -> tuple[Engine, str]:
         max_loras=deploy.max_loras,
         max_lora_rank=deploy.max_lora_rank,
         quantization=sb.quantization,
+        kv_cache_dtype=sb.kv_cache_dtype,
     )
     load_lora_modules(runner, cfg)
     limits = Limits(sc.max_batch_size, sc.prefill_batch_size, sc.max_prefill_tokens, deploy.max_seq_len,
@@ -265,7 +266,7 @@ class EngineService:
         runner = self.engine.runner
         return EngineInfo(
             model=self.model, loaded=True, device=self.device_label, dtype=str(runner.dtype).removeprefix("torch."),
-            quantization=runner.quantization, kv_dtype=str(runner.k_cache.dtype).removeprefix("torch."),
+            quantization=runner.quantization, kv_dtype=runner.kv.dtype_name,
             max_batch_size=self.cfg.schedule.max_batch_size, total_blocks=runner.num_blocks,
             free_blocks=self.engine.blocks.num_free, running=self.engine.num_running, waiting=self.engine.num_waiting,
             free_slots=max(0, self.cfg.schedule.max_batch_size - self.engine.num_running),

@@ -62,7 +62,8 @@ def test_models_list_and_retrieve(tiny_stack):
     body = r.json()
     assert set(body) == {"object", "data"} and body["object"] == "list"
     (card,) = body["data"]
-    assert card == {"id": tiny_stack.model, "object": "model", "created": card["created"], "owned_by": "MindIE Server"}
+    assert card == {"id": tiny_stack.model, "object": "model", "created": card["created"], "owned_by": "MindIE Server",
+                    "dtype": "float32", "quantization": "none", "kv_cache_dtype": "float32"}  # MindIE's four, then ours
     assert time.time() - 3600 < card["created"] <= time.time()
     assert httpx.get(f"{tiny_stack.url}/v1/models/{tiny_stack.model}").json() == card
     api = client(tiny_stack)

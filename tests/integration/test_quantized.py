@@ -1,6 +1,6 @@
-"""The default model served from quantized weights (Switchboard.quantization: int4, and its own Q4_1 GGUF), end to
-end through the openai client: a sensible answer, the format in /info, and the prompt's perplexity within the target
-of the float model's."""
+"""The default model served from quantized weights (Switchboard.quantization: int4 with int8 K/V, and its own Q4_1
+GGUF), end to end through the openai client: a sensible answer, the formats in /info, /v1/models and /v1/config, and
+the prompt's perplexity within the target of the float model's."""
 
 from __future__ import annotations
 
@@ -17,11 +17,12 @@ TEXT = ("The lighthouse stood at the end of a narrow spit of rock, and for most 
         "stair to light the lamp, trimmed the wick, polished the lens and wound the clockwork that turned the light.")
 
 
-@pytest.fixture(scope="module", params=["int4", "gguf"])
+@pytest.fixture(scope="module", params=[("int4", "int8"), ("gguf", "auto")], ids=["int4-int8kv", "gguf"])
 def quantized_stack(request, tmp_path_factory, smol_dir):
-    with running_stack(tmp_path_factory.mktemp(request.param), smol_dir,
-                       Switchboard={"quantization": request.param}) as stack:
-        stack.quantization = request.param
+    quantization, kv = request.param
+    with running_stack(tmp_path_factory.mktemp(quantization), smol_dir,
+                       Switchboard={"quantization": quantization, "kvCacheDtype": kv}) as stack:
+        stack.quantization, stack.kv_dtype = quantization, "float32" if kv == "auto" else kv
         yield stack
 
 
@@ -39,9 +40,9 @@ def test_the_quantized_default_model_answers_through_the_openai_client(quantized
     assert "Paris" in answer.choices[0].message.content
     info = httpx.get(quantized_stack.mgmt_url + "/info", timeout=10).json()
     assert info["models"][0]["model_quantization"] == quantized_stack.quantization
-    assert info["models"][0]["model_kv_cache_dtype"] == "float32"
+    assert info["models"][0]["model_kv_cache_dtype"] == quantized_stack.kv_dtype
     card = client.models.retrieve(quantized_stack.model)
-    assert (card.quantization, card.kv_cache_dtype) == (quantized_stack.quantization, "float32")
+    assert (card.quantization, card.kv_cache_dtype) == (quantized_stack.quantization, quantized_stack.kv_dtype)
     config = httpx.get(quantized_stack.mgmt_url + "/v1/config", timeout=10).json()
-    assert (config["quantization"], config["kvCacheDtype"]) == (quantized_stack.quantization, "float32")
+    assert (config["quantization"], config["kvCacheDtype"]) == (quantized_stack.quantization, quantized_stack.kv_dtype)
     assert perplexity(quantized_stack) <= perplexity(smol_stack) * 1.05

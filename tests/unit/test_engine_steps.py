@@ -222,3 +222,65 @@ def test_bfloat16_greedy_matches_float32(smol_bf16_runner, float32_events, smol_
     for i in range(len(smol_prompts)):
         theirs = [e for e in reference.events if e.id == f"r{i}" and e.token_ids]
         check_close_to_events(run.tokens[f"r{i}"], theirs, TEXTS[i][-30:], BF16_MAX_GAP)
+
+
+# ---- int8 K/V (Switchboard.kvCacheDtype "int8") -----------------------------------------------
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["kernels", "torch-ops"])
+def smol_int8_kv_runner(smol_dir, request):
+    runner = ModelRunner(str(smol_dir), resolve_device("cpu", "float32"), block_size=BLOCK,
+                         kv_budget_bytes=48 * block_bytes(smol_dir), max_blocks=10_000, kv_cache_dtype="int8",
+                         cpu_kernels=request.param)
+    assert runner.k_cache.dtype == torch.int8 and runner.ops.fused == request.param
+    return runner
+
+
+@pytest.mark.parametrize("kw", [{}, dict(prefix_cache=True, **MIX)], ids=["standard", "mix-prefix-cache"])
+def test_int8_kv_greedy_matches_float32(smol_int8_kv_runner, float32_events, smol_prompts, kw):
+    """Within the near-tie rule of the float32 cache's own run; chunks and cached prefixes read the same codes."""
+    engine, run = run_smol(smol_int8_kv_runner, smol_prompts, **kw)
+    assert engine.blocks.prefix_hit_tokens == (SMOL_HITS if kw else 0)
+    for i in range(len(smol_prompts)):
+        theirs = [e for e in float32_events.events if e.id == f"r{i}" and e.token_ids]
+        check_close_to_events(run.tokens[f"r{i}"], theirs, TEXTS[i][-30:], BF16_MAX_GAP)
+
+
+def test_int8_kv_holds_four_times_float32s_tokens_in_the_same_budget(smol_dir, smol_int8_kv_runner):
+    float_blocks = 48  # the budget the fixture gave: 48 float32 blocks
+    assert smol_int8_kv_runner.num_blocks >= 3.8 * float_blocks
+    assert smol_int8_kv_runner.block_bytes * 1.93 <= block_bytes(smol_dir) / 2  # 64 + 2 bytes a head, not 128
+
+
+def test_int8_kv_chunked_equals_unchunked_and_preemption_finishes(tiny_model_dir):
+    """The tiny model on a pool of 6 blocks: Mix chunks give each prompt's tokens alone, and a pool too small
+    for every request at once preempts and still finishes all with the same tokens."""
+    def runner(blocks):
+        budget = int(blocks * BLOCK * token_bytes_int8(tiny_model_dir)) + 1
+        return ModelRunner(str(tiny_model_dir), resolve_device("cpu", "float32"), block_size=BLOCK,
+                           kv_budget_bytes=budget, max_blocks=blocks, kv_cache_dtype="int8")
+    prompts = {f"r{i}": prompt(40 + 7 * i, 100 + i) for i in range(3)}
+    big = runner(64)
+    reference = alone(big, prompts, max_new_tokens=12)
+    engine = Engine(big, limits(**MIX), set())
+    assert_same_outputs(run_prompts(engine, prompts, 12), reference)
+    small = Engine(runner(10), limits(max_preempt_count=2), set(), prefix_cache=True)
+    assert_same_outputs(run_prompts(small, prompts, 12), reference)
+    assert small.scheduler.num_preemptions > 0
+
+
+def token_bytes_int8(path) -> float:
+    from services.engine.kv_cache import token_bytes
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(path)
+    return token_bytes(c.num_hidden_layers, c.num_key_value_heads, c.hidden_size // c.num_attention_heads,
+                       torch.float32, "int8")
+
+
+def run_prompts(engine: Engine, prompts: dict[str, list[int]], max_new_tokens: int) -> Run:
+    for rid, ids in prompts.items():
+        engine.add_request(request(rid, ids, max_new_tokens=max_new_tokens, logprobs=TOP))
+    run = run_until_idle(engine, Run(), check_blocks=True)
+    assert_pool_whole(engine)
+    return run

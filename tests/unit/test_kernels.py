@@ -80,6 +80,43 @@ def test_paged_decode_matches_gathered_attention(cpu_ops, dtype):
     torch.testing.assert_close(got[1:2], only, **TOLERANCE[dtype])  # rows do not see each other's cache
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_int8_cache_write_and_read_match_pytorchs(cpu_ops, dtype):
+    """rope_store_q8 writes the codes and float16 scales kv_cache.quantize gives (one per head and position,
+    within one code where the rotation rounds differently), and paged_decode_q8 attends over them like the
+    PyTorch reference, and like the float attention over the dequantized cache."""
+    from services.engine import kv_cache
+
+    torch.manual_seed(3)
+    cos, sin = rope_tables(64)
+    width = (HEADS + 2 * KV_HEADS) * DIM
+    source = torch.randn(7, width, dtype=dtype) * 3
+    positions, slots = torch.tensor([0, 3, 9, 17, 33, 40, 63]), torch.tensor([5, 0, 31, 8, 12, 2, 20])
+    caches = []
+    for each in (cpu_ops, kernels.TorchOps()):
+        qkv = source.clone()
+        k, v = torch.zeros(KV_HEADS, 32, DIM, dtype=torch.int8), torch.zeros(KV_HEADS, 32, DIM, dtype=torch.int8)
+        ks, vs = torch.zeros(KV_HEADS, 32, dtype=torch.float16), torch.zeros(KV_HEADS, 32, dtype=torch.float16)
+        each.rope_store_q8(qkv, cos, sin, positions, k, v, ks, vs, slots, HEADS, KV_HEADS, DIM)
+        caches.append((qkv, k, v, ks, vs))
+    (qkv, k, v, ks, vs), (ref_qkv, ref_k, ref_v, ref_ks, ref_vs) = caches
+    torch.testing.assert_close(qkv, ref_qkv, **TOLERANCE[dtype])
+    assert (k.int() - ref_k.int()).abs().max() <= 1 and torch.equal(v, ref_v)  # v is not rotated: exact
+    torch.testing.assert_close(ks, ref_ks, rtol=1e-3 if dtype == torch.float32 else 1e-2, atol=0)  # k: rotated apart
+    assert torch.equal(vs, ref_vs)
+    values = source[:, (HEADS + KV_HEADS) * DIM:].view(7, KV_HEADS, DIM).transpose(0, 1).float()
+    back = kv_cache.dequantize(v[:, slots], vs[:, slots], torch.float32)
+    assert ((back - values).abs() <= vs[:, slots].float()[..., None] / 2 + 1e-6).all()  # half a step at most
+
+    tables, lens = torch.tensor([[1, 0, 0, 0], [5, 2, 0, 0], [7, 3, 4, 6]]), torch.tensor([3, 7, 16])
+    q = torch.randn(3, HEADS * DIM, dtype=dtype)
+    args = (tables, lens, BLOCK, HEADS, KV_HEADS, DIM, DIM ** -0.5)
+    got = cpu_ops.paged_decode_q8(q, k, v, ks, vs, *args)
+    torch.testing.assert_close(got, kernels.TorchOps().paged_decode_q8(q, k, v, ks, vs, *args), **TOLERANCE[dtype])
+    dense = kernels.TorchOps().paged_decode(q, kv_cache.dequantize(k, ks, dtype), kv_cache.dequantize(v, vs, dtype), *args)
+    torch.testing.assert_close(got, dense, **TOLERANCE[dtype])
+
+
 def test_dtype_auto_picks_bfloat16_only_with_native_bfloat16():
     from services.engine.devices import cpu_has_native_bf16, resolve_device
 

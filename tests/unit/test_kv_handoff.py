@@ -85,6 +85,34 @@ def test_kv_that_do_not_fit_are_refused_and_the_prompt_recomputed(tiny_runner, d
     assert decode.stats.prompt_tokens == sum(len(ids) + 1 for ids in PROMPTS.values())  # recomputed with the first token
 
 
+@pytest.fixture(scope="module")
+def int8_runners(tiny_model_dir):
+    """A prefill and a decode runner with int8 K/V (Switchboard.kvCacheDtype "int8")."""
+    from services.engine.model_runner import ModelRunner
+    from tests.unit.engine_helpers import BLOCK, CPU
+
+    def runner():
+        return ModelRunner(str(tiny_model_dir), CPU, block_size=BLOCK, kv_budget_bytes=8 << 20, max_blocks=64,
+                           kv_cache_dtype="int8")
+    return runner(), runner()
+
+
+def test_int8_kv_hands_off_exactly(int8_runners):
+    prefill_runner, decode_runner = int8_runners
+    expected = co_located(prefill_runner).tokens
+    tokens, decode = handed_off(prefill_runner, decode_runner)
+    assert tokens == expected
+    assert decode.stats.prompt_tokens == 0
+
+
+def test_kv_of_another_kv_dtype_is_refused_and_the_prompt_recomputed(tiny_runner, int8_runners):
+    """A float32 prefill engine and an int8 decode engine: the chunks do not fit; the decode engine recomputes."""
+    expected = co_located(int8_runners[1]).tokens
+    tokens, decode = handed_off(tiny_runner, int8_runners[1])
+    assert tokens == expected
+    assert decode.stats.prompt_tokens == sum(len(ids) + 1 for ids in PROMPTS.values())
+
+
 def _warm(runner) -> Engine:
     """A decode engine that computed these prompts before: its prefix cache holds their full blocks."""
     decode = Engine(runner, limits(), set(), prefix_cache=True)

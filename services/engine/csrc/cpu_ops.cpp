@@ -194,35 +194,68 @@ torch::Tensor silu_mul(const torch::Tensor& x) {
   return out;
 }
 
+namespace {
+
+// Rotates each q and k head of one qkv row in place (cos, sin: the position's D/2 values).
+template <typename T>
+inline void rotate_row(T* row, const float* c, const float* s, int64_t heads, int64_t head_dim) {
+  const int64_t half = head_dim / 2;
+  for (int64_t head = 0; head < heads; ++head) {
+    T* x = row + head * head_dim;
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = f32(x[i]), b = f32(x[i + half]);
+      x[i] = to<T>(a * c[i] - b * s[i]);
+      x[i + half] = to<T>(b * c[i] + a * s[i]);
+    }
+  }
+}
+
+// One head vector as int8 codes and a float16 scale (services/engine/kv_cache.py: s = max |x| / 127 rounded
+// to float16, codes = round(x / s), the same division as its PyTorch reference).
+template <typename T>
+inline void store_q8(const T* x, int8_t* codes, at::Half* scale, int64_t d) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(f32(x[i])));
+  const at::Half s16 = static_cast<at::Half>(amax / 127.f);
+  const float s = static_cast<float>(s16);
+  for (int64_t i = 0; i < d; ++i)
+    codes[i] = s > 0.f ? static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(f32(x[i]) / s)))) : 0;
+  *scale = s16;
+}
+
+// Calls store(row r, its k heads, its v heads) for every qkv row after rotating it.
+template <typename T, typename Store>
+void rope_rows(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& positions,
+               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, Store store) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "rope_store: qkv [T, width] with unit column stride");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous(), "rope_store: cos/sin");
+  const int64_t n = qkv.size(0), half = head_dim / 2, row_stride = qkv.stride(0), rotated = num_heads + num_kv_heads;
+  const auto* pos = positions.data_ptr<int64_t>();
+  const float *pc = cos.data_ptr<float>(), *ps = sin.data_ptr<float>();
+  T* base = qkv.data_ptr<T>();
+  rows(n, rotated * head_dim, [&](int64_t r) {
+    T* row = base + r * row_stride;
+    rotate_row(row, pc + pos[r] * half, ps + pos[r] * half, rotated, head_dim);
+    const T* k = row + num_heads * head_dim;
+    store(r, k, k + num_kv_heads * head_dim);
+  });
+}
+
+}  // namespace
+
 // qkv [T, (Hq + 2 Hkv) * D], rows possibly strided: rotates each q and k head in place with the
 // rotary table (cos, sin [P, D/2] float32, the first half of transformers' duplicated cos/sin), then
 // copies k and v into the caches [Hkv, S, D] at `slots` [T].
 void rope_store(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& positions,
                 torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slots, int64_t num_heads,
                 int64_t num_kv_heads, int64_t head_dim) {
-  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "rope_store: qkv [T, width] with unit column stride");
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous(), "rope_store: cos/sin");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "rope_store: caches contiguous");
-  const int64_t n = qkv.size(0), half = head_dim / 2, row_stride = qkv.stride(0);
-  const int64_t kv_width = num_kv_heads * head_dim, rotated = num_heads + num_kv_heads, num_slots = k_cache.size(1);
-  const auto* pos = positions.data_ptr<int64_t>();
+  const int64_t num_slots = k_cache.size(1);
   const auto* slot = slots.data_ptr<int64_t>();
-  const float *pc = cos.data_ptr<float>(), *ps = sin.data_ptr<float>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_store", [&] {
-    auto* base = qkv.data_ptr<scalar_t>();
     auto *kc = k_cache.data_ptr<scalar_t>(), *vc = v_cache.data_ptr<scalar_t>();
-    rows(n, rotated * head_dim, [&](int64_t r) {
-      scalar_t* row = base + r * row_stride;
-      const float *c = pc + pos[r] * half, *s = ps + pos[r] * half;
-      for (int64_t head = 0; head < rotated; ++head) {
-        scalar_t* x = row + head * head_dim;
-        for (int64_t i = 0; i < half; ++i) {
-          const float a = f32(x[i]), b = f32(x[i + half]);
-          x[i] = to<scalar_t>(a * c[i] - b * s[i]);
-          x[i + half] = to<scalar_t>(b * c[i] + a * s[i]);
-        }
-      }
-      const scalar_t *k = row + num_heads * head_dim, *v = k + kv_width;
+    rope_rows<scalar_t>(qkv, cos, sin, positions, num_heads, num_kv_heads, head_dim,
+                        [&](int64_t r, const scalar_t* k, const scalar_t* v) {
       for (int64_t h = 0; h < num_kv_heads; ++h) {
         std::copy(k + h * head_dim, k + (h + 1) * head_dim, kc + (h * num_slots + slot[r]) * head_dim);
         std::copy(v + h * head_dim, v + (h + 1) * head_dim, vc + (h * num_slots + slot[r]) * head_dim);
@@ -231,53 +264,119 @@ void rope_store(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tenso
   });
 }
 
+// rope_store into an int8 cache: codes [Hkv, S, D] int8 and scales [Hkv, S] float16.
+void rope_store_q8(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                   const torch::Tensor& positions, torch::Tensor& k_cache, torch::Tensor& v_cache,
+                   torch::Tensor& k_scale, torch::Tensor& v_scale, const torch::Tensor& slots, int64_t num_heads,
+                   int64_t num_kv_heads, int64_t head_dim) {
+  TORCH_CHECK(k_cache.scalar_type() == at::kChar && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              k_scale.scalar_type() == at::kHalf && k_scale.is_contiguous() && v_scale.is_contiguous(),
+              "rope_store_q8: int8 caches and float16 scales, contiguous");
+  const int64_t num_slots = k_cache.size(1);
+  const auto* slot = slots.data_ptr<int64_t>();
+  int8_t *kc = k_cache.data_ptr<int8_t>(), *vc = v_cache.data_ptr<int8_t>();
+  at::Half *ks = k_scale.data_ptr<at::Half>(), *vs = v_scale.data_ptr<at::Half>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_store_q8", [&] {
+    rope_rows<scalar_t>(qkv, cos, sin, positions, num_heads, num_kv_heads, head_dim,
+                        [&](int64_t r, const scalar_t* k, const scalar_t* v) {
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        const int64_t at = h * num_slots + slot[r];
+        store_q8(k + h * head_dim, kc + at * head_dim, ks + at, head_dim);
+        store_q8(v + h * head_dim, vc + at * head_dim, vs + at, head_dim);
+      }
+    });
+  });
+}
+
+namespace {
+
 // One new token per sequence attends to its cached positions [0, lens[b]) through its block table.
+// read_k(index, buffer) / read_v: cache row `index` (kv head * slots + slot) as float32.
+template <typename T, typename ReadK, typename ReadV>
+torch::Tensor decode(const torch::Tensor& q, int64_t num_slots, const torch::Tensor& block_tables,
+                     const torch::Tensor& lens, int64_t block_size, int64_t num_heads, int64_t num_kv_heads,
+                     int64_t head_dim, double scale, ReadK read_k, ReadV read_v) {
+  TORCH_CHECK(q.dim() == 2 && q.stride(1) == 1, "paged_decode: q [N, Hq*D] with unit column stride");
+  TORCH_CHECK(block_tables.is_contiguous() && lens.is_contiguous(), "paged_decode: tables and lens contiguous");
+  const int64_t n = q.size(0), nb = block_tables.size(1), group = num_heads / num_kv_heads, d = head_dim;
+  const int64_t q_stride = q.stride(0);
+  auto out = torch::empty({n, num_heads * d}, q.options());
+  const auto *tables = block_tables.data_ptr<int64_t>(), *len = lens.data_ptr<int64_t>();
+  const T* pq = q.data_ptr<T>();
+  T* po = out.data_ptr<T>();
+  at::parallel_for(0, n * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * d), acc(group * d), row(d), scores;
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t b = w / num_kv_heads, kh = w % num_kv_heads, L = len[b];
+      const int64_t* table = tables + b * nb;
+      const T* qrow = pq + b * q_stride + kh * group * d;
+      for (int64_t i = 0; i < group * d; ++i) qf[i] = f32(qrow[i]) * static_cast<float>(scale);
+      scores.assign(group * L, 0.f);
+      for (int64_t j = 0; j < L; ++j) {
+        const float* kf = read_k(kh * num_slots + table[j / block_size] * block_size + j % block_size, row.data());
+        for (int64_t g = 0; g < group; ++g) scores[g * L + j] = dot(qf.data() + g * d, kf, d);
+      }
+      std::vector<float> total(group, 0.f);
+      for (int64_t g = 0; g < group; ++g) {
+        float* sg = scores.data() + g * L;
+        float peak = -INFINITY;
+        for (int64_t j = 0; j < L; ++j) peak = std::max(peak, sg[j]);
+        total[g] = exp_sum(sg, L, peak);
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t j = 0; j < L; ++j) {
+        const float* vf = read_v(kh * num_slots + table[j / block_size] * block_size + j % block_size, row.data());
+        for (int64_t g = 0; g < group; ++g) axpy(scores[g * L + j], vf, acc.data() + g * d, d);
+      }
+      T* orow = po + b * num_heads * d + kh * group * d;
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t i = 0; i < d; ++i) orow[g * d + i] = to<T>(acc[g * d + i] / total[g]);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
 // q [N, Hq * D] (rows possibly strided), caches [Hkv, S, D] (so one head's block of positions is
 // contiguous), block_tables [N, NB] int64, lens [N].
 torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                            const torch::Tensor& block_tables, const torch::Tensor& lens, int64_t block_size,
                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale) {
-  TORCH_CHECK(q.dim() == 2 && q.stride(1) == 1, "paged_decode: q [N, Hq*D] with unit column stride");
-  TORCH_CHECK(block_tables.is_contiguous() && lens.is_contiguous(), "paged_decode: tables and lens contiguous");
-  const int64_t n = q.size(0), nb = block_tables.size(1), group = num_heads / num_kv_heads, d = head_dim;
-  const int64_t q_stride = q.stride(0), num_slots = k_cache.size(1);
-  auto out = torch::empty({n, num_heads * d}, q.options());
-  const auto *tables = block_tables.data_ptr<int64_t>(), *len = lens.data_ptr<int64_t>();
+  torch::Tensor out;
+  const int64_t d = head_dim;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
-    const auto* pq = q.data_ptr<scalar_t>();
     const auto *kc = k_cache.data_ptr<scalar_t>(), *vc = v_cache.data_ptr<scalar_t>();
-    auto* po = out.data_ptr<scalar_t>();
-    at::parallel_for(0, n * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> qf(group * d), acc(group * d), row(d), scores;
-      for (int64_t w = begin; w < end; ++w) {
-        const int64_t b = w / num_kv_heads, kh = w % num_kv_heads, L = len[b];
-        const int64_t* table = tables + b * nb;
-        const scalar_t* qrow = pq + b * q_stride + kh * group * d;
-        for (int64_t i = 0; i < group * d; ++i) qf[i] = f32(qrow[i]) * static_cast<float>(scale);
-        scores.assign(group * L, 0.f);
-        for (int64_t j = 0; j < L; ++j) {
-          const scalar_t* k = kc + (kh * num_slots + table[j / block_size] * block_size + j % block_size) * d;
-          const float* kf = as_float(k, row.data(), d);
-          for (int64_t g = 0; g < group; ++g) scores[g * L + j] = dot(qf.data() + g * d, kf, d);
-        }
-        std::vector<float> total(group, 0.f);
-        for (int64_t g = 0; g < group; ++g) {
-          float* sg = scores.data() + g * L;
-          float peak = -INFINITY;
-          for (int64_t j = 0; j < L; ++j) peak = std::max(peak, sg[j]);
-          total[g] = exp_sum(sg, L, peak);
-        }
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t j = 0; j < L; ++j) {
-          const scalar_t* v = vc + (kh * num_slots + table[j / block_size] * block_size + j % block_size) * d;
-          const float* vf = as_float(v, row.data(), d);
-          for (int64_t g = 0; g < group; ++g) axpy(scores[g * L + j], vf, acc.data() + g * d, d);
-        }
-        scalar_t* orow = po + b * num_heads * d + kh * group * d;
-        for (int64_t g = 0; g < group; ++g)
-          for (int64_t i = 0; i < d; ++i) orow[g * d + i] = to<scalar_t>(acc[g * d + i] / total[g]);
-      }
-    });
+    out = decode<scalar_t>(q, k_cache.size(1), block_tables, lens, block_size, num_heads, num_kv_heads, head_dim,
+                           scale, [&](int64_t at, float* buf) { return as_float(kc + at * d, buf, d); },
+                           [&](int64_t at, float* buf) { return as_float(vc + at * d, buf, d); });
+  });
+  return out;
+}
+
+// paged_decode over an int8 cache: codes [Hkv, S, D] int8, scales [Hkv, S] float16.
+torch::Tensor paged_decode_q8(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                              const torch::Tensor& k_scale, const torch::Tensor& v_scale,
+                              const torch::Tensor& block_tables, const torch::Tensor& lens, int64_t block_size,
+                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale) {
+  TORCH_CHECK(k_cache.scalar_type() == at::kChar && k_scale.scalar_type() == at::kHalf,
+              "paged_decode_q8: int8 caches and float16 scales");
+  torch::Tensor out;
+  const int64_t d = head_dim;
+  const int8_t *kc = k_cache.data_ptr<int8_t>(), *vc = v_cache.data_ptr<int8_t>();
+  const at::Half *ks = k_scale.data_ptr<at::Half>(), *vs = v_scale.data_ptr<at::Half>();
+  auto read = [d](const int8_t* codes, const at::Half* scales) {
+    return [=](int64_t at, float* buf) {
+      const float s = static_cast<float>(scales[at]);
+      const int8_t* c = codes + at * d;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) buf[i] = s * static_cast<float>(c[i]);
+      return static_cast<const float*>(buf);
+    };
+  };
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_q8", [&] {
+    out = decode<scalar_t>(q, k_cache.size(1), block_tables, lens, block_size, num_heads, num_kv_heads, head_dim,
+                           scale, read(kc, ks), read(vc, vs));
   });
   return out;
 }
@@ -368,6 +467,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul);
   m.def("rope_store", &rope_store);
   m.def("paged_decode", &paged_decode);
+  m.def("rope_store_q8", &rope_store_q8);
+  m.def("paged_decode_q8", &paged_decode_q8);
   m.def("lora_apply", &lora_apply);
   m.def("q8_linear", &q8_linear);
   m.def("q4_linear", &q4_linear);

@@ -1,0 +1,96 @@
+"""The paged K/V cache of every layer, in the model's dtype or in 8 bits (``Switchboard.kvCacheDtype``).
+
+Layout: ``[layers, kv_heads, slots, head_dim]`` for K and for V (slot = block * block_size + offset, so one
+head's block of positions is contiguous); the last block is the scratch block padding rows write to.
+
+``int8``: each head's vector of one position is stored as ``head_dim`` int8 codes and one float16 scale
+(symmetric, ``s = max |x| / 127``, written once when the position's K/V are computed, never rescaled), in
+``k_scale`` / ``v_scale`` ``[layers, kv_heads, slots]``. A position then takes ``head_dim + 2`` bytes per
+head instead of 2 * head_dim (bfloat16) or 4 * head_dim (float32): the same ``kvCacheMemoryMb`` holds 1.94x
+the tokens of a bfloat16 cache for SmolLM2's 64-wide heads (3.9x float32's). The decode attention reads the
+codes directly (the C++ kernel, or the PyTorch reference); a prompt chunk's attention dequantizes the
+positions it reads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+KV_DTYPES = ("auto", "int8")
+SCALE_DTYPE = torch.float16
+
+
+def token_bytes(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, kv_dtype: str) -> int:
+    """K and V of one position in every layer."""
+    per_head = head_dim + SCALE_DTYPE.itemsize if kv_dtype == "int8" else head_dim * dtype.itemsize
+    return 2 * layers * kv_heads * per_head
+
+
+class KvCache:
+    def __init__(self, layers: int, kv_heads: int, slots: int, head_dim: int, dtype: torch.dtype, kv_dtype: str,
+                 device: torch.device):
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"Switchboard.kvCacheDtype {kv_dtype!r}: one of {', '.join(KV_DTYPES)}")
+        if kv_dtype == "int8" and device.type != "cpu":
+            raise ValueError(f"Switchboard.kvCacheDtype \"int8\" runs on cpu only; the engine's device is {device.type}")
+        self.quantized = kv_dtype == "int8"
+        shape = (layers, kv_heads, slots, head_dim)
+        store = torch.int8 if self.quantized else dtype
+        self.k = torch.zeros(shape, dtype=store, device=device)
+        self.v = torch.zeros(shape, dtype=store, device=device)
+        scales = (layers, kv_heads, slots) if self.quantized else (0,)
+        self.k_scale = torch.zeros(scales, dtype=SCALE_DTYPE, device=device)
+        self.v_scale = torch.zeros(scales, dtype=SCALE_DTYPE, device=device)
+
+    @property
+    def dtype_name(self) -> str:
+        """What a position's K/V are stored as: "int8", or the model's dtype ("float32", "bfloat16", ...)."""
+        return str(self.k.dtype).removeprefix("torch.")
+
+    def layer(self, index: int) -> dict[str, torch.Tensor | None]:
+        """Layer ``index``'s tensors, as the ops' ``rope_store`` and ``paged_decode`` take them."""
+        scaled = self.quantized
+        return {"k_cache": self.k[index], "v_cache": self.v[index],
+                "k_scale": self.k_scale[index] if scaled else None, "v_scale": self.v_scale[index] if scaled else None}
+
+    def read(self, index: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [kv_heads, len(slots), head_dim] of layer ``index`` at ``slots``, in ``dtype``."""
+        k, v = self.k[index].index_select(1, slots), self.v[index].index_select(1, slots)
+        if not self.quantized:
+            return k, v
+        ks, vs = self.k_scale[index].index_select(1, slots), self.v_scale[index].index_select(1, slots)
+        return dequantize(k, ks, dtype), dequantize(v, vs, dtype)
+
+    # ---- whole blocks, as bytes (prefill/decode disaggregation: kv_transfer.py) --------------------------
+
+    def block_bytes(self, block: int, block_size: int) -> bytes:
+        """Block ``block`` of every layer: K then V ``[2, layers, kv_heads, block_size, head_dim]``, then (int8)
+        their scales ``[2, layers, kv_heads, block_size]``."""
+        span = slice(block * block_size, (block + 1) * block_size)
+        data = torch.stack([self.k[:, :, span], self.v[:, :, span]]).contiguous().cpu().numpy().tobytes()
+        if self.quantized:
+            data += torch.stack([self.k_scale[:, :, span], self.v_scale[:, :, span]]).contiguous().cpu().numpy().tobytes()
+        return data
+
+    def write_block(self, block: int, block_size: int, data: bytes) -> None:
+        """The inverse of ``block_bytes``, into block ``block``."""
+        span = slice(block * block_size, (block + 1) * block_size)
+        layers, heads, _, dim = self.k.shape
+        codes = 2 * layers * heads * block_size * dim * self.k.element_size()
+        values = torch.frombuffer(bytearray(data[:codes]), dtype=self.k.dtype).view(2, layers, heads, block_size, dim)
+        self.k[:, :, span], self.v[:, :, span] = values[0].to(self.k.device), values[1].to(self.k.device)
+        if self.quantized:
+            scales = torch.frombuffer(bytearray(data[codes:]), dtype=SCALE_DTYPE).view(2, layers, heads, block_size)
+            self.k_scale[:, :, span], self.v_scale[:, :, span] = scales[0], scales[1]
+
+
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., head_dim] float → int8 codes and float16 scales [...] (the PyTorch reference of the C++ write)."""
+    scale = (x.float().abs().amax(dim=-1) / 127).to(SCALE_DTYPE)
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale).float()
+    codes = torch.round(x.float() / safe[..., None]).clamp(-127, 127).to(torch.int8)
+    return codes, scale
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (codes.float() * scale.float()[..., None]).to(dtype)
