@@ -6,7 +6,8 @@ Each variant is `switchboard serve` with the default model (SmolLM2-135M-Instruc
 ``Switchboard`` setting changed (``dtype``, ``quantization``), driven like bench/engine_bench.py (greedy
 TGI streams at concurrency 1 and --concurrency, after a warm-up). Quality is measured on the same server:
 the perplexity of a fixed English text written below (its prompt logprobs through ``/v1/completions``
-with ``echo``). Ratios are against float32 and bfloat16 of the same run; the CPU's model and flags are
+with ``echo``), and the accuracy lm-evaluation-harness gives it on the tests' multiple-choice task (needs the
+test extras: ``make install-test``). Ratios are against float32 and bfloat16 of the same run; the CPU's model and flags are
 printed with them. Each row also says how many 1,000-token sequences the KV cache holds in the default
 ``kvCacheMemoryMb`` (from ``/v1/status``). The Markdown table is written to .cache/bench/quant.md.
 """
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import httpx
 from engine_bench import (  # bench/engine_bench.py
+    MODEL,
     SWITCHBOARD_READY,
     WORK,
     Api,
@@ -112,9 +114,31 @@ def run_variant(name: str, keys: dict, prompts: list[str], tokens: int, levels: 
         with server(name, cmd, log, lambda: SWITCHBOARD_READY in log_tail(log, 200), cwd=ROOT):
             seqs = sequences_held(url, data)
             ppl, scored = perplexity(url)
-            print(f"[{name}] perplexity {ppl:.3f} over {scored} tokens", flush=True)
+            acc = accuracy(url, Path(tmp))
+            print(f"[{name}] perplexity {ppl:.3f} over {scored} tokens; multiple-choice accuracy {acc:.3f}", flush=True)
             runs = bench_server(name, url, Api("/generate_stream", tgi_body, tgi_tokens), prompts, tokens, levels)
-    return {"ppl": ppl, "scored": scored, "seqs": seqs, **{run.concurrency: run for run in runs}}
+    return {"ppl": ppl, "scored": scored, "seqs": seqs, "acc": acc, **{run.concurrency: run for run in runs}}
+
+
+def accuracy(url: str, folder: Path) -> float:
+    """lm-evaluation-harness's accuracy on the multiple-choice task the tests use (tests/integration/
+    test_prompt_logprobs.py), through the server's /v1/completions, as users run it."""
+    import os
+
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    sys.path.insert(0, str(ROOT))
+    from tests.integration.test_prompt_logprobs import write_task
+
+    os.environ.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", HF_DATASETS_CACHE=str(folder / "datasets"))
+    task = write_task(folder)
+    model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    result = simple_evaluate(
+        model="local-completions", tasks=[task], task_manager=TaskManager(include_path=str(folder)),
+        model_args=f"base_url={url}/v1/completions,model={model},tokenizer={MODEL},tokenizer_backend=huggingface,"
+                   "tokenized_requests=True,num_concurrent=1,max_retries=1")
+    return float(result["results"][task]["acc,none"])
 
 
 def sequences_held(url: str, config: dict) -> int:
@@ -132,7 +156,8 @@ def render(results: dict[str, dict], levels: list[int], args: argparse.Namespace
     lines = [f"CPU: {model}; {' '.join(flags)}", f"Command: `.venv/bin/python bench/quant_bench.py {' '.join(sys.argv[1:])}` "
              f"({args.requests} requests of {args.tokens} greedy tokens; {seconds:.0f} s)", "",
              f"| weights | c{c_lo} tok/s | vs f32 | vs bf16 | c{c_hi} tok/s | vs f32 | vs bf16 | TTFT p50 c{c_hi} | "
-             "perplexity | vs bf16 | 1k-token seqs in KV |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "perplexity | vs bf16 | MC accuracy | 1k-token seqs in KV |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     f32, bf16 = results.get("float32"), results.get("bfloat16")
     for name, r in results.items():
         row = [name]
@@ -141,7 +166,7 @@ def render(results: dict[str, dict], levels: list[int], args: argparse.Namespace
             row += [f"{tok_s:.1f}", f"{tok_s / f32[level].tok_s:.2f}x" if f32 else "",
                     f"{tok_s / bf16[level].tok_s:.2f}x" if bf16 else ""]
         row += [f"{r[c_hi].ttft(0.5) * 1000:.0f} ms", f"{r['ppl']:.3f}",
-                f"{(r['ppl'] / bf16['ppl'] - 1) * 100:+.2f}%" if bf16 else "", str(r["seqs"])]
+                f"{(r['ppl'] / bf16['ppl'] - 1) * 100:+.2f}%" if bf16 else "", f"{r['acc']:.3f}", str(r["seqs"])]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 

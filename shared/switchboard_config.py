@@ -24,7 +24,8 @@ class SwitchboardConfig(msgspec.Struct, rename="camel", kw_only=True, forbid_unk
     ``int4`` in blocks of 32 with a scale and an offset (GGUF's Q4_1 layout, about a third); the lm_head is
     int8 in all of them, the embeddings stay float. ``gguf`` takes the layers from the model folder's one
     ``*.gguf`` file as it stores them (Q4_0, Q4_1 exactly; other types converted to int4 or int8; the default
-    model's folder holds its own Q4_1 file). ``none`` keeps ``dtype``'s weights."""
+    model's folder holds its own Q4_1 file). ``none`` keeps ``dtype``'s weights, or an AWQ / GPTQ folder's
+    own packed 4-bit layers (services/engine/prequantized.py)."""
     kv_cache_dtype: Literal["auto", "int8"] = "auto"
     """the KV cache's element type: ``auto`` = ``dtype``'s; ``int8`` (cpu only) stores each head's K and V of a
     position as int8 codes with one float16 scale, so ``kvCacheMemoryMb`` holds about twice the tokens of a

@@ -224,3 +224,43 @@ def test_engine_refuses_a_request_for_an_adapter_it_lacks(loaded, prompts):
     run = run_until_idle(engine)
     assert run.tokens["r"] == [] and run.finish["r"].error.kind == "not_found"
     assert "'nope' is not loaded" in run.finish["r"].error.message
+
+
+QUANTIZED_MAX_GAP = 0.3  # the base's activations are rounded by its kernel (int4: to bfloat16): bfloat16's rule
+
+
+def test_an_adapter_on_a_quantized_base_equals_peft_on_the_dequantized_base(smol_dir, adapters, prompts, tmp_path):
+    """int4 base layers and lm_head as the engine holds them, dequantized into a float folder for PEFT."""
+    r = ModelRunner(str(smol_dir), resolve_device("cpu", "float32"), block_size=BLOCK,
+                    kv_budget_bytes=48 * block_bytes(smol_dir), max_blocks=48, max_loras=2, max_lora_rank=16,
+                    quantization="int4")
+    assert r.lora.load("x", str(adapters["x"])).outcome is Outcome.ADDED
+    references = peft_greedy(dequantized_folder(r, smol_dir, tmp_path / "dequantized"), adapters["x"], prompts[:2],
+                             NEW_TOKENS)
+    tokens = generate(Engine(r, limits(), set()), [(f"r{i}", ids, "x") for i, ids in enumerate(prompts[:2])])
+    for i, (theirs, logits) in enumerate(references):
+        check_greedy_close(tokens[f"r{i}"], theirs, logits, f"int4 base + x, prompt {i}", QUANTIZED_MAX_GAP)
+    assert tokens["r0"] != generate(Engine(r, limits(), set()), [("r0", prompts[0], "")])["r0"]  # x changes it
+
+
+def dequantized_folder(r: ModelRunner, smol_dir, folder):
+    """The model folder whose float weights are the runner's quantized layers dequantized."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(smol_dir, dtype=torch.float32)
+    for layer, lin in zip(model.model.layers, r.linears):
+        attn, mlp = layer.self_attn, layer.mlp
+        q, k, v = lin.qkv.dequantized().split(list(lin.qkv_sizes))
+        gate, up = lin.gate_up.dequantized().split(lin.intermediate)
+        for module, weight in ((attn.q_proj, q), (attn.k_proj, k), (attn.v_proj, v), (attn.o_proj, lin.o.dequantized()),
+                               (mlp.gate_proj, gate), (mlp.up_proj, up), (mlp.down_proj, lin.down.dequantized())):
+            module.weight.data = weight.contiguous()
+    model.lm_head.weight = torch.nn.Parameter(r.model.lm_head.dequantized())  # untied: the embeddings stay float
+    model.config.tie_word_embeddings = False
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        if (smol_dir / name).exists():
+            shutil.copy(smol_dir / name, folder / name)
+    return folder
