@@ -45,8 +45,8 @@ VARIANTS = {  # name -> the Switchboard keys it sets
     "int8": {"dtype": "float32", "quantization": "int8"},
     "int4": {"dtype": "float32", "quantization": "int4"},
     "gguf Q4_1": {"dtype": "float32", "quantization": "gguf"},  # the default model's own file
-    "bfloat16, int8 KV": {"dtype": "bfloat16", "kvCacheDtype": "int8"},
-    "int8, int8 KV": {"dtype": "float32", "quantization": "int8", "kvCacheDtype": "int8"},
+    "bfloat16 + int8 KV": {"dtype": "bfloat16", "kvCacheDtype": "int8"},
+    "int8 + int8 KV": {"dtype": "float32", "quantization": "int8", "kvCacheDtype": "int8"},
 }
 TEXT = """The lighthouse stood at the end of a narrow spit of rock, and for most of the year the only people who
 saw it up close were the keeper and the men who brought his supplies. The keeper had lived there for eleven

@@ -209,6 +209,7 @@ class Output(Msg, tag="output"):
     prompt: list[TokenOut] = []  # with the first token, when prompt logprobs were asked: the prompt's tokens
     finish_reason: FinishReason | None = None  # set on the last event
     generated_tokens: int = 0
+    stop: str = ""  # finish_reason stop_sequence: the stop string that ended it (Anthropic's stop_sequence)
 
 
 class Failed(Msg, tag="failed"):
@@ -334,15 +335,38 @@ class Heartbeat(msgspec.Struct, omit_defaults=True):
 
 
 class Tokenize(msgspec.Struct, omit_defaults=True):
-    """Gateway to tokenizer: count (and show) the tokens of a text, encoded as a generate would."""
+    """Gateway to tokenizer: count (and show) the tokens of a text, encoded as a generate would; or of a
+    conversation (``messages``), rendered by the model's chat template as a chat request is."""
 
-    text: str
+    text: str = ""
+    add_special_tokens: bool = True  # text: the tokenizer's BOS (what a completion request does)
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] = []  # chat: OpenAI's tool objects, rendered with the messages
+    tool_choice: str = ""
+    chat_template_kwargs: dict[str, Any] = {}
+    add_generation_prompt: bool = True  # chat: end with the assistant's turn opened ...
+    continue_final_message: bool = False  # ... or leave the last (assistant) message open
+    token_strs: bool = False  # also each token's own string (the vocabulary's, e.g. "Ġthe")
     trace: dict[str, str] = {}
 
 
 class Tokenized(msgspec.Struct, omit_defaults=True):
     ids: list[int]
     pieces: list[str]  # text per token; a character spread over several tokens appears once, merged
+    error: str = ""  # the input could not be encoded (a conversation that does not fit the template): why
+    strs: list[str] = []  # with Tokenize.token_strs: each token's vocabulary string
+
+
+class Detokenize(msgspec.Struct, omit_defaults=True):
+    """Gateway to tokenizer: the text of token ids."""
+
+    ids: list[int]
+    trace: dict[str, str] = {}
+
+
+class Detokenized(msgspec.Struct, omit_defaults=True):
+    text: str = ""
+    error: str = ""  # an id outside the vocabulary: which
 
 
 class TokenizerInfo(msgspec.Struct, omit_defaults=True):

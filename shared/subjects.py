@@ -7,6 +7,7 @@ PREFIX = "sb"
 TOKENIZER_GENERATE = f"{PREFIX}.tokenizer.generate"  # gateway -> tokenizer (queue group)
 TOKENIZER_HEALTH = f"{PREFIX}.tokenizer.health"  # request/reply (queue group)
 TOKENIZER_TOKENIZE = f"{PREFIX}.tokenizer.tokenize"  # request/reply (queue group)
+TOKENIZER_DETOKENIZE = f"{PREFIX}.tokenizer.detokenize"  # request/reply (queue group)
 TOKENIZER_QUEUE = "tokenizer"
 
 CANCEL = f"{PREFIX}.cancel"  # fan-out: every engine and tokenizer hears it

@@ -52,6 +52,10 @@ class SwitchboardConfig(msgspec.Struct, rename="camel", kw_only=True, forbid_unk
     kv_trans_timeout_seconds: Annotated[float, Meta(gt=0, le=3600)] = 10.0
     """a prefill engine's limit for handing one request's K/V to a decode engine; past it the request
     is recomputed where it is (MindIE's kv_trans_timeout)."""
+    stream_keep_alive_seconds: Annotated[float, Meta(ge=0, le=3600)] = 15.0
+    """a stream silent this long (queued for a slot, in a long prefill) sends the family's keep-alive: an SSE
+    comment (OpenAI, TGI, Triton), Anthropic's ping event, vLLM's empty chunk; 0 sends none. Proxies close
+    connections idle for 60-120 s."""
     kv_cache_memory_mb: Annotated[int, Meta(ge=16, le=1048576)] = 1024
     """KV-cache budget in MiB on cpu (accelerators follow npuMemSize: -1 = 80% of free memory)."""
     otlp_endpoint: str = ""

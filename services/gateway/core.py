@@ -21,12 +21,14 @@ from services.gateway.request.slots import Slots
 from shared import bus, subjects
 from shared.config import Config
 from shared.engines import adapter_names, combined
-from shared.errors import ErrorKind, SwitchboardError
+from shared.errors import ErrorKind, SwitchboardError, validation
 from shared.leases import Leases
 from shared.media import MediaPolicy
 from shared.messages import (
     Cancel,
     CancelKind,
+    Detokenize,
+    Detokenized,
     EngineInfo,
     MetricsEvent,
     Ping,
@@ -69,7 +71,8 @@ class Gateway:
             nc=nc, model=self.model, instance=self.instance, mailboxes=self.mailboxes, slots=self.slots,
             inflight=self.inflight, failover=self.failover, roles=self.roles, admit=self.require_engine,
             engine_info=self.engine_info, emit=self.emit, spawn=self.spawn, heartbeat_s=sb.heartbeat_s,
-            token_timeout_s=float(cfg.server.token_timeout) + 5.0, resume_timeout_s=max(3.0, 2 * sb.lease_seconds))
+            token_timeout_s=float(cfg.server.token_timeout) + 5.0, resume_timeout_s=max(3.0, 2 * sb.lease_seconds),
+            keep_alive_s=sb.stream_keep_alive_seconds)
 
     async def start(self) -> None:
         await self.mailboxes.start()
@@ -166,12 +169,24 @@ class Gateway:
     async def tokenizer_info(self) -> TokenizerInfo | None:
         return await self._probe(subjects.TOKENIZER_HEALTH, TokenizerInfo)
 
-    async def tokenize(self, text: str) -> Tokenized:
-        """The prompt's tokens as a generate request would count them (POST /v1/tokenizer)."""
-        reply = await self._probe(subjects.TOKENIZER_TOKENIZE, Tokenized, Tokenize(text=text), timeout=30.0)
+    async def tokenize(self, request: Tokenize) -> Tokenized:
+        """The tokens of a text as a completion request encodes it, or of a conversation as a chat request
+        renders it (/v1/tokenizer, /tokenize, count_tokens); a conversation the template refuses is a 400/422."""
+        reply = await self._probe(subjects.TOKENIZER_TOKENIZE, Tokenized, request, timeout=30.0)
         if reply is None:
             raise SwitchboardError(ErrorKind.UNAVAILABLE, "the tokenizer service did not answer")
+        if reply.error:
+            raise validation(reply.error)
         return reply
+
+    async def detokenize(self, ids: list[int]) -> str:
+        """The text of token ids (/detokenize); an id outside the vocabulary is a validation error."""
+        reply = await self._probe(subjects.TOKENIZER_DETOKENIZE, Detokenized, Detokenize(ids=ids), timeout=30.0)
+        if reply is None:
+            raise SwitchboardError(ErrorKind.UNAVAILABLE, "the tokenizer service did not answer")
+        if reply.error:
+            raise validation(reply.error, "tokens")
+        return reply.text
 
     async def is_ready(self) -> bool:
         if self.stopping:

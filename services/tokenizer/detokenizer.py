@@ -49,6 +49,7 @@ class StopMatcher:
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.text = ""
         self.released = 0
+        self.matched = ""  # the stop string that ended the text, once one has
 
     def feed(self, delta: str, final: bool) -> tuple[str, bool]:
         """(text to release now, whether a stop string was hit)."""
@@ -61,10 +62,10 @@ class StopMatcher:
         return self._release(end), False
 
     def _first_stop(self) -> int | None:
-        hits = [(i, len(s)) for s in self.stops if (i := self.text.find(s, self.released)) >= 0]
+        hits = [(i, len(s), s) for s in self.stops if (i := self.text.find(s, self.released)) >= 0]
         if not hits:
             return None
-        start, length = min(hits)
+        start, length, self.matched = min(hits)
         return start + length if self.include else start
 
     def _release(self, end: int) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from shared.config import ModelDeployConfig
 from shared.errors import validation
 from services.tokenizer.tools import plain, takes_tools, with_tools
-from shared.messages import GenerateRequest
+from shared.messages import GenerateRequest, Tokenize
 
 MAX_TOKENS_NUM = 1048576
 
@@ -42,8 +42,9 @@ def check_token_ids(ids: list[int], vocab_size: int) -> None:
         raise validation(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
 
 
-def render_chat(tokenizer, req: GenerateRequest) -> list[int]:
-    """The conversation through the model's chat template, ending with the assistant's turn."""
+def render_chat(tokenizer, req: GenerateRequest | Tokenize) -> list[int]:
+    """The conversation through the model's chat template, ending with the assistant's turn (a Tokenize
+    may instead leave the last message open, or add no turn)."""
     if not getattr(tokenizer, "chat_template", None):
         raise validation("the model has no chat_template in its tokenizer_config.json; use /v1/completions")
     messages, extra = req.messages, {}
@@ -52,8 +53,10 @@ def render_chat(tokenizer, req: GenerateRequest) -> list[int]:
     elif not takes_tools(tokenizer):
         messages = plain(req.messages)
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                             **extra, **req.chat_template_kwargs)
+        turn = {"add_generation_prompt": getattr(req, "add_generation_prompt", True)}
+        if getattr(req, "continue_final_message", False):
+            turn = {"add_generation_prompt": False, "continue_final_message": True}
+        text = tokenizer.apply_chat_template(messages, tokenize=False, **turn, **extra, **req.chat_template_kwargs)
     except Exception as exc:  # a template error is the caller's messages not fitting the template
         raise validation(f"the messages do not fit the model's chat template: {exc}") from None
     return tokenizer(text, add_special_tokens=False).input_ids

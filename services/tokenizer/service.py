@@ -22,7 +22,8 @@ from typing import Any
 import msgspec
 from nats.aio.msg import Msg as NatsMsg
 
-from services.tokenizer.detokenizer import IncrementalDecoder, StopMatcher, token_pieces
+from services.tokenizer.detokenizer import IncrementalDecoder, StopMatcher
+from services.tokenizer import counting
 from services.tokenizer.encoder import check_media_prompt, check_token_ids, encode_prompt
 from services.tokenizer.media.multimodal import MediaProcessor
 from services.tokenizer.routing import EngineRouter
@@ -35,6 +36,7 @@ from shared.media import MediaPolicy
 from shared.messages import (
     Cancel,
     CancelKind,
+    Detokenize,
     EngineInfo,
     EngineRequest,
     Failed,
@@ -47,7 +49,6 @@ from shared.messages import (
     TokenBatch,
     TokenEvent,
     Tokenize,
-    Tokenized,
     TokenizerInfo,
     TokenLogprob,
     TokenOut,
@@ -101,6 +102,7 @@ class TokenizerService:
         self.batches = decoder(TokenBatch)
         self.cancels = decoder(Cancel)
         self.tokenizes = decoder(Tokenize)
+        self.detokenizes = decoder(Detokenize)
         self.engine_beats = decoder(EngineInfo)
         self.beats = decoder(Heartbeat)
         self.view_since = time.monotonic()  # since when the engines' leases here are heard first-hand
@@ -110,6 +112,7 @@ class TokenizerService:
         await bus.subscribe(self.nc, subjects.TOKENIZER_GENERATE, self.on_request, queue=subjects.TOKENIZER_QUEUE)
         await bus.subscribe(self.nc, subjects.TOKENIZER_HEALTH, self.on_health, queue=subjects.TOKENIZER_QUEUE)
         await bus.subscribe(self.nc, subjects.TOKENIZER_TOKENIZE, self.on_tokenize, queue=subjects.TOKENIZER_QUEUE)
+        await bus.subscribe(self.nc, subjects.TOKENIZER_DETOKENIZE, self.on_detokenize, queue=subjects.TOKENIZER_QUEUE)
         await bus.subscribe(self.nc, subjects.tokenizer_instance(self.instance), self.on_request)
         await bus.subscribe(self.nc, self.inbox, self.on_tokens)
         await bus.subscribe(self.nc, subjects.CANCEL, self.on_cancel)
@@ -304,7 +307,7 @@ class TokenizerService:
             await self._end(req.id, cancel=CancelKind.STOP_SEQUENCE if stopped and not event.finish_reason else None,
                             **{"switchboard.finish_reason": str(finish), "switchboard.generated_tokens": state.generated})
         out = Output(id=req.id, position=position, tokens=tokens, finish_reason=finish,
-                     generated_tokens=state.generated)
+                     generated_tokens=state.generated, stop=state.stops.matched if stopped else "")
         if event.prompt_logprobs and len(event.prompt_logprobs) == len(state.prompt_ids):
             out.prompt = [self.token_out(i, self.tok.decode([i], skip_special_tokens=False), lp)
                           for i, lp in zip(state.prompt_ids, event.prompt_logprobs)]
@@ -358,9 +361,13 @@ class TokenizerService:
             await self._end(cancel.id, **{"switchboard.finish_reason": "cancelled"})
 
     async def on_tokenize(self, msg: NatsMsg) -> None:
-        text = self.tokenizes.decode(msg.data).text
-        ids = await asyncio.to_thread(lambda: self.tok(text).input_ids) if len(text) > 2048 else self.tok(text).input_ids
-        await bus.respond(msg, Tokenized(ids=ids, pieces=token_pieces(self.tok, ids)))
+        req = self.tokenizes.decode(msg.data)
+        long = len(req.text) > 2048 or req.messages is not None  # off the loop: it may take a while
+        reply = await asyncio.to_thread(counting.tokenize, self.tok, req) if long else counting.tokenize(self.tok, req)
+        await bus.respond(msg, reply)
+
+    async def on_detokenize(self, msg: NatsMsg) -> None:
+        await bus.respond(msg, counting.detokenize(self.tok, self.detokenizes.decode(msg.data), self.vocab_size))
 
     async def on_health(self, msg: NatsMsg) -> None:
         eos = self.tok.eos_token_id

@@ -114,6 +114,20 @@ def test_openai_client_chat_with_an_image_equals_transformers(stack, smolvlm_dir
     assert out.usage.prompt_tokens > 20  # the image's tokens count as prompt tokens
 
 
+def test_anthropic_client_with_an_image_block_equals_transformers(stack, smolvlm_dir):
+    import anthropic
+
+    question = "What is in this image?"
+    messages = [{"role": "user", "content": [{"type": "text", "text": question}, {"type": "image"}]}]
+    expected = AutoTokenizer.from_pretrained(smolvlm_dir).decode(
+        hf_generate(smolvlm_dir, [CAT], messages=messages, max_new_tokens=NEW), skip_special_tokens=True)
+    api = anthropic.Anthropic(base_url=stack.url, api_key="x", max_retries=0, timeout=60)
+    source = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(png_bytes(CAT)).decode()}
+    out = api.messages.create(model=stack.model, max_tokens=NEW, extra_body={"temperature": 0}, messages=[
+        {"role": "user", "content": [{"type": "text", "text": question}, {"type": "image", "source": source}]}])
+    assert out.content[0].text == expected and out.stop_reason in ("max_tokens", "end_turn")
+
+
 def test_text_and_image_requests_together_answer_as_alone(stack, want):
     plain = {"inputs": "The capital of France is", "parameters": {**GREEDY, "details": True}}
     alone = [t["id"] for t in post(stack, "/generate", plain).json()["details"]["tokens"]]

@@ -13,6 +13,7 @@ from services.gateway.native.schemas import parse_infer, parse_tokenize
 from services.gateway.request import lifecycle
 from services.gateway.request.call import Call
 from services.gateway.request.session import Session
+from shared.messages import Tokenize
 
 
 @post(["/infer", "/infer_token"], status_code=200)
@@ -33,7 +34,7 @@ async def infer(request: Request) -> Response:
 async def tokenizer(request: Request) -> Response:
     gateway = request.app.state.gateway
     req = parse_tokenize(await request.body(), gateway.cfg.server.max_request_length)
-    result = await gateway.tokenize(req.text)
+    result = await gateway.tokenize(Tokenize(text=req.text))
     return Response({"token_number": len(result.ids), "tokens": result.pieces if req.do_decode else []},
                     media_type="application/json")
 

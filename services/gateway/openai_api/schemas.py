@@ -49,7 +49,7 @@ class CompletionRequest:
 def parse_chat(body: bytes, cfg: Config, served: Served) -> ChatRequest:
     data = parse_json_object(body, PARSE_ERROR)
     f = Fields(data)
-    messages, listed = _messages(data.get("messages"))
+    messages, listed = chat_messages(data.get("messages"))
     _refuse_chat_extras(f)
     logprobs = bool(f.boolean("logprobs", False))
     top = f.integer("top_logprobs", None, 0, 20)
@@ -73,7 +73,7 @@ def _refuse_chat_extras(f: Fields) -> None:
         raise bad_param("chat_template", "chat_template overrides are not supported; the model's template is used.")
 
 
-def _messages(value: Any) -> tuple[list[dict[str, Any]], tuple[ListInput, ...]]:
+def chat_messages(value: Any) -> tuple[list[dict[str, Any]], tuple[ListInput, ...]]:
     """The messages with string contents, and the contents that were given as lists."""
     if value is None:
         raise bad_param("messages", "messages is required.")

@@ -58,6 +58,7 @@ class End:
     tokens: list[TokenOut]
     generated_tokens: int
     prompt_tokens: int
+    stop: str = ""  # the stop string that ended it (finish_reason stop_sequence)
 
 
 @dataclass(frozen=True)
@@ -268,7 +269,7 @@ class Session:
         end = None
         if event.finish_reason is not None:
             end = End(event.finish_reason, "".join(t.text for t in self.tokens), self.tokens, self.generated,
-                      self.started.prompt_tokens if self.started else 0)
+                      self.started.prompt_tokens if self.started else 0, event.stop)
         return Step(self.index, event.tokens, end)
 
     def close(self) -> None:

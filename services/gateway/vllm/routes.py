@@ -34,4 +34,4 @@ async def _generate(request: Request, data: dict[str, Any]) -> Response:
     full_text_mode = gateway.cfg.server.full_text_enabled
     return await lifecycle.respond(request, call, req.stream, lambda: collect(call, req),
                                    lambda: stream_chunks(call, full_text_mode), error_chunk,
-                                   media_type="application/json")
+                                   media_type="application/json", keep_alive=b"\0")  # an empty chunk

@@ -10,16 +10,19 @@ from litestar.datastructures import State
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.gateway.admin import health, lora, metrics, status, stop
+from services.gateway.anthropic import routes as anthropic
 from services.gateway.core import Gateway
 from services.gateway.native import routes as native
 from services.gateway.openai_api import routes as openai_api
+from services.gateway.openai_api import tokenize as openai_tokenize
 from services.gateway.pd import dresult
 from services.gateway.tgi import routes as tgi
 from services.gateway.triton import routes as triton
 from services.gateway.web import generate
 from services.gateway.web.errors import EXCEPTION_HANDLERS
 
-BUSINESS_ROUTES = [*tgi.ROUTES, *generate.ROUTES, *openai_api.ROUTES, *triton.ROUTES, *native.ROUTES, *dresult.ROUTES]
+BUSINESS_ROUTES = [*tgi.ROUTES, *generate.ROUTES, *openai_api.ROUTES, *openai_tokenize.ROUTES, *anthropic.ROUTES,
+                   *triton.ROUTES, *native.ROUTES, *dresult.ROUTES]
 MANAGEMENT_ROUTES = [*health.ROUTES, *status.ROUTES, *stop.ROUTES, *lora.ROUTES, *triton.MANAGEMENT_ROUTES,
                      *metrics.MANAGEMENT_ROUTES]
 METRICS_ROUTES = [*metrics.METRICS_ROUTES]

@@ -1,0 +1,200 @@
+"""Anthropic's Messages request, read into the chat request the OpenAI routes run.
+
+The conversation becomes the OpenAI chat messages ``/v1/chat/completions`` would get for it (``system`` the
+first message, text blocks the content, ``image`` blocks image parts through the same media checks,
+``tool_use`` blocks an assistant's ``tool_calls``, ``tool_result`` blocks ``tool`` messages), and the tools
+and ``tool_choice`` (``auto``, ``any`` → required, ``tool`` → named, ``none``) OpenAI's; so the model sees
+exactly what a chat completion of the same conversation shows it. A field the server cannot honour
+(``thinking``, ``container``, …) is a 400 naming it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from typing import Any
+
+import msgspec
+
+from services.gateway.anthropic.errors import invalid
+from services.gateway.common.content import ListInput
+from services.gateway.common.served import Served
+from services.gateway.openai_api.params import Common, parse_common
+from services.gateway.openai_api.schemas import chat_messages
+from services.gateway.openai_api.tools import Tools, parse_tools
+from services.gateway.web.validation import parse_json_object
+from shared.config import Config
+
+PARSE_ERROR = "The request body must be a JSON object."
+FIELDS = {"model", "max_tokens", "messages", "system", "stop_sequences", "metadata", "tools", "tool_choice", "stream",
+          "temperature", "top_p", "top_k"}
+COUNT_FIELDS = {"model", "messages", "system", "tools", "tool_choice"}
+
+
+@dataclass(frozen=True)
+class MessagesRequest:
+    common: Common
+    messages: list[dict[str, Any]]  # as /v1/chat/completions reads them
+    listed: tuple[ListInput, ...]
+    tools: Tools | None
+
+
+def parse_messages(body: bytes, cfg: Config, served: Served, counting: bool = False) -> MessagesRequest:
+    """``counting``: a count_tokens body (no max_tokens, no sampling)."""
+    data = parse_json_object(body, PARSE_ERROR)
+    unknown = sorted(set(data) - (COUNT_FIELDS if counting else FIELDS))
+    if unknown:
+        raise invalid(f"{', '.join(unknown)}: not supported by this server "
+                      f"({'count_tokens takes' if counting else 'it takes'} {', '.join(sorted(FIELDS))}).")
+    if not counting and data.get("max_tokens") is None:
+        raise invalid("max_tokens: Field required")
+    temperature = data.get("temperature")
+    if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and not 0 <= temperature <= 1:
+        raise invalid(f"temperature: must be between 0 and 1, got {temperature}")
+    _check_metadata(data.get("metadata"))
+    chat = {"model": data.get("model"), "max_tokens": 1 if counting else data.get("max_tokens"),
+            "stream": data.get("stream"), "temperature": temperature, "top_p": data.get("top_p"),
+            "top_k": data.get("top_k"), "stop": _stop_sequences(data.get("stop_sequences")),
+            **_tools(data.get("tools"), data.get("tool_choice"))}
+    common = parse_common({k: v for k, v in chat.items() if v is not None}, cfg, served, None, chat=True)
+    tools = parse_tools(chat)
+    grammar = tools.grammar() if tools is not None else None
+    if grammar is not None:  # "any" or a named tool: the output is the call, constrained as a chat's is
+        common = replace(common, sampling=msgspec.structs.replace(common.sampling, grammar=grammar))
+    messages, listed = chat_messages(openai_messages(data.get("system"), data.get("messages")))
+    return MessagesRequest(common, messages, listed, tools)
+
+
+def _check_metadata(value: Any) -> None:
+    if value is None:
+        return
+    if not isinstance(value, dict) or not isinstance(value.get("user_id", ""), (str, type(None))):
+        raise invalid("metadata: must be an object whose user_id is a string")
+
+
+def _stop_sequences(value: Any) -> list[str] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise invalid("stop_sequences: must be an array of strings")
+    return value
+
+
+# ---- the conversation -----------------------------------------------------------------------------
+
+
+def openai_messages(system: Any, messages: Any) -> list[dict[str, Any]]:
+    out = []
+    if system is not None:
+        out.append({"role": "system", "content": _text_of(system, "system")})
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages: must be a non-empty array of {role, content}")
+    for i, message in enumerate(messages):
+        out.extend(_message(message, f"messages.{i}"))
+    return out
+
+
+def _message(message: Any, where: str) -> list[dict[str, Any]]:
+    if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
+        raise invalid(f"{where}.role: must be \"user\" or \"assistant\"")
+    role, content = message["role"], message.get("content")
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    if not isinstance(content, list):
+        raise invalid(f"{where}.content: must be a string or an array of content blocks")
+    blocks = [_block(block, f"{where}.content.{j}", role) for j, block in enumerate(content)]
+    results = [b for kind, b in blocks if kind == "tool_result"]
+    parts = [b for kind, b in blocks if kind == "part"]
+    calls = [b for kind, b in blocks if kind == "tool_use"]
+    out = list(results)  # tool messages answer the assistant's calls before the user's own words
+    if role == "assistant":
+        text = "".join(p["text"] for p in parts)
+        out.append({"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})})
+    elif parts:
+        out.append({"role": "user", "content": parts})
+    return out
+
+
+def _block(block: Any, where: str, role: str) -> tuple[str, dict[str, Any]]:
+    kind = block.get("type") if isinstance(block, dict) else None
+    if kind == "text":
+        if not isinstance(block.get("text"), str):
+            raise invalid(f"{where}.text: must be a string")
+        return "part", {"type": "text", "text": block["text"]}
+    if kind == "image" and role == "user":
+        return "part", {"type": "image_url", "image_url": {"url": _image_url(block.get("source"), f"{where}.source")}}
+    if kind == "tool_use" and role == "assistant":
+        if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str) \
+                or not isinstance(block.get("input"), dict):
+            raise invalid(f"{where}: a tool_use block needs id, name and input (an object)")
+        return "tool_use", {"id": block["id"], "type": "function",
+                            "function": {"name": block["name"], "arguments": json.dumps(block["input"])}}
+    if kind == "tool_result" and role == "user":
+        if not isinstance(block.get("tool_use_id"), str):
+            raise invalid(f"{where}.tool_use_id: must be a string")
+        text = _text_of(block.get("content", ""), f"{where}.content")
+        if block.get("is_error"):
+            text = f"Error: {text}"
+        return "tool_result", {"role": "tool", "tool_call_id": block["tool_use_id"], "content": text}
+    raise invalid(f"{where}.type: {kind!r} blocks are not supported in {role} messages here "
+                  f"(user: text, image, tool_result; assistant: text, tool_use)")
+
+
+def _text_of(value: Any, where: str) -> str:
+    """A string, or text blocks joined."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(b, dict) and b.get("type") == "text"
+                                       and isinstance(b.get("text"), str) for b in value):
+        return "".join(b["text"] for b in value)
+    raise invalid(f"{where}: must be a string or an array of text blocks")
+
+
+def _image_url(source: Any, where: str) -> str:
+    if not isinstance(source, dict):
+        raise invalid(f"{where}: must be an object")
+    if source.get("type") == "base64":
+        media, data = source.get("media_type"), source.get("data")
+        if media not in ("image/jpeg", "image/png", "image/gif", "image/webp") or not isinstance(data, str):
+            raise invalid(f"{where}: a base64 source needs media_type (image/jpeg, image/png, image/gif or "
+                          "image/webp) and data")
+        return f"data:{media};base64,{data}"
+    if source.get("type") == "url" and isinstance(source.get("url"), str):
+        return source["url"]
+    raise invalid(f"{where}.type: must be \"base64\" or \"url\"")
+
+
+# ---- tools --------------------------------------------------------------------------------------
+
+
+def _tools(tools: Any, choice: Any) -> dict[str, Any]:
+    """OpenAI's ``tools``, ``tool_choice`` and ``parallel_tool_calls`` for Anthropic's."""
+    out: dict[str, Any] = {}
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise invalid("tools: must be an array")
+        out["tools"] = [_tool(tool, f"tools.{i}") for i, tool in enumerate(tools)]
+    if choice is not None:
+        if not isinstance(choice, dict) or choice.get("type") not in ("auto", "any", "tool", "none"):
+            raise invalid("tool_choice: must be {\"type\": \"auto\" | \"any\" | \"tool\" | \"none\"}")
+        kind = choice["type"]
+        if kind == "tool":
+            if not isinstance(choice.get("name"), str):
+                raise invalid("tool_choice.name: required for type \"tool\"")
+            out["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
+        else:
+            out["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[kind]
+        if choice.get("disable_parallel_tool_use"):
+            out["parallel_tool_calls"] = False
+    return out
+
+
+def _tool(tool: Any, where: str) -> dict[str, Any]:
+    if not isinstance(tool, dict) or not isinstance(tool.get("name"), str) or not isinstance(tool.get("input_schema"), dict):
+        raise invalid(f"{where}: a tool needs name and input_schema (an object)")
+    if tool.get("type") not in (None, "custom"):
+        raise invalid(f"{where}.type: {tool['type']!r}: this server runs the client's own tools only (type custom)")
+    function = {"name": tool["name"], "parameters": tool["input_schema"]}
+    if isinstance(tool.get("description"), str):
+        function["description"] = tool["description"]
+    return {"type": "function", "function": function}

@@ -1,0 +1,130 @@
+"""Anthropic's Messages API through the ``anthropic`` SDK, unmodified, against the default model: text with a
+system prompt and stop sequences, the stream's events and final message, a forced tool call, its tool_result
+and the final answer, count_tokens equal to the usage the same request reports, greedy text equal to
+/v1/chat/completions for the same conversation, and every bad body an Anthropic-shaped 4xx."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import httpx
+import jsonschema
+import pytest
+
+from tests.integration.test_openai_api import client as openai_client
+
+SYSTEM = "You are a helpful assistant. Answer in one short sentence."
+ASK = [{"role": "user", "content": "What is the capital of France?"}]
+WEATHER = {"name": "get_weather", "description": "Get the current weather in a city",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                                             "unit": {"enum": ["celsius", "fahrenheit"]}},
+                            "required": ["city", "unit"], "additionalProperties": False}}
+
+
+GREEDY = {"extra_body": {"temperature": 0}}  # the current SDK (2.x) has no temperature argument: older ones and curl send it
+
+
+def client(stack) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=stack.url, api_key="x", max_retries=0, timeout=60)
+
+
+def test_text_with_a_system_prompt_equals_the_chat_completion(smol_stack):
+    answer = client(smol_stack).messages.create(model=smol_stack.model, max_tokens=24, system=SYSTEM, messages=ASK,
+                                                **GREEDY)
+    assert answer.type == "message" and answer.role == "assistant" and answer.id.startswith("msg_")
+    (block,) = answer.content
+    assert block.type == "text" and "Paris" in block.text
+    assert answer.stop_reason in ("end_turn", "max_tokens") and answer.stop_sequence is None
+    chat = openai_client(smol_stack).chat.completions.create(
+        model=smol_stack.model, max_tokens=24, **GREEDY, messages=[{"role": "system", "content": SYSTEM}, *ASK])
+    assert block.text == chat.choices[0].message.content
+    assert (answer.usage.input_tokens, answer.usage.output_tokens) == (chat.usage.prompt_tokens,
+                                                                       chat.usage.completion_tokens)
+
+
+def test_a_stop_sequence_ends_the_answer_and_is_named(smol_stack):
+    answer = client(smol_stack).messages.create(model=smol_stack.model, max_tokens=24, system=SYSTEM, messages=ASK,
+                                                stop_sequences=["zzz", "Paris"], **GREEDY)
+    assert answer.stop_reason == "stop_sequence" and answer.stop_sequence == "Paris"
+    assert "Paris" not in answer.content[0].text
+
+
+def test_the_stream_gives_the_same_text_and_its_events_in_order(smol_stack):
+    api = client(smol_stack)
+    with api.messages.stream(model=smol_stack.model, max_tokens=24, system=SYSTEM, messages=ASK, **GREEDY) as s:
+        streamed = "".join(s.text_stream)
+        final = s.get_final_message()
+    whole = api.messages.create(model=smol_stack.model, max_tokens=24, system=SYSTEM, messages=ASK, **GREEDY)
+    assert streamed == final.content[0].text == whole.content[0].text
+    assert final.stop_reason == whole.stop_reason and final.usage.output_tokens == whole.usage.output_tokens
+    body = {"model": smol_stack.model, "max_tokens": 8, "messages": ASK, "stream": True}
+    with httpx.stream("POST", smol_stack.url + "/v1/messages", json=body, timeout=60) as r:
+        names = [line.split(": ", 1)[1] for line in r.iter_lines() if line.startswith("event: ")]
+    assert names[:3] == ["message_start", "content_block_start", "ping"]
+    assert set(names[3:-3]) == {"content_block_delta"}
+    assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+
+
+def test_a_forced_tool_call_its_result_and_the_final_answer(smol_stack):
+    api = client(smol_stack)
+    first = api.messages.create(model=smol_stack.model, max_tokens=120, messages=[
+        {"role": "user", "content": "What is the weather like in Paris today?"}], tools=[WEATHER],
+        tool_choice={"type": "tool", "name": "get_weather"}, **GREEDY)
+    assert first.stop_reason == "tool_use"
+    (use,) = [b for b in first.content if b.type == "tool_use"]
+    assert use.name == "get_weather" and use.id.startswith("toolu_")
+    jsonschema.validate(use.input, WEATHER["input_schema"])
+    history = [{"role": "user", "content": "What is the weather like in Paris today?"},
+               {"role": "assistant", "content": [b.model_dump() for b in first.content]},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                             "content": "18 degrees and sunny"}]}]
+    final = api.messages.create(model=smol_stack.model, max_tokens=30, messages=history, tools=[WEATHER],
+                                tool_choice={"type": "none"}, **GREEDY)
+    assert final.content[0].type == "text" and final.content[0].text and final.stop_reason != "tool_use"
+    with api.messages.stream(model=smol_stack.model, max_tokens=120, messages=history[:1], tools=[WEATHER],
+                             tool_choice={"type": "any"}, **GREEDY) as s:
+        streamed = s.get_final_message()
+    assert streamed.stop_reason == "tool_use"
+    jsonschema.validate([b for b in streamed.content if b.type == "tool_use"][0].input, WEATHER["input_schema"])
+
+
+@pytest.mark.parametrize("tools", [False, True], ids=["text", "tools"])
+def test_count_tokens_equals_the_requests_input_tokens(smol_stack, tools):
+    api = client(smol_stack)
+    extra = {"tools": [WEATHER]} if tools else {}
+    counted = api.messages.count_tokens(model=smol_stack.model, system=SYSTEM, messages=ASK, **extra)
+    answer = api.messages.create(model=smol_stack.model, max_tokens=1, system=SYSTEM, messages=ASK, **extra)
+    assert counted.input_tokens == answer.usage.input_tokens > 10
+
+
+@pytest.mark.parametrize("body, status, named", [
+    ({"messages": ASK}, 400, "max_tokens"),
+    ({"max_tokens": 5, "messages": ASK, "thinking": {"type": "enabled", "budget_tokens": 1024}}, 400, "thinking"),
+    ({"max_tokens": 5, "messages": [{"role": "robot", "content": "hi"}]}, 400, "role"),
+    ({"max_tokens": 5, "messages": []}, 400, "messages"),
+    ({"max_tokens": 5, "messages": ASK, "temperature": 1.5}, 400, "temperature"),
+    ({"max_tokens": 5, "messages": ASK, "model": "no-such-model"}, 404, "no-such-model"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "document"}]}]}, 400, "document"),
+    ({"max_tokens": 5, "messages": ASK, "tool_choice": {"type": "any"}}, 400, "tool_choice"),
+])
+def test_bad_bodies_get_anthropic_shaped_4xx(tiny_stack, body, status, named):
+    r = httpx.post(tiny_stack.url + "/v1/messages", json={"model": tiny_stack.model, **body}, timeout=30)
+    assert r.status_code == status, r.text
+    error = r.json()
+    assert error["type"] == "error" and named in error["error"]["message"]
+    assert error["error"]["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+
+
+def test_the_sdk_raises_its_own_errors_and_bad_json_is_a_400(tiny_stack):
+    api = client(tiny_stack)
+    with pytest.raises(anthropic.BadRequestError):
+        api.messages.create(model=tiny_stack.model, max_tokens=5, messages=[{"role": "system", "content": "x"}])
+    with pytest.raises(anthropic.NotFoundError):
+        api.messages.create(model="nope", max_tokens=5, messages=ASK)
+    r = httpx.post(tiny_stack.url + "/v1/messages", content=b"{oops", timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.get(tiny_stack.url + "/v1/messages", timeout=30)
+    assert r.status_code == 405 and r.json()["type"] == "error"
+    assert json.loads(httpx.post(tiny_stack.url + "/v1/messages/count_tokens", json={"model": tiny_stack.model},
+                                 timeout=30).text)["type"] == "error"

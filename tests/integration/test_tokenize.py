@@ -1,0 +1,61 @@
+"""vLLM's /tokenize and /detokenize on the tiny stack: the counts equal the prompt_tokens /v1/completions and
+/v1/chat/completions report for the same input, /detokenize inverts /tokenize, bad bodies get OpenAI-shaped 4xx."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.integration.test_openai_api import chat, complete
+
+TEXT = "The lighthouse keeper climbed the stair"
+MESSAGES = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Where is the lamp?"}]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}]
+
+
+def post(stack, path: str, body: dict) -> httpx.Response:
+    return httpx.post(stack.url + path, json=body, timeout=30)
+
+
+def test_a_prompts_count_is_what_a_completion_reports_and_detokenize_inverts_it(tiny_stack):
+    got = post(tiny_stack, "/tokenize", {"model": tiny_stack.model, "prompt": TEXT, "return_token_strs": True}).json()
+    usage = complete(tiny_stack, prompt=TEXT, max_tokens=1, temperature=0)["usage"]
+    assert got["count"] == len(got["tokens"]) == usage["prompt_tokens"]
+    assert got["max_model_len"] == 2560 and len(got["token_strs"]) == got["count"]
+    assert post(tiny_stack, "/detokenize", {"tokens": got["tokens"]}).json() == {"prompt": TEXT}
+    plain = post(tiny_stack, "/tokenize", {"prompt": TEXT}).json()
+    assert plain["tokens"] == got["tokens"] and plain["token_strs"] is None
+
+
+@pytest.mark.parametrize("tools", [None, TOOLS], ids=["plain", "tools"])
+def test_a_conversations_count_is_what_a_chat_reports(smol_stack, tools):
+    """On the default model (the tiny stack takes 64 prompt tokens; tools take more)."""
+    extra = {"tools": tools} if tools else {}
+    got = post(smol_stack, "/tokenize", {"messages": MESSAGES, **extra}).json()
+    usage = chat(smol_stack, messages=MESSAGES, max_tokens=1, temperature=0, **extra)["usage"]
+    assert got["count"] == usage["prompt_tokens"]
+    bare = post(smol_stack, "/tokenize", {"messages": MESSAGES, "add_generation_prompt": False, **extra}).json()
+    assert bare["count"] < got["count"] and got["tokens"][: bare["count"]] == bare["tokens"]
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/tokenize", {}, "prompt"),
+    ("/tokenize", {"prompt": 5}, "prompt"),
+    ("/tokenize", {"prompt": "a", "messages": MESSAGES}, "prompt"),
+    ("/tokenize", {"messages": "hi"}, "messages"),
+    ("/tokenize", {"prompt": "a", "model": "nope"}, "model"),
+    ("/tokenize", {"messages": MESSAGES, "add_generation_prompt": True, "continue_final_message": True},
+     "continue_final_message"),
+    ("/detokenize", {"tokens": "12"}, "tokens"),
+    ("/detokenize", {"tokens": [1, 2.5]}, "tokens"),
+    ("/detokenize", {"tokens": [1, 10_000_000]}, "tokens"),
+])
+def test_bad_bodies_get_openai_shaped_4xx(tiny_stack, path, body, param):
+    r = post(tiny_stack, path, body)
+    assert r.status_code in (400, 404), r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"] and error["type"] == "invalid_request_error"
+    r = httpx.post(tiny_stack.url + path, content=b"{not json", timeout=30)
+    assert r.status_code == 400 and "error" in r.json()
