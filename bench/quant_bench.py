@@ -108,6 +108,8 @@ def run_variant(name: str, keys: dict, prompts: list[str], tokens: int, levels: 
         config, url = switchboard_config(Path(tmp))
         data = json.loads(config.read_text())
         data.setdefault("Switchboard", {}).update(keys)
+        # enough sequences that the KV budget, not maxBatchSize x maxSeqLen, bounds the cache (c16 never reaches it)
+        data["BackendConfig"]["ScheduleConfig"]["maxBatchSize"] = 128
         data["Switchboard"]["logLevel"] = "warning"
         config.write_text(json.dumps(data, indent=2))
         cmd = [sys.executable, "-m", "switchboard.cli", "serve", "--config", str(config)]
