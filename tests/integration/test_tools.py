@@ -71,3 +71,31 @@ def test_required_calls_stream_and_auto_answers_parse(smol_stack):
     assert message.content or message.tool_calls
     for call in message.tool_calls or []:
         assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments), dict)
+
+
+def test_a_forced_call_cut_by_max_tokens_comes_back_as_a_partial_call(smol_stack):
+    """As OpenAI answers it: finish_reason "length" and the call as far as it came, streamed or not."""
+    api = client(smol_stack)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    cut = api.chat.completions.create(model=smol_stack.model, messages=ASK, tools=[WEATHER], tool_choice=named,
+                                      temperature=0, max_tokens=4)
+    choice = cut.choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.function.arguments.startswith("{")
+    chunks = list(api.chat.completions.create(model=smol_stack.model, messages=ASK, tools=[WEATHER],
+                                              tool_choice=named, temperature=0, max_tokens=4, stream=True))
+    streamed = "".join(delta.function.arguments or "" for c in chunks if c.choices and c.choices[0].delta.tool_calls
+                       for delta in c.choices[0].delta.tool_calls)
+    assert streamed == call.function.arguments and chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_a_strict_function_gets_no_undeclared_arguments(smol_stack):
+    loose = {**WEATHER["function"]["parameters"]}
+    loose.pop("additionalProperties")
+    strict = {"type": "function", "function": {**WEATHER["function"], "parameters": loose, "strict": True}}
+    answer = client(smol_stack).chat.completions.create(
+        model=smol_stack.model, messages=ASK, tools=[strict], temperature=0, max_tokens=60,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    arguments = json.loads(answer.choices[0].message.tool_calls[0].function.arguments)
+    jsonschema.validate(arguments, {**loose, "additionalProperties": False})

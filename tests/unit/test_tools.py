@@ -158,3 +158,32 @@ def test_the_tool_format_is_read_off_the_chat_template(smol_dir):
                           ("{{ tools }}<|python_tag|>", "llama3_json"), ("{{ tools }}<fn>", "")):
         tokenizer.chat_template = template
         assert tool_format(tokenizer) == fmt
+
+
+def test_a_forced_call_cut_by_max_tokens_is_a_partial_call():
+    """What OpenAI returns with finish_reason "length": the call as far as it came, not the raw JSON as content."""
+    named = tools(tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert extract(named, '{"city": "Par') == ('{"city": "Par', [])  # not cut: an unparsable answer is content
+    content, (call,) = extract(named, '{"city": "Par', cut=True)
+    assert content is None and call["function"] == {"name": "get_weather", "arguments": '{"city": "Par'}
+    required = tools(tool_choice="required")
+    cut = '[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "arguments": {"zo'
+    content, calls = extract(required, cut, cut=True)
+    assert content is None and [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
+    assert [c["function"]["arguments"] for c in calls] == ['{"city": "Paris"}', '{"zo']
+    assert extract(required, '[{"name": "get_wea', cut=True) == ('[{"name": "get_wea', [])  # no whole name yet
+
+
+def test_strict_functions_take_no_undeclared_keys():
+    strict = {**WEATHER, "function": {**WEATHER["function"], "strict": True}}
+    named = parse_tools({"tools": [strict, TIME], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
+    schema = json.loads(named.grammar().value)
+    assert schema["additionalProperties"] is False
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"city": "Paris", "country": "France"}, schema)
+    loose = json.loads(tools(tool_choice={"type": "function", "function": {"name": "get_weather"}}).grammar().value)
+    assert "additionalProperties" not in loose  # without strict, the declared schema as it is
+    required = json.loads(parse_tools({"tools": [strict, TIME], "tool_choice": "required"}).grammar().value)
+    weather, time_ = (c["properties"]["arguments"] for c in required["items"]["anyOf"])
+    assert weather["additionalProperties"] is False and "additionalProperties" not in time_
+    assert named.declared[0]["function"] == WEATHER["function"]  # the template sees the declaration unchanged

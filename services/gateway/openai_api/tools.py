@@ -41,20 +41,26 @@ class Tools:
     choice: str  # none | auto | required | named
     named: str = ""
     parallel: bool = True
+    strict: frozenset[str] = frozenset()  # functions declared ``strict``: their arguments take no undeclared key
 
     @property
     def declared(self) -> list[dict[str, Any]]:
         """The tools as the chat template takes them (OpenAI's objects)."""
         return [{"type": "function", "function": f} for f in self.functions.values()]
 
+    def arguments(self, name: str) -> dict[str, Any]:
+        """The schema a call of ``name``'s arguments is held to."""
+        parameters = self.functions[name]["parameters"]
+        return strict_schema(parameters) if name in self.strict else parameters
+
     def grammar(self) -> Grammar | None:
         if self.choice == "named":
-            return json_schema(self.functions[self.named]["parameters"])
+            return json_schema(self.arguments(self.named))
         if self.choice != "required":
             return None
-        calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": f["parameters"]},
+        calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": self.arguments(name)},
                   "required": ["name", "arguments"], "additionalProperties": False}
-                 for name, f in self.functions.items()]
+                 for name in self.functions]
         schema: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
         if not self.parallel:
             schema["maxItems"] = 1
@@ -74,11 +80,28 @@ def parse_tools(data: dict[str, Any]) -> Tools | None:
     parallel = data.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
         raise bad_param("parallel_tool_calls", "parallel_tool_calls must be boolean type.")
-    tools = Tools(functions, *_choice(choice, functions), parallel=parallel)
+    strict = frozenset(t["function"]["name"] for t in raw if t["function"].get("strict") is True)
+    tools = Tools(functions, *_choice(choice, functions), parallel=parallel, strict=strict)
     grammar = tools.grammar()
     if grammar is not None and (why := problem(grammar)) is not None:
         raise bad_param("tools", f"the tools' parameters cannot be used to constrain the output: {why}")
     return tools
+
+
+def strict_schema(schema: Any) -> Any:
+    """``schema`` with every object that does not say otherwise closed to undeclared keys (OpenAI's ``strict``)."""
+    if isinstance(schema, list):
+        return [strict_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: strict_schema(value) if key in ("items", "anyOf", "oneOf", "allOf", "prefixItems") else value
+           for key, value in schema.items()}
+    for key in ("properties", "$defs", "definitions"):
+        if isinstance(schema.get(key), dict):
+            out[key] = {name: strict_schema(sub) for name, sub in schema[key].items()}
+    if (schema.get("type") == "object" or "properties" in schema) and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
 
 
 def _function(tool: Any, i: int) -> tuple[str, dict[str, Any]]:
@@ -130,15 +153,16 @@ def first_delta(index: int, name: str, arguments: str = "") -> dict[str, Any]:
     return {"index": index, **tool_call(name, arguments)}
 
 
-def extract(tools: Tools, text: str, fmt: str = "hermes") -> tuple[str | None, list[dict[str, Any]]]:
-    """(content, tool calls) of a whole answer; an answer that does not parse (cut by max_tokens) stays
-    content. ``fmt``: the model's tool-call format, for ``auto``."""
+def extract(tools: Tools, text: str, fmt: str = "hermes", cut: bool = False) -> tuple[str | None, list[dict[str, Any]]]:
+    """(content, tool calls) of a whole answer; an answer that does not parse stays content, except a forced
+    call ``cut`` by max_tokens: its calls as far as they came, with their partial arguments (what OpenAI
+    returns, with finish_reason "length"). ``fmt``: the model's tool-call format, for ``auto``."""
     if tools.choice == "named":
-        return (None, [tool_call(tools.named, text)]) if _loads(text) is not None else (text, [])
+        return (None, [tool_call(tools.named, text)]) if cut or _loads(text) is not None else (text, [])
     if tools.choice == "required":
         calls = _loads(text)
         if not isinstance(calls, list):
-            return text, []
+            return (None, partial_calls(text)) if cut and partial_calls(text) else (text, [])
         return None, [tool_call(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in calls]
     if tools.choice == "auto" and fmt == "hermes":
         calls = [c for c in map(_hermes, BLOCK.findall(text)) if c is not None and c[0] in tools.functions]
@@ -148,6 +172,23 @@ def extract(tools: Tools, text: str, fmt: str = "hermes") -> tuple[str | None, l
     elif tools.choice == "auto" and (calls := _whole_answer_calls(text, fmt, tools)):
         return None, [tool_call(name, args) for name, args in calls]
     return text, []
+
+
+CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+
+
+def partial_calls(text: str) -> list[dict[str, Any]]:
+    """The calls of a ``required`` answer cut short (``[{"name": …, "arguments": …}, …`` unfinished): each
+    whose name is complete, its arguments' text as far as it came."""
+    heads = list(CALL_HEAD.finditer(text))
+    calls = []
+    for i, head in enumerate(heads):
+        if i + 1 < len(heads):  # a whole object: its arguments end before the object's closing brace
+            arguments = text[head.end():heads[i + 1].start()].rstrip().rstrip(",").rstrip().removesuffix("}").rstrip()
+        else:
+            arguments = text[head.end():]
+        calls.append(tool_call(json.loads(f'"{head.group(1)}"'), arguments))
+    return calls
 
 
 MISTRAL, PYTHON_TAG = "[TOOL_CALLS]", "<|python_tag|>"
