@@ -1,6 +1,6 @@
 """Quantized weights and K/V: Switchboard at float32, bfloat16, int8 and int4 (and int8 K/V), side by side in one run.
 
-    .venv/bin/python bench/quant_bench.py [--requests 32] [--concurrency 16] [--tokens 64]
+    .venv/bin/python bench/quant_bench.py [--requests 32] [--concurrency 16] [--tokens 64] [--llama-cpp]
 
 Each variant is `switchboard serve` with the default model (SmolLM2-135M-Instruct) and one
 ``Switchboard`` setting changed (``dtype``, ``quantization``), driven like bench/engine_bench.py (greedy
@@ -8,7 +8,9 @@ TGI streams at concurrency 1 and --concurrency, after a warm-up). Quality is mea
 the perplexity of a fixed English text written below (its prompt logprobs through ``/v1/completions``
 with ``echo``), and the accuracy lm-evaluation-harness gives it on the tests' multiple-choice task (needs the
 test extras: ``make install-test``). Ratios are against float32 and bfloat16 of the same run; the CPU's model and flags are
-printed with them. Each row also says how many 1,000-token sequences the KV cache holds in the default
+printed with them. ``--llama-cpp`` adds llama.cpp's server on the Q8_0 and Q4_1 GGUFs of the same model
+(bench/llama_cpp.py; build it first), driven by the same load generator through its streaming
+``/v1/completions`` (its quality columns stay empty). Each row also says how many 1,000-token sequences the KV cache holds in the default
 ``kvCacheMemoryMb`` (from ``/v1/status``). The Markdown table is written to .cache/bench/quant.md.
 """
 
@@ -25,6 +27,7 @@ from pathlib import Path
 import httpx
 from engine_bench import (  # bench/engine_bench.py
     MODEL,
+    openai_tokens,
     SWITCHBOARD_READY,
     WORK,
     Api,
@@ -48,6 +51,8 @@ VARIANTS = {  # name -> the Switchboard keys it sets
     "bfloat16 + int8 KV": {"dtype": "bfloat16", "kvCacheDtype": "int8"},
     "int8 + int8 KV": {"dtype": "float32", "quantization": "int8", "kvCacheDtype": "int8"},
 }
+SAME_BITS = [("int8", "llama.cpp Q8_0"), ("int8 + int8 KV", "llama.cpp Q8_0"), ("int4", "llama.cpp Q4_1"),
+             ("gguf Q4_1", "llama.cpp Q4_1")]
 TEXT = """The lighthouse stood at the end of a narrow spit of rock, and for most of the year the only people who
 saw it up close were the keeper and the men who brought his supplies. The keeper had lived there for eleven
 years. He kept a log of the weather, the ships that passed, and the birds that rested on the gallery rail
@@ -122,6 +127,18 @@ def run_variant(name: str, keys: dict, prompts: list[str], tokens: int, levels: 
     return {"ppl": ppl, "scored": scored, "seqs": seqs, "acc": acc, **{run.concurrency: run for run in runs}}
 
 
+def llama_body(prompt: str, tokens: int) -> dict:
+    return {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+
+
+def run_llama_cpp(name: str, gguf: Path, prompts: list[str], tokens: int, levels: list[int]) -> dict:
+    import llama_cpp  # bench/llama_cpp.py
+
+    with llama_cpp.running(name, gguf, WORK / f"quant-{name}.log") as url:
+        runs = bench_server(name, url, Api("/v1/completions", llama_body, openai_tokens), prompts, tokens, levels)
+    return {run.concurrency: run for run in runs}
+
+
 def accuracy(url: str, folder: Path) -> float:
     """lm-evaluation-harness's accuracy on the multiple-choice task the tests use (tests/integration/
     test_prompt_logprobs.py), through the server's /v1/completions, as users run it."""
@@ -167,9 +184,16 @@ def render(results: dict[str, dict], levels: list[int], args: argparse.Namespace
             tok_s = r[level].tok_s
             row += [f"{tok_s:.1f}", f"{tok_s / f32[level].tok_s:.2f}x" if f32 else "",
                     f"{tok_s / bf16[level].tok_s:.2f}x" if bf16 else ""]
-        row += [f"{r[c_hi].ttft(0.5) * 1000:.0f} ms", f"{r['ppl']:.3f}",
-                f"{(r['ppl'] / bf16['ppl'] - 1) * 100:+.2f}%" if bf16 else "", f"{r['acc']:.3f}", str(r["seqs"])]
+        row.append(f"{r[c_hi].ttft(0.5) * 1000:.0f} ms")
+        if "ppl" in r:
+            row += [f"{r['ppl']:.3f}", f"{(r['ppl'] / bf16['ppl'] - 1) * 100:+.2f}%" if bf16 else "", f"{r['acc']:.3f}",
+                    str(r["seqs"])]
+        else:
+            row += ["", "", "", ""]
         lines.append("| " + " | ".join(row) + " |")
+    lines += [""] + [f"- {ours} vs {theirs}: c{c_lo} {results[ours][c_lo].tok_s / results[theirs][c_lo].tok_s:.2f}x, "
+                     f"c{c_hi} {results[ours][c_hi].tok_s / results[theirs][c_hi].tok_s:.2f}x"
+                     for ours, theirs in SAME_BITS if ours in results and theirs in results]
     return "\n".join(lines)
 
 
@@ -179,12 +203,18 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of " + ", ".join(VARIANTS))
+    parser.add_argument("--llama-cpp", action="store_true", help="add llama.cpp's server on Q8_0 and Q4_1")
     args = parser.parse_args()
     WORK.mkdir(parents=True, exist_ok=True)
     prompts, levels = make_prompts(args.requests), sorted({1, args.concurrency})
     started = time.monotonic()
     results = {name: run_variant(name, VARIANTS[name], prompts, args.tokens, levels)
                for name in args.variants.split(",")}
+    if args.llama_cpp:
+        import llama_cpp  # bench/llama_cpp.py
+
+        for name, gguf in (("llama.cpp Q8_0", llama_cpp.q8_0()), ("llama.cpp Q4_1", llama_cpp.q4_1())):
+            results[name] = run_llama_cpp(name, gguf, prompts, args.tokens, levels)
     report = render(results, levels, args, time.monotonic() - started)
     REPORT.write_text(report + "\n")
     print(f"\n{report}\n(written to {REPORT})")
