@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from services.engine.devices import resolve_device
 from services.engine.engine import Engine, Limits
@@ -105,6 +106,28 @@ def assert_pool_whole(engine: Engine) -> None:
     assert not engine.scheduler.running and not engine.scheduler.waiting
     assert not engine.seqs
     engine.blocks.check([])  # no block held, cached blocks consistent
+
+
+def batch_greedy(runner: ModelRunner, prompts=((5, 9, 22, 31), (7, 3, 100, 200, 4, 8)), new_tokens: int = 10
+                 ) -> dict[str, list[int]]:
+    """The prompts together in one engine (ids r0, r1, …), ``new_tokens`` each, ignoring EOS."""
+    engine = Engine(runner, limits(), {2})
+    for i, ids in enumerate(prompts):
+        engine.add_request(request(f"r{i}", list(ids), max_new_tokens=new_tokens, ignore_eos=True))
+    tokens: dict[str, list[int]] = {}
+    while engine.has_work:
+        for event in engine.step():
+            tokens.setdefault(event.id, []).extend(event.token_ids)
+    assert all(len(t) == new_tokens for t in tokens.values())
+    return tokens
+
+
+def float_linear(weight) -> torch.nn.Linear:
+    """An nn.Linear holding ``weight`` [out, in] (a tensor or an array) in float32."""
+    weight = torch.as_tensor(weight).float().contiguous()
+    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    linear.weight.data = weight
+    return linear.requires_grad_(False)
 
 
 def greedy_reference(runner: ModelRunner, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:

@@ -15,11 +15,10 @@ from gguf import GGUFWriter, quants
 from safetensors.torch import load_file
 
 from services.engine import kernels
-from services.engine.engine import Engine
 from services.engine.gguf_weights import GgufError, GgufLinears, unrotate
 from services.engine.model_runner import ModelRunner
 from services.engine.quant import Q4Linear, Q8Linear
-from tests.unit.engine_helpers import BLOCK, CPU, block_bytes, limits, request
+from tests.unit.engine_helpers import BLOCK, CPU, batch_greedy, block_bytes, float_linear
 
 OPS = kernels.for_device(torch.device("cpu"))
 PROJECTIONS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
@@ -104,23 +103,8 @@ def test_the_engine_gives_the_float_models_tokens(tiny_model_dir, tmp_path):
         lin.o, lin.down = float_linear(expected[layer, "o"]), float_linear(expected[layer, "down"])
         lin.gate_up = float_linear(np.concatenate([expected[layer, k] for k in ("gate", "up")]))
     reference.model.lm_head = from_gguf.model.lm_head
-    outputs = []
-    for runner in (from_gguf, reference):
-        engine = Engine(runner, limits(), {2})
-        for i, prompt in enumerate([[5, 9, 22, 31], [7, 3, 100, 200, 4, 8]]):
-            engine.add_request(request(f"r{i}", prompt, max_new_tokens=10, ignore_eos=True))
-        tokens: dict[str, list[int]] = {}
-        while engine.has_work:
-            for event in engine.step():
-                tokens.setdefault(event.id, []).extend(event.token_ids)
-        outputs.append(tokens)
-    assert outputs[0] == outputs[1] and all(len(t) == 10 for t in outputs[0].values())
+    assert batch_greedy(from_gguf, new_tokens=10) == batch_greedy(reference, new_tokens=10)
 
-
-def float_linear(weight: np.ndarray) -> torch.nn.Linear:
-    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
-    linear.weight.data = torch.from_numpy(np.ascontiguousarray(weight, dtype=np.float32))
-    return linear.requires_grad_(False)
 
 
 def test_a_gguf_of_another_model_is_refused_by_tensor(tiny_model_dir, tmp_path):

@@ -14,12 +14,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from services.engine import kernels
-from services.engine.engine import Engine
 from services.engine.model_runner import ModelRunner
 from services.engine.prequantized import AWQ_ORDER
 from services.engine.quant import Q4Linear, Q8Linear
 from shared.model_folder import ModelFolderError, check
-from tests.unit.engine_helpers import BLOCK, CPU, block_bytes, limits, request
+from tests.unit.engine_helpers import BLOCK, CPU, batch_greedy, block_bytes, float_linear
 
 OPS = kernels.for_device(torch.device("cpu"))
 PROJECTIONS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
@@ -124,23 +123,8 @@ def test_the_engine_gives_the_float_models_tokens(tiny_model_dir, tmp_path, meth
         for norm in ("input_layernorm", "post_attention_layernorm"):
             getattr(theirs, norm).weight.data = getattr(mine, norm).weight.data
     reference.model.model.norm.weight.data = packed.model.model.norm.weight.data
-    outputs = []
-    for each in (packed, reference):
-        engine = Engine(each, limits(), {2})
-        for i, prompt in enumerate([[5, 9, 22, 31], [7, 3, 100, 200, 4, 8]]):
-            engine.add_request(request(f"r{i}", prompt, max_new_tokens=10, ignore_eos=True))
-        tokens: dict[str, list[int]] = {}
-        while engine.has_work:
-            for event in engine.step():
-                tokens.setdefault(event.id, []).extend(event.token_ids)
-        outputs.append(tokens)
-    assert outputs[0] == outputs[1] and all(len(t) == 10 for t in outputs[0].values())
+    assert batch_greedy(packed, new_tokens=10) == batch_greedy(reference, new_tokens=10)
 
-
-def float_linear(weight: torch.Tensor) -> torch.nn.Linear:
-    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
-    linear.weight.data = weight.float().contiguous()
-    return linear.requires_grad_(False)
 
 
 def test_act_order_groups_across_blocks_load_as_int8(tiny_model_dir, tmp_path):

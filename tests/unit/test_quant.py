@@ -11,11 +11,10 @@ import torch
 from gguf import GGMLQuantizationType, quants
 
 from services.engine import kernels
-from services.engine.engine import Engine
 from services.engine.model_runner import ModelRunner
 from services.engine.quant import BLOCK, Q4Linear, Q8Linear, quantize
 from tests.unit.engine_helpers import BLOCK as KV_BLOCK
-from tests.unit.engine_helpers import CPU, block_bytes, limits, request
+from tests.unit.engine_helpers import CPU, batch_greedy, block_bytes
 
 OPS = kernels.for_device(torch.device("cpu"))
 KERNELS = OPS if hasattr(OPS, "q8_linear") else None
@@ -115,17 +114,7 @@ def test_an_engine_on_quantized_weights_gives_the_dequantized_models_tokens(tiny
     reference.model.lm_head = Dequantized(quantized.model.lm_head)
     assert isinstance(quantized.linears[0].qkv, Q8Linear if fmt == "int8" else Q4Linear)
     assert isinstance(quantized.model.lm_head, Q8Linear) and not quantized.model.lm_head.int8_activations
-    outputs = []
-    for runner in (quantized, reference):
-        engine = Engine(runner, limits(), {2})
-        for i, prompt in enumerate([[5, 9, 22, 31], [7, 3, 100, 200, 4, 8]]):
-            engine.add_request(request(f"r{i}", prompt, max_new_tokens=12, ignore_eos=True))
-        tokens: dict[str, list[int]] = {}
-        while engine.has_work:
-            for event in engine.step():
-                tokens.setdefault(event.id, []).extend(event.token_ids)
-        outputs.append(tokens)
-    assert outputs[0] == outputs[1] and all(len(t) == 12 for t in outputs[0].values())
+    assert batch_greedy(quantized, new_tokens=12) == batch_greedy(reference, new_tokens=12)
 
 
 class Dequantized(torch.nn.Module):
