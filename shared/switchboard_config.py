@@ -52,6 +52,13 @@ class SwitchboardConfig(msgspec.Struct, rename="camel", kw_only=True, forbid_unk
     kv_trans_timeout_seconds: Annotated[float, Meta(gt=0, le=3600)] = 10.0
     """a prefill engine's limit for handing one request's K/V to a decode engine; past it the request
     is recomputed where it is (MindIE's kv_trans_timeout)."""
+    jetstream_dir: str = ".cache/jetstream"
+    """the embedded nats-server's JetStream files (stored /v1/responses survive a restart there); relative to the
+    directory the server starts in."""
+    responses_ttl_seconds: Annotated[int, Meta(ge=1, le=31536000)] = 2592000
+    """how long a stored /v1/responses response (store: true) is kept; 30 days, as OpenAI keeps them."""
+    responses_max_mb: Annotated[int, Meta(ge=1, le=1048576)] = 256
+    """the stored responses' bucket size; past it the oldest go first."""
     stream_keep_alive_seconds: Annotated[float, Meta(ge=0, le=3600)] = 15.0
     """a stream silent this long (queued for a slot, in a long prefill) sends the family's keep-alive: an SSE
     comment (OpenAI, TGI, Triton), Anthropic's ping event, vLLM's empty chunk; 0 sends none. Proxies close

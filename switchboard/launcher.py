@@ -60,7 +60,7 @@ async def _pump(child: Child, stream: asyncio.StreamReader, echo) -> None:
 async def launch(config_path: Path, cfg: Config) -> int:
     """Run every child until a stop (SIGTERM, SIGINT, /stopService) or a death; the exit code."""
     plan = replicas(cfg)  # before anything starts: a ConfigError here is the caller's exit 2
-    nats = None if cfg.switchboard.nats_url else EmbeddedNats()
+    nats = None if cfg.switchboard.nats_url else EmbeddedNats(store_dir=Path(cfg.switchboard.jetstream_dir))
     url = cfg.switchboard.nats_url or nats.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import json
 import shutil
 import signal
 import socket
@@ -13,6 +14,7 @@ import time
 from pathlib import Path
 
 MAX_PAYLOAD = 64 * 1024 * 1024  # requests up to maxRequestLength travel in one message
+JETSTREAM_FILE_BYTES = 1024 * 1024 * 1024  # JetStream's disk (the stored responses' bucket caps itself lower)
 
 
 def find_binary() -> str:
@@ -55,11 +57,15 @@ def wait_for_port(host: str, port: int, timeout: float, proc: subprocess.Popen |
 class EmbeddedNats:
     """``with EmbeddedNats() as url:`` starts nats-server and stops it on exit."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int | None = None):
+    def __init__(self, host: str = "127.0.0.1", port: int | None = None, store_dir: Path | None = None):
+        """``store_dir``: JetStream's files (the stored responses of /v1/responses); None = a temporary folder,
+        removed on stop."""
         self.host = host
         self.port = port or free_port(host)
         self.proc: subprocess.Popen | None = None
         self.conf = ""
+        self.store_dir = store_dir
+        self._temporary: tempfile.TemporaryDirectory | None = None
 
     @property
     def url(self) -> str:
@@ -67,7 +73,12 @@ class EmbeddedNats:
 
     def start(self) -> str:
         conf = tempfile.NamedTemporaryFile("w", suffix=".conf", prefix="switchboard-nats-", delete=False)
+        if self.store_dir is None:
+            self._temporary = tempfile.TemporaryDirectory(prefix="switchboard-jetstream-")
+            self.store_dir = Path(self._temporary.name)
+        self.store_dir.mkdir(parents=True, exist_ok=True)
         conf.write(f"max_payload: {MAX_PAYLOAD}\n")
+        conf.write(f"jetstream {{ store_dir: {json.dumps(str(self.store_dir))}, max_file_store: {JETSTREAM_FILE_BYTES} }}\n")
         conf.close()
         self.conf = conf.name
         cmd = [find_binary(), "-a", self.host, "-p", str(self.port), "-c", self.conf]
@@ -86,6 +97,9 @@ class EmbeddedNats:
                 self.proc.wait()
         if self.conf:
             Path(self.conf).unlink(missing_ok=True)
+        if self._temporary is not None:
+            self._temporary.cleanup()
+            self._temporary, self.store_dir = None, None
 
     def __enter__(self) -> str:
         return self.start()

@@ -24,6 +24,7 @@ from shared.engines import adapter_names, combined
 from shared.errors import ErrorKind, SwitchboardError, validation
 from shared.leases import Leases
 from shared.media import MediaPolicy
+from shared.response_store import ResponseStore
 from shared.messages import (
     Cancel,
     CancelKind,
@@ -63,6 +64,7 @@ class Gateway:
         self.failover = Failover(nc, self.model, sb.lease_seconds, sb.heartbeat_s, self.engines, self.inflight,
                                  self.roles.heartbeat)
         self.dresults = DResults(nc, self.instance, self.roles, sb.heartbeat_s, sb.lease_seconds)  # decode role
+        self.responses = ResponseStore(nc, sb.responses_ttl_seconds, sb.responses_max_mb << 20)  # /v1/responses
         self.slots = Slots(cfg.server.max_link_num)  # maxLinkNum in progress, 2 x maxLinkNum waiting (§2.2)
         self.lora_lock = asyncio.Lock()  # this gateway's LoRA loads and unloads, one at a time
         self.lora_version = 0  # the newest adapter-set version this gateway sent
@@ -81,6 +83,7 @@ class Gateway:
         await self.roles.start()
         await self.dresults.start()
         await self.failover.start()
+        await self.responses.open()
 
     # ---- in-flight requests by the id their client gave (Triton stopInfer) -------------------
 

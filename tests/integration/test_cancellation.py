@@ -38,11 +38,13 @@ def requests_of(model: str) -> dict[str, tuple[str, dict, dict]]:
     vllm = {"prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True}
     triton = {"text_input": PROMPT, "parameters": mindie}
     messages = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": LONG}
+    responses = {"model": model, "input": PROMPT, "max_output_tokens": LONG, "store": False}
     return {
         "tgi": ("/generate_stream", {"inputs": PROMPT, "parameters": mindie}, {"inputs": PROMPT, "parameters": mindie}),
         "openai-chat": ("/v1/chat/completions", {**chat, "stream": True}, chat),
         "openai-completions": ("/v1/completions", {**completion, "stream": True}, completion),
         "anthropic": ("/v1/messages", {**messages, "stream": True}, messages),
+        "openai-responses": ("/v1/responses", {**responses, "stream": True}, responses),
         "vllm": ("/generate", {**vllm, "stream": True}, vllm),
         "triton": (f"/v2/models/{model}/generate_stream", triton, triton),
         "native": ("/infer", {"inputs": PROMPT, "stream": True, "parameters": mindie},
@@ -96,7 +98,8 @@ async def serves_max_link_at_once(stack) -> None:
     assert [r.status_code for r in replies] == [200] * MAX_LINK, [r.text for r in replies]
 
 
-@pytest.mark.parametrize("family", ["tgi", "openai-chat", "openai-completions", "anthropic", "vllm", "triton", "native"])
+@pytest.mark.parametrize("family", ["tgi", "openai-chat", "openai-completions", "openai-responses", "anthropic", "vllm",
+                                    "triton", "native"])
 async def test_cancelled_requests_free_everything(stack, family):
     path, streaming, plain = requests_of(stack.model)[family]
     url = stack.url + path

@@ -16,13 +16,14 @@ from services.gateway.native import routes as native
 from services.gateway.openai_api import routes as openai_api
 from services.gateway.openai_api import tokenize as openai_tokenize
 from services.gateway.pd import dresult
+from services.gateway.responses_api import routes as responses_api
 from services.gateway.tgi import routes as tgi
 from services.gateway.triton import routes as triton
 from services.gateway.web import generate
 from services.gateway.web.errors import EXCEPTION_HANDLERS
 
-BUSINESS_ROUTES = [*tgi.ROUTES, *generate.ROUTES, *openai_api.ROUTES, *openai_tokenize.ROUTES, *anthropic.ROUTES,
-                   *triton.ROUTES, *native.ROUTES, *dresult.ROUTES]
+BUSINESS_ROUTES = [*tgi.ROUTES, *generate.ROUTES, *openai_api.ROUTES, *openai_tokenize.ROUTES, *responses_api.ROUTES,
+                   *anthropic.ROUTES, *triton.ROUTES, *native.ROUTES, *dresult.ROUTES]
 MANAGEMENT_ROUTES = [*health.ROUTES, *status.ROUTES, *stop.ROUTES, *lora.ROUTES, *triton.MANAGEMENT_ROUTES,
                      *metrics.MANAGEMENT_ROUTES]
 METRICS_ROUTES = [*metrics.METRICS_ROUTES]

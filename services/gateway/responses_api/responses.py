@@ -1,0 +1,171 @@
+"""The ``response`` object and its event stream, from a call's one choice.
+
+Output items: a ``message`` with one ``output_text`` part (when there is text) and a ``function_call`` per
+tool call. ``status`` is ``completed``, or ``incomplete`` with ``incomplete_details.reason``
+"max_output_tokens" when the answer was cut. Stream: ``response.created``, ``response.in_progress``, each
+item's ``output_item.added`` / parts and deltas / ``output_item.done``, then ``response.completed`` (or
+``response.incomplete``), every event with its ``sequence_number``. Text streams as it comes; with tools
+the answer is read whole first (a call is known at its end). ``finish`` stores the response and the
+conversation it ends, for ``previous_response_id``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from services.gateway.openai_api.errors import switchboard_body
+from services.gateway.openai_api.tools import extract
+from services.gateway.request.call import Call
+from services.gateway.request.session import End
+from services.gateway.responses_api.schemas import ResponsesRequest
+from shared.errors import SwitchboardError
+from shared.messages import FinishReason
+
+Store = Callable[[dict[str, Any], list[dict[str, Any]]], Awaitable[None]]  # (response, conversation)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class Builder:
+    """One response's object as it goes from in progress to its end."""
+
+    def __init__(self, req: ResponsesRequest, stored: bool):
+        data = req.data
+        self.req = req
+        self.obj: dict[str, Any] = {
+            "id": new_id("resp"), "object": "response", "created_at": int(time.time()), "status": "in_progress",
+            "error": None, "incomplete_details": None, "instructions": data.get("instructions"),
+            "max_output_tokens": data.get("max_output_tokens"), "model": req.chat.common.model, "output": [],
+            "parallel_tool_calls": data.get("parallel_tool_calls", True),
+            "previous_response_id": data.get("previous_response_id"), "store": stored,
+            "temperature": data.get("temperature", 1.0), "text": data.get("text") or {"format": {"type": "text"}},
+            "tool_choice": data.get("tool_choice", "auto"), "tools": data.get("tools") or [],
+            "top_p": data.get("top_p", 1.0), "truncation": "disabled", "user": data.get("user"),
+            "metadata": data.get("metadata") or {}, "usage": None}
+
+    def items(self, call: Call, end: End) -> list[dict[str, Any]]:
+        tools = self.req.chat.tools
+        cut = end.finish_reason is FinishReason.LENGTH
+        text, calls = end.text, []
+        if tools is not None:
+            content, calls = extract(tools, end.text, call.started[0].tool_format or "hermes", cut)
+            text = content or ""
+        status = "incomplete" if cut else "completed"
+        out = [message_item(text, status)] if text or not calls else []
+        return out + [{"id": new_id("fc"), "type": "function_call", "status": "completed", "call_id": c["id"],
+                       "name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in calls]
+
+    def end(self, call: Call, end: End, output: list[dict[str, Any]]) -> dict[str, Any]:
+        cut = end.finish_reason is FinishReason.LENGTH
+        usage = call.usage()
+        self.obj.update(status="incomplete" if cut else "completed", output=output,
+                        incomplete_details={"reason": "max_output_tokens"} if cut else None, usage={
+                            "input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
+                            "total_tokens": usage["total_tokens"], "input_tokens_details": {"cached_tokens": 0},
+                            "output_tokens_details": {"reasoning_tokens": 0}})
+        return self.obj
+
+    def conversation(self) -> list[dict[str, Any]]:
+        """The chat messages a next response continues: this one's history and its answer."""
+        turn: dict[str, Any] = {"role": "assistant", "content": None}
+        for item in self.obj["output"]:
+            if item["type"] == "message":
+                turn["content"] = item["content"][0]["text"]
+            else:
+                turn.setdefault("tool_calls", []).append({"id": item["call_id"], "type": "function", "function": {
+                    "name": item["name"], "arguments": item["arguments"]}})
+        return [*self.req.history, turn]
+
+
+def message_item(text: str, status: str) -> dict[str, Any]:
+    return {"id": new_id("msg"), "type": "message", "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+async def response_body(builder: Builder, call: Call, store: Store | None) -> dict[str, Any]:
+    (end,) = await call.results()
+    obj = builder.end(call, end, builder.items(call, end))
+    if store is not None:
+        await store(obj, builder.conversation())
+    return obj
+
+
+class Events:
+    """SSE events with consecutive sequence numbers."""
+
+    def __init__(self):
+        self.sequence = 0
+
+    def __call__(self, kind: str, **fields: Any) -> bytes:
+        payload = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
+
+
+def error_event(exc: SwitchboardError) -> bytes:
+    error = switchboard_body(exc)["error"]
+    return Events()("error", code=error["code"], message=error["message"], param=error["param"])
+
+
+async def response_events(builder: Builder, call: Call, store: Store | None) -> AsyncIterator[bytes]:
+    event = Events()
+    yield event("response.created", response=dict(builder.obj))
+    yield event("response.in_progress", response=dict(builder.obj))
+    end = None
+    if builder.req.chat.tools is None:
+        item = message_item("", "in_progress")
+        item_id, part = item["id"], item["content"][0]
+        yield event("response.output_item.added", output_index=0, item={**item, "content": []})
+        yield event("response.content_part.added", item_id=item_id, output_index=0, content_index=0, part=part)
+        text = ""
+        async for step in call.steps():
+            if step.text:
+                text += step.text
+                yield event("response.output_text.delta", item_id=item_id, output_index=0, content_index=0,
+                            delta=step.text, logprobs=[])
+            end = step.end or end
+        status = "incomplete" if end.finish_reason is FinishReason.LENGTH else "completed"
+        item = {**item, "status": status, "content": [{**part, "text": text}]}
+        yield event("response.output_text.done", item_id=item_id, output_index=0, content_index=0, text=text, logprobs=[])
+        yield event("response.content_part.done", item_id=item_id, output_index=0, content_index=0,
+                    part=item["content"][0])
+        yield event("response.output_item.done", output_index=0, item=item)
+        output = [item]
+    else:
+        async for step in call.steps():
+            end = step.end or end
+        output = builder.items(call, end)
+        for index, item in enumerate(output):
+            for chunk in _whole_item(event, index, item):
+                yield chunk
+    obj = builder.end(call, end, output)
+    if store is not None:
+        await store(obj, builder.conversation())
+    yield event("response.incomplete" if obj["status"] == "incomplete" else "response.completed", response=obj)
+
+
+def _whole_item(event: Events, index: int, item: dict[str, Any]) -> list[bytes]:
+    if item["type"] == "function_call":
+        return [event("response.output_item.added", output_index=index, item={**item, "arguments": "",
+                                                                              "status": "in_progress"}),
+                event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                      delta=item["arguments"]),
+                event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                      arguments=item["arguments"], name=item["name"]),
+                event("response.output_item.done", output_index=index, item=item)]
+    part, item_id = item["content"][0], item["id"]
+    return [event("response.output_item.added", output_index=index, item={**item, "content": [],
+                                                                          "status": "in_progress"}),
+            event("response.content_part.added", item_id=item_id, output_index=index, content_index=0,
+                  part={**part, "text": ""}),
+            event("response.output_text.delta", item_id=item_id, output_index=index, content_index=0,
+                  delta=part["text"], logprobs=[]),
+            event("response.output_text.done", item_id=item_id, output_index=index, content_index=0,
+                  text=part["text"], logprobs=[]),
+            event("response.content_part.done", item_id=item_id, output_index=index, content_index=0, part=part),
+            event("response.output_item.done", output_index=index, item=item)]

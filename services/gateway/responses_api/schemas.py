@@ -1,0 +1,185 @@
+"""OpenAI's Responses request, read into the chat request the OpenAI routes run.
+
+``input`` (a string, or items: messages with ``input_text`` / ``input_image`` / ``output_text`` parts,
+``function_call``, ``function_call_output``) after the stored conversation of ``previous_response_id`` and
+after ``instructions`` (a system message, not carried to the next response) becomes the chat messages;
+``max_output_tokens``, ``temperature``, ``top_p``, the flat function ``tools``, ``tool_choice``,
+``parallel_tool_calls`` and ``text.format`` (json_schema, json_object) become the chat fields; so
+``parse_chat`` checks them all, and its errors name the Responses field.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from services.gateway.common.served import Served
+from services.gateway.openai_api.errors import OpenAIError, bad_param
+from services.gateway.openai_api.schemas import ChatRequest, parse_chat
+from services.gateway.web.validation import parse_json_object
+from shared.config import Config
+from shared.errors import SwitchboardError
+
+PARSE_ERROR = "The request body must be a JSON object."
+FIELDS = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice",
+          "text", "stream", "store", "previous_response_id", "metadata", "parallel_tool_calls", "user", "truncation",
+          "seed"}  # seed: vLLM's extension, as on chat completions
+CHAT_NAMES = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
+
+
+@dataclass(frozen=True)
+class ResponsesRequest:
+    data: dict[str, Any]  # the body (echoed in the response object)
+    chat: ChatRequest
+    history: list[dict[str, Any]]  # the conversation without instructions: what a next response continues
+
+    @property
+    def stream(self) -> bool:
+        return self.chat.common.stream
+
+
+def read_body(body: bytes) -> dict[str, Any]:
+    data = parse_json_object(body, PARSE_ERROR)
+    unknown = sorted(set(data) - FIELDS)
+    if unknown:
+        raise bad_param(unknown[0], f"{unknown[0]} is not supported by this server.")
+    if data.get("truncation") not in (None, "disabled"):
+        raise bad_param("truncation", 'truncation must be "disabled": a conversation is never cut here.')
+    for key in ("store", "stream", "parallel_tool_calls"):
+        if data.get(key) is not None and not isinstance(data[key], bool):
+            raise bad_param(key, f"{key} must be boolean type.")
+    if data.get("previous_response_id") is not None and not isinstance(data["previous_response_id"], str):
+        raise bad_param("previous_response_id", "previous_response_id must be a string.")
+    return data
+
+
+def parse_responses(data: dict[str, Any], previous: list[dict[str, Any]], cfg: Config, served: Served) -> ResponsesRequest:
+    """``previous``: the stored conversation ``previous_response_id`` names ([] for none)."""
+    history = previous + input_messages(data.get("input"))
+    instructions = data.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise bad_param("instructions", "instructions must be a string.")
+    messages = ([{"role": "system", "content": instructions}] if instructions else []) + history
+    chat = {"model": data.get("model"), "messages": messages, "max_tokens": data.get("max_output_tokens"),
+            "temperature": data.get("temperature"), "top_p": data.get("top_p"), "stream": data.get("stream"),
+            "seed": data.get("seed"),
+            "parallel_tool_calls": data.get("parallel_tool_calls"), **_tools(data.get("tools"), data.get("tool_choice")),
+            "response_format": _format(data.get("text"))}
+    try:
+        req = parse_chat(msgspec.json.encode({k: v for k, v in chat.items() if v is not None}), cfg, served)
+    except SwitchboardError as exc:
+        name = CHAT_NAMES.get(exc.param or "", exc.param)
+        raise OpenAIError(exc.kind, exc.message.replace(exc.param or "\0", name or ""), name,
+                          getattr(exc, "code", None)) from None
+    return ResponsesRequest(data, req, history)
+
+
+# ---- input ------------------------------------------------------------------------------------
+
+
+def input_messages(value: Any) -> list[dict[str, Any]]:
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise bad_param("input", "input must be a string or a non-empty array of input items.")
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(value):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise bad_param(where, f"{where} must be an object.")
+        kind = item.get("type", "message")
+        if kind == "message":
+            out.append(_message(item, where))
+        elif kind == "function_call":
+            call = {"id": str(item.get("call_id", "")), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
+            if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments"), str):
+                raise bad_param(where, f"{where}: a function_call needs name and arguments (a JSON string).")
+            if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") is not None:
+                out[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            if not isinstance(item.get("call_id"), str) or not isinstance(output, (str, list)):
+                raise bad_param(where, f"{where}: a function_call_output needs call_id and output.")
+            text = output if isinstance(output, str) else "".join(
+                p.get("text", "") for p in output if isinstance(p, dict))
+            out.append({"role": "tool", "tool_call_id": item["call_id"], "content": text})
+        else:
+            raise bad_param(f"{where}.type", f"{where}.type {kind!r} is not supported here (message, function_call, "
+                                             "function_call_output).")
+    return out
+
+
+def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
+    role = item.get("role")
+    if role not in ("user", "assistant", "system", "developer"):
+        raise bad_param(f"{where}.role", f'{where}.role must be "user", "assistant", "system" or "developer".')
+    role = "system" if role == "developer" else role
+    content = item.get("content")
+    if isinstance(content, str):
+        return {"role": role, "content": content}
+    if not isinstance(content, list):
+        raise bad_param(f"{where}.content", f"{where}.content must be a string or an array of content parts.")
+    parts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_text", "output_text") and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind == "input_image" and isinstance(part.get("image_url"), str):
+            parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+        else:
+            raise bad_param(f"{where}.content[{j}]", f"{where}.content[{j}] must be input_text, output_text or "
+                                                     "input_image (with image_url).")
+    if role != "user" and any(p["type"] != "text" for p in parts):
+        raise bad_param(f"{where}.content", f"{where}: only user messages carry images.")
+    return {"role": role, "content": parts if role == "user" else "".join(p["text"] for p in parts)}
+
+
+# ---- tools and text.format ------------------------------------------------------------------------
+
+
+def _tools(tools: Any, choice: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise bad_param("tools", "tools must be an array of function tools.")
+        out["tools"] = [_tool(tool, i) for i, tool in enumerate(tools)]
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        out["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}
+    elif choice is not None:
+        out["tool_choice"] = choice
+    return out
+
+
+def _tool(tool: Any, i: int) -> dict[str, Any]:
+    where = f"tools[{i}]"
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        raise bad_param(where, f'{where} must be {{"type": "function", "name", "parameters"}}: this server runs '
+                               "function tools only.")
+    function = {key: tool[key] for key in ("name", "description", "parameters", "strict") if tool.get(key) is not None}
+    return {"type": "function", "function": function}
+
+
+def _format(text: Any) -> dict[str, Any] | None:
+    if text is None:
+        return None
+    if not isinstance(text, dict):
+        raise bad_param("text", "text must be an object.")
+    fmt = text.get("format")
+    if fmt is None or (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("json_schema", "json_object"):
+        raise bad_param("text.format", 'text.format.type must be "text", "json_object" or "json_schema".')
+    if fmt["type"] == "json_object":
+        return {"type": "json_object"}
+    schema = {key: fmt[key] for key in ("name", "schema", "strict", "description") if key in fmt}
+    return {"type": "json_schema", "json_schema": schema}
+
+
+def dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)

@@ -1,0 +1,64 @@
+"""Stored /v1/responses responses, in a JetStream key-value bucket of the deployment's own nats-server.
+
+Every gateway replica sees the same bucket, and it outlives any of them (the embedded server keeps its
+files in ``Switchboard.jetstreamDir``; compose's and Kubernetes' NATS run JetStream on a volume). A record is
+a response object and the conversation it continues (``previous_response_id``), JSON. The bucket has a TTL
+(``responsesTtlSeconds``) and a size cap (``responsesMaxMb``; the oldest records go first). Without JetStream
+(a NATS server started without it) ``available`` is false: ``store: true`` is then a clear error.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import msgspec
+from nats.aio.client import Client
+from nats.js import api
+from nats.js.errors import BucketNotFoundError, KeyDeletedError, KeyNotFoundError, NoKeysError
+from nats.js.errors import Error as JetStreamError
+
+log = logging.getLogger("switchboard.gateway")
+
+BUCKET = "switchboard_responses"
+
+
+class ResponseStore:
+    def __init__(self, nc: Client, ttl_s: int, max_bytes: int):
+        self.nc, self.ttl_s, self.max_bytes = nc, ttl_s, max_bytes
+        self.kv = None
+        self.why = "not opened"
+
+    @property
+    def available(self) -> bool:
+        return self.kv is not None
+
+    async def open(self) -> None:
+        """Open (or create) the bucket; without JetStream, remember why and go on."""
+        js = self.nc.jetstream(timeout=5)
+        try:
+            try:
+                self.kv = await js.key_value(BUCKET)
+            except BucketNotFoundError:
+                self.kv = await js.create_key_value(api.KeyValueConfig(
+                    bucket=BUCKET, ttl=float(self.ttl_s), max_bytes=self.max_bytes, history=1,
+                    description="Switchboard's stored /v1/responses"))
+        except (JetStreamError, TimeoutError, OSError) as exc:
+            self.kv, self.why = None, f"the NATS server has no JetStream ({exc!r})"
+            log.warning("stored responses unavailable", extra={"error": self.why})
+
+    async def put(self, key: str, record: dict[str, Any]) -> None:
+        await self.kv.put(key, msgspec.json.encode(record))
+
+    async def get(self, key: str) -> dict[str, Any] | None:
+        try:
+            entry = await self.kv.get(key)
+        except (KeyNotFoundError, KeyDeletedError, NoKeysError):
+            return None
+        return msgspec.json.decode(entry.value) if entry.value else None
+
+    async def delete(self, key: str) -> bool:
+        if await self.get(key) is None:
+            return False
+        await self.kv.purge(key)
+        return True

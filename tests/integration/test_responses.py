@@ -1,0 +1,175 @@
+"""OpenAI's Responses API through the ``openai`` SDK, unmodified: text with instructions equal to the chat completion
+of the same conversation, a function call round trip, ``text.format`` json_schema, the stream's events in order,
+``previous_response_id``, retrieve and delete; and the stored responses shared by two gateway processes and kept
+across a gateway's restart (a JetStream bucket of the deployment's nats-server)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from switchboard.natsd import die_with_parent, free_port
+from tests.integration.cluster import Cluster
+from tests.integration.test_openai_api import client
+
+INSTRUCTIONS = "You are a helpful assistant. Answer in one short sentence."
+ASK = "What is the capital of France?"
+WEATHER = {"type": "function", "name": "get_weather", "description": "Get the current weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+                          "required": ["city"], "additionalProperties": False}}
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def test_text_with_instructions_equals_the_chat_completion(smol_stack):
+    api = client(smol_stack)
+    answer = api.responses.create(model=smol_stack.model, instructions=INSTRUCTIONS, input=ASK, temperature=0,
+                                  max_output_tokens=24)
+    assert answer.object == "response" and answer.id.startswith("resp_") and answer.status in ("completed", "incomplete")
+    chat = api.chat.completions.create(model=smol_stack.model, temperature=0, max_tokens=24, messages=[
+        {"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": ASK}])
+    assert answer.output_text == chat.choices[0].message.content and "Paris" in answer.output_text
+    assert (answer.usage.input_tokens, answer.usage.output_tokens) == (chat.usage.prompt_tokens,
+                                                                       chat.usage.completion_tokens)
+    cut = api.responses.create(model=smol_stack.model, input=ASK, temperature=0, max_output_tokens=2)
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+
+
+def test_a_function_call_its_output_and_the_final_answer(smol_stack):
+    api = client(smol_stack)
+    first = api.responses.create(model=smol_stack.model, input="What is the weather like in Paris today?",
+                                 tools=[WEATHER], tool_choice={"type": "function", "name": "get_weather"},
+                                 temperature=0, max_output_tokens=60)
+    (call,) = [item for item in first.output if item.type == "function_call"]
+    assert call.name == "get_weather" and call.call_id
+    jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
+    final = api.responses.create(model=smol_stack.model, tools=[WEATHER], tool_choice="none", temperature=0,
+                                 max_output_tokens=30, input=[
+                                     {"role": "user", "content": "What is the weather like in Paris today?"},
+                                     {"type": "function_call", "call_id": call.call_id, "name": call.name,
+                                      "arguments": call.arguments},
+                                     {"type": "function_call_output", "call_id": call.call_id,
+                                      "output": "18 degrees and sunny"}])
+    assert final.output_text and not [item for item in final.output if item.type == "function_call"]
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_text_format_json_schema_holds(smol_stack, seed):
+    answer = client(smol_stack).responses.create(
+        model=smol_stack.model, input="Invent a person.", max_output_tokens=60, temperature=0.9, top_p=0.95,
+        text={"format": {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}},
+        extra_body={"seed": seed})
+    jsonschema.validate(json.loads(answer.output_text), PERSON)
+
+
+def test_the_stream_gives_its_events_in_order_and_the_same_text(smol_stack):
+    api = client(smol_stack)
+    with api.responses.stream(model=smol_stack.model, input=ASK, temperature=0, max_output_tokens=60) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    whole = api.responses.create(model=smol_stack.model, input=ASK, temperature=0, max_output_tokens=60)
+    assert final.output_text == whole.output_text and whole.status == "completed"  # get_final_response needs it
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed"]
+    body = {"model": smol_stack.model, "input": ASK, "max_output_tokens": 4, "stream": True}
+    with httpx.stream("POST", smol_stack.url + "/v1/responses", json=body, timeout=60) as r:
+        numbers = [json.loads(line[6:])["sequence_number"] for line in r.iter_lines() if line.startswith("data: ")]
+    assert numbers == list(range(len(numbers)))
+
+
+def test_previous_response_id_retrieve_and_delete(smol_stack):
+    api = client(smol_stack)
+    first = api.responses.create(model=smol_stack.model, input="My name is Ada.", temperature=0, max_output_tokens=8)
+    second = api.responses.create(model=smol_stack.model, input="What is my name?", previous_response_id=first.id,
+                                  temperature=0, max_output_tokens=8)
+    chat = api.chat.completions.create(model=smol_stack.model, temperature=0, max_tokens=8, messages=[
+        {"role": "user", "content": "My name is Ada."}, {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "What is my name?"}])
+    assert second.output_text == chat.choices[0].message.content
+    assert second.usage.input_tokens == chat.usage.prompt_tokens
+    assert api.responses.retrieve(second.id).output_text == second.output_text
+    api.responses.delete(second.id)
+    with pytest.raises(openai.NotFoundError):
+        api.responses.retrieve(second.id)
+    with pytest.raises(openai.BadRequestError):
+        api.responses.create(model=smol_stack.model, input="x", previous_response_id=second.id)
+    unstored = api.responses.create(model=smol_stack.model, input="x", store=False, max_output_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        api.responses.retrieve(unstored.id)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": ASK, "reasoning": {"effort": "high"}}, "reasoning"),
+    ({"input": 5}, "input"),
+    ({"input": ASK, "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": ASK, "text": {"format": {"type": "yaml"}}}, "text.format"),
+    ({"input": ASK, "tools": [{"type": "web_search"}]}, "tools[0]"),
+    ({"input": [{"type": "computer_call"}]}, "input[0].type"),
+])
+def test_bad_bodies_get_openai_shaped_400s(tiny_stack, body, param):
+    r = httpx.post(tiny_stack.url + "/v1/responses", json={"model": tiny_stack.model, **body}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_stored_responses_are_shared_by_gateways_and_outlive_a_restart(tmp_path, tiny_model_dir):
+    cluster = Cluster(tmp_path, tiny_model_dir, engines=1, tokenizers=1)
+    second = None
+    try:
+        cluster.wait_ready()
+        config = json.loads(cluster.config.read_text())
+        config["ServerConfig"].update(port=free_port(), managementPort=free_port(), metricsPort=free_port())
+        (tmp_path / "second.json").write_text(json.dumps(config))
+        url2 = f"http://127.0.0.1:{config['ServerConfig']['port']}"
+        second = subprocess.Popen([sys.executable, "-m", "switchboard.cli", "gateway", "--config",
+                                   str(tmp_path / "second.json"), "--nats", cluster.url, "--name", "gateway-2"],
+                                  stdout=open(tmp_path / "gateway-2.log", "ab"), stderr=subprocess.STDOUT,
+                                  preexec_fn=die_with_parent)
+        wait_ok(f"http://127.0.0.1:{config['ServerConfig']['managementPort']}/v2/health/ready")
+        one = openai.OpenAI(base_url=cluster.base + "/v1", api_key="x", max_retries=0, timeout=60)
+        two = openai.OpenAI(base_url=url2 + "/v1", api_key="x", max_retries=0, timeout=60)
+        model = config["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["modelName"]
+        first = one.responses.create(model=model, input="Hello", temperature=0, max_output_tokens=4)
+        follow = two.responses.create(model=model, input="Again", previous_response_id=first.id, temperature=0,
+                                      max_output_tokens=4)
+        alone = two.responses.create(model=model, input="Again", temperature=0, max_output_tokens=4, store=False)
+        assert follow.usage.input_tokens > alone.usage.input_tokens  # it saw the first turn
+        assert two.responses.retrieve(first.id).output_text == first.output_text
+        cluster.kill("gateway")
+        cluster.start("gateway")
+        cluster.wait_ready()
+        assert one.responses.retrieve(follow.id).output_text == follow.output_text
+        one.responses.delete(first.id)
+        with pytest.raises(openai.NotFoundError):
+            two.responses.retrieve(first.id)
+    finally:
+        if second is not None:
+            os.kill(second.pid, signal.SIGTERM)
+            second.wait(15)
+        cluster.stop()
+
+
+def wait_ok(url: str, timeout: float = 60.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(url, timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"{url} not ready after {timeout} s"
+        time.sleep(0.2)
