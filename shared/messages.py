@@ -226,6 +226,7 @@ GatewayEvent = Union[Started, Output, Failed]
 class Received(Msg, tag="received"):
     model: str
     adapter: str = ""  # the request's LoRA adapter ("" = base model): a label on the request counters
+    api: str = ""  # the API family and route it came by (tgi, openai-chat, anthropic, …): a label too
 
 
 class Queued(msgspec.Struct, tag="queued", omit_defaults=True):
@@ -249,6 +250,7 @@ class Finished(Msg, tag="finished"):
     generated_tokens: int
     finish_reason: FinishReason
     adapter: str = ""
+    api: str = ""
 
 
 class KvTransferred(msgspec.Struct, tag="kv", omit_defaults=True):

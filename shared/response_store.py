@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 from nats.aio.client import Client
+from nats.errors import Error as NatsError
 from nats.js import api
 from nats.js.errors import BucketNotFoundError, KeyDeletedError, KeyNotFoundError, NoKeysError
 from nats.js.errors import Error as JetStreamError
@@ -43,7 +44,7 @@ class ResponseStore:
                 self.kv = await js.create_key_value(api.KeyValueConfig(
                     bucket=BUCKET, ttl=float(self.ttl_s), max_bytes=self.max_bytes, history=1,
                     description="Switchboard's stored /v1/responses"))
-        except (JetStreamError, TimeoutError, OSError) as exc:
+        except (JetStreamError, NatsError, TimeoutError, OSError) as exc:
             self.kv, self.why = None, f"the NATS server has no JetStream ({exc!r})"
             log.warning("stored responses unavailable", extra={"error": self.why})
 

@@ -3,7 +3,9 @@
 Request-level samples come from lifecycle events (gateway and engine); gauges and token counters
 from the engines' heartbeats. Every sample carries ``model_name``; the request counters
 (``request_received``, ``request_success``, ``request_failed``, ``request_finished``) also ``adapter``, the
-LoRA adapter the request ran with ("" for the base model).
+LoRA adapter the request ran with ("" for the base model), and ``api``, the family and route it came by
+(``tgi``, ``vllm``, ``triton``, ``mindie``, ``openai-chat``, ``openai-completions``, ``openai-responses``,
+``anthropic``; ``health`` for /health/timed's probe).
 
 Many engines: each engine instance (its id in ``EngineInfo.instance``, new for every process, so a
 restarted engine is a new instance) counts tokens and preemptions from 0. MindIE's unlabelled counters
@@ -57,7 +59,7 @@ class PrometheusMetrics:
         self.engines: Leases[EngineInfo] = Leases(lease_s, clock)  # the live engines: gauges
         self._last: dict[str, EngineInfo] = {}  # every engine instance ever heard, as last heard: counters
         self.registry = r = CollectorRegistry()
-        label, by_adapter = ["model_name"], ["model_name", "adapter"]
+        label, by_adapter = ["model_name"], ["model_name", "adapter", "api"]
         self.received = Counter("request_received", "Number of requests received so far.", by_adapter, registry=r)
         self.success = Counter("request_success", "Number of requests proceed successfully so far.", by_adapter,
                                registry=r)
@@ -110,7 +112,7 @@ class PrometheusMetrics:
     def observe(self, event: MetricsEvent) -> None:
         m = self.model
         if isinstance(event, Received):
-            self.received.labels(m, event.adapter).inc()
+            self.received.labels(m, event.adapter, event.api).inc()
         elif isinstance(event, Queued):
             for seconds in event.seconds:
                 self.queue.labels(m).observe(seconds)
@@ -124,13 +126,13 @@ class PrometheusMetrics:
 
     def _finished(self, event: Finished) -> None:
         m, reason = self.model, FinishReason(event.finish_reason)  # as decoded (a str from a caller in process)
-        self.finished.labels(m, event.adapter, reason.value).inc()
+        self.finished.labels(m, event.adapter, event.api, reason.value).inc()
         if reason.served:
             self._succeeded += 1
-            self.success.labels(m, event.adapter).inc()
+            self.success.labels(m, event.adapter, event.api).inc()
         elif reason is FinishReason.ERROR:
             self._failed += 1
-            self.failed.labels(m, event.adapter).inc()
+            self.failed.labels(m, event.adapter, event.api).inc()
         if reason.served:  # latency and size histograms describe served requests
             self.e2e.labels(m).observe(event.e2e_s)
             self.prompt_tokens.labels(m).observe(event.prompt_tokens)

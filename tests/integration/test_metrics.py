@@ -46,11 +46,11 @@ async def test_counters_and_histograms_after_a_known_workload(metrics_stack):
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     assert 'model_name="' in r.text
     m = samples(r.text)
-    base = '{"adapter": ""}'  # the request counters' LoRA adapter label: "" for the base model
+    base = '{"adapter": "", "api": "vllm"}'  # the request counters' LoRA adapter ("" for the base model) and API
     assert m["request_received_total" + base] == 4
     assert m["request_success_total" + base] == 3
     assert m["request_failed_total" + base] == 1
-    assert m['request_finished_total{"adapter": "", "finished_reason": "length"}'] == 3
+    assert m['request_finished_total{"adapter": "", "api": "vllm", "finished_reason": "length"}'] == 3
     assert m["prompt_tokens_total"] == 3 * 8
     assert m["generation_tokens_total"] == 3 * 5
     assert m["request_generation_tokens_sum"] == 15 and m["request_generation_tokens_count"] == 3

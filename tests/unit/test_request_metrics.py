@@ -1,4 +1,4 @@
-"""The request counters carry the LoRA adapter a request ran with ("" for the base model)."""
+"""The request counters carry the LoRA adapter a request ran with ("" for the base model) and the API it came by."""
 
 from __future__ import annotations
 
@@ -18,24 +18,34 @@ def counts(metrics: PrometheusMetrics) -> dict[tuple[str, tuple], float]:
     return out
 
 
-def finished(request_id: str, reason: str, adapter: str = "") -> Finished:
+def finished(request_id: str, reason: str, adapter: str = "", api: str = "tgi") -> Finished:
     return Finished(id=request_id, model="m", arrival=0.0, e2e_s=1.0, ttft_s=0.1, prompt_tokens=3,
-                    generated_tokens=2, finish_reason=reason, adapter=adapter)
+                    generated_tokens=2, finish_reason=reason, adapter=adapter, api=api)
 
 
 def test_request_counters_are_labelled_by_adapter():
     metrics = PrometheusMetrics("m")
     for i, adapter in enumerate(["", "lora1", "lora1"]):
-        metrics.observe(Received(id=str(i), model="m", adapter=adapter))
+        metrics.observe(Received(id=str(i), model="m", adapter=adapter, api="tgi"))
     metrics.observe(finished("0", "length"))
     metrics.observe(finished("1", "eos_token", "lora1"))
     metrics.observe(finished("2", "error", "lora1"))
     m = counts(metrics)
-    assert m["request_received_total", (("adapter", ""),)] == 1
-    assert m["request_received_total", (("adapter", "lora1"),)] == 2
-    assert m["request_success_total", (("adapter", ""),)] == 1
-    assert m["request_success_total", (("adapter", "lora1"),)] == 1
-    assert m["request_failed_total", (("adapter", "lora1"),)] == 1
-    assert ("request_failed_total", (("adapter", ""),)) not in m
-    assert m["request_finished_total", (("adapter", "lora1"), ("finished_reason", "error"))] == 1
-    assert m["request_finished_total", (("adapter", ""), ("finished_reason", "length"))] == 1
+    assert m["request_received_total", (("adapter", ""), ("api", "tgi"))] == 1
+    assert m["request_received_total", (("adapter", "lora1"), ("api", "tgi"))] == 2
+    assert m["request_success_total", (("adapter", ""), ("api", "tgi"))] == 1
+    assert m["request_success_total", (("adapter", "lora1"), ("api", "tgi"))] == 1
+    assert m["request_failed_total", (("adapter", "lora1"), ("api", "tgi"))] == 1
+    assert ("request_failed_total", (("adapter", ""), ("api", "tgi"))) not in m
+    assert m["request_finished_total", (("adapter", "lora1"), ("api", "tgi"), ("finished_reason", "error"))] == 1
+    assert m["request_finished_total", (("adapter", ""), ("api", "tgi"), ("finished_reason", "length"))] == 1
+
+
+def test_request_counters_are_labelled_by_api():
+    metrics = PrometheusMetrics("m")
+    for i, api in enumerate(["anthropic", "openai-responses", "anthropic"]):
+        metrics.observe(Received(id=str(i), model="m", api=api))
+        metrics.observe(finished(str(i), "length", api=api))
+    m = counts(metrics)
+    assert m["request_received_total", (("adapter", ""), ("api", "anthropic"))] == 2
+    assert m["request_success_total", (("adapter", ""), ("api", "openai-responses"))] == 1

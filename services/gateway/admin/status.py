@@ -203,7 +203,7 @@ async def _one_token(gateway: Gateway) -> Any:
     """A real inference through tokenizer and engine: one greedy token, highest priority."""
     ctx = gateway.context
     async with Call(ctx, [Session(ctx, "", Sampling(do_sample=False, max_new_tokens=1), prompt_ids=[1],
-                                  priority=1)]) as call:
+                                  priority=1, api="health")]) as call:
         await call.start()
         await call.results()
 

@@ -27,7 +27,7 @@ async def messages(request: Request) -> Response:
     prompt = {"messages": req.messages, "truncate": req.common.truncate, "parts": chat_media(req.listed)}
     if req.tools is not None:
         prompt.update(tools=req.tools.declared, tool_choice=req.tools.choice)
-    call = build_call(gateway.context, [prompt], req.common.sampling, 1, req.common.adapter)
+    call = build_call(gateway.context, [prompt], req.common.sampling, 1, req.common.adapter, "anthropic")
     return await lifecycle.respond(request, call, req.common.stream, lambda: message_body(req, call),
                                    lambda: message_events(req, call), error_event, keep_alive=PING)
 

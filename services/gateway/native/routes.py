@@ -22,8 +22,7 @@ async def infer(request: Request) -> Response:
     gateway = request.app.state.gateway
     admit([req.listed], gateway.media_policy, modalities=gateway.modalities())
     session = Session(gateway.context, req.text or "", req.sampling, prompt_ids=req.ids, priority=req.priority,
-                      parts=prompt_parts(req.listed),
-                      timeout_s=req.timeout_s)
+                      parts=prompt_parts(req.listed), timeout_s=req.timeout_s, api="mindie")
     call = Call(gateway.context, [session])
     full_text_mode = gateway.cfg.server.full_text_enabled
     return await lifecycle.respond(request, call, req.stream, lambda: collect(call, req),

@@ -75,7 +75,7 @@ async def chat_completions(request: Request) -> Response:
               "truncate": req.common.truncate, "parts": chat_media(req.listed)}
     if req.tools is not None:
         prompt.update(tools=req.tools.declared, tool_choice=req.tools.choice)
-    call = build_call(gateway.context, [prompt], req.common.sampling, req.common.n, req.common.adapter)
+    call = build_call(gateway.context, [prompt], req.common.sampling, req.common.n, req.common.adapter, "openai-chat")
     return await respond(request, req.common, call, "messages",
                          lambda: chat_body(req, call), lambda: chat_chunks(req, call))
 
@@ -86,7 +86,8 @@ async def completions(request: Request) -> Response:
     req = parse_completion(await request.body(), gateway.cfg, gateway.served())
     prompts = [{"prompt": p.text, "prompt_ids": p.ids, "return_prompt_ids": req.echo and p.ids is not None,
                 "truncate": req.common.truncate} for p in req.prompts]
-    call = build_call(gateway.context, prompts, req.common.sampling, req.common.n, req.common.adapter)
+    call = build_call(gateway.context, prompts, req.common.sampling, req.common.n, req.common.adapter,
+                      "openai-completions")
     return await respond(request, req.common, call, "prompt",
                          lambda: completion_body(req, call), lambda: completion_chunks(req, call))
 

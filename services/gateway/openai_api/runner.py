@@ -11,10 +11,11 @@ from services.gateway.request.session import Session
 from shared.messages import Sampling
 
 
-def build_call(ctx: SessionContext, prompts: list[dict[str, Any]], sampling: Sampling, n: int, adapter: str = "") -> Call:
+def build_call(ctx: SessionContext, prompts: list[dict[str, Any]], sampling: Sampling, n: int, adapter: str = "",
+               api: str = "") -> Call:
     """``prompts``: Session keyword arguments per prompt (``prompt``, ``prompt_ids``, ``messages`` …);
-    every choice runs with the LoRA ``adapter`` ("" = the base model)."""
-    sessions = [Session(ctx, p.get("prompt", ""), choice_sampling(sampling, j), adapter=adapter,
+    every choice runs with the LoRA ``adapter`` ("" = the base model); ``api``: the route's family label."""
+    sessions = [Session(ctx, p.get("prompt", ""), choice_sampling(sampling, j), adapter=adapter, api=api,
                         **{k: v for k, v in p.items() if k != "prompt"})
                 for p in prompts for j in range(n)]
     return Call(ctx, sessions, n)

@@ -75,10 +75,13 @@ class Step:
 
 
 class Session:
-    """``user_id`` is the id a client gave the request (Triton ``id``), by which stopInfer finds it."""
+    """``user_id`` is the id a client gave the request (Triton ``id``), by which stopInfer finds it; ``api`` the
+    family and route it came by (``tgi``, ``openai-chat``, ``anthropic``, …): a label on the request counters."""
 
-    def __init__(self, ctx: SessionContext, prompt: str, sampling: Sampling, user_id: str | None = None, **fields):
+    def __init__(self, ctx: SessionContext, prompt: str, sampling: Sampling, user_id: str | None = None,
+                 api: str = "", **fields):
         self.ctx = ctx
+        self.api = api
         self.id = uuid.uuid4().hex
         self.user_id = user_id or self.id
         self.arrival = time.time()
@@ -89,6 +92,7 @@ class Session:
             prompt=prompt, sampling=sampling, arrival=self.arrival, gateway=ctx.instance, **fields,
         )
         self.span.set_attribute("switchboard.adapter", self.request.adapter)  # "" = the base model
+        self.span.set_attribute("switchboard.api", api)
         self.attempt = 0  # resumes so far; the request's id on the bus is ``current_id``
         self.resume_asked = False
         self.index = 0  # the choice number within its call
@@ -106,7 +110,7 @@ class Session:
     async def start(self) -> Started:
         """Publish the request and wait for the tokenizer's answer (raises on a validation error)."""
         self.ctx.inflight.add(self)
-        self.ctx.emit(Received(id=self.id, model=self.ctx.model, adapter=self.request.adapter))
+        self.ctx.emit(Received(id=self.id, model=self.ctx.model, adapter=self.request.adapter, api=self.api))
         self.published = True
         deadline = time.monotonic() + START_TIMEOUT_S
         failover = self.ctx.failover
@@ -298,4 +302,4 @@ class Session:
             "switchboard.finish_reason": str(self.finish_reason), "switchboard.generated_tokens": self.generated})
         self.ctx.emit(Finished(id=self.id, model=self.ctx.model, arrival=self.arrival, e2e_s=now - self.arrival,
                                ttft_s=ttft, prompt_tokens=prompt_tokens, generated_tokens=self.generated,
-                               finish_reason=self.finish_reason, adapter=self.request.adapter))
+                               finish_reason=self.finish_reason, adapter=self.request.adapter, api=self.api))

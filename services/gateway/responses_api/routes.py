@@ -34,7 +34,7 @@ async def create(request: Request) -> Response:
     prompt = {"messages": chat.messages, "truncate": chat.common.truncate, "parts": chat_media(chat.listed)}
     if chat.tools is not None:
         prompt.update(tools=chat.tools.declared, tool_choice=chat.tools.choice)
-    call = build_call(gateway.context, [prompt], chat.common.sampling, 1, chat.common.adapter)
+    call = build_call(gateway.context, [prompt], chat.common.sampling, 1, chat.common.adapter, "openai-responses")
     builder = Builder(req, stored)
 
     async def keep(obj: dict[str, Any], conversation: list[dict[str, Any]]) -> None:

@@ -49,7 +49,7 @@ async def respond(request: Request, req: TgiRequest, as_array: bool) -> Response
     admit([listed], gateway.media_policy, modalities=modalities)
     sampling = msgspec.structs.replace(req.sampling, prompt_logprobs=0) if req.decoder_input_details else req.sampling
     session = Session(gateway.context, req.inputs, sampling, truncate=req.truncate, parts=prompt_parts(listed),
-                      return_prompt_ids=req.decoder_input_details, adapter=req.adapter)
+                      return_prompt_ids=req.decoder_input_details, adapter=req.adapter, api="tgi")
     call = Call(gateway.context, [session])
     full_text_mode = gateway.cfg.server.full_text_enabled
     return await lifecycle.respond(request, call, req.stream, lambda: collect(call, req, as_array),

@@ -64,7 +64,7 @@ async def infer(request: Request, model: FromPath[str]) -> Response:
     req = parse_infer(body, request.headers.get(HEADER))
     opts = req.options
     session = Session(gateway.context, "", opts.sampling, user_id=req.user_id, prompt_ids=req.prompt_ids,
-                      priority=opts.priority, timeout_s=opts.timeout_s)
+                      priority=opts.priority, timeout_s=opts.timeout_s, api="triton")
     call = Call(gateway.context, [session])
     return await lifecycle.respond(request, call, False, lambda: infer_response(call, req.binary_output),
                                    _no_stream, error_event)
@@ -90,7 +90,7 @@ async def _text(request: Request, model: str, streaming: bool) -> Response:
     admit([req.listed], gateway.media_policy, modalities=gateway.modalities())
     opts = req.options
     session = Session(gateway.context, req.text, opts.sampling, user_id=req.user_id, priority=opts.priority,
-                      timeout_s=opts.timeout_s, parts=prompt_parts(req.listed))
+                      timeout_s=opts.timeout_s, parts=prompt_parts(req.listed), api="triton")
     call = Call(gateway.context, [session])
     return await lifecycle.respond(request, call, streaming, lambda: collect_text(call, opts),
                                    lambda: stream_events(call, opts), error_event)

@@ -26,7 +26,7 @@ def build_call(ctx: SessionContext, req: VllmRequest) -> Call:
     sampling = req.sampling
     if count > req.n:  # ranking needs each token's log-probability
         sampling = msgspec.structs.replace(sampling, logprobs=0)
-    return Call(ctx, [Session(ctx, req.prompt, choice_sampling(sampling, j), adapter=req.adapter,
+    return Call(ctx, [Session(ctx, req.prompt, choice_sampling(sampling, j), adapter=req.adapter, api="vllm",
                               parts=prompt_parts(req.listed)) for j in range(count)])
 
 

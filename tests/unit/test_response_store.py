@@ -1,0 +1,53 @@
+"""The stored /v1/responses bucket on a real nats-server: with JetStream it keeps, finds and deletes records and
+a second connection (another gateway) sees them; without JetStream it says so, and the Responses route turns
+``store: true`` into a 400 naming why while ``store: false`` and a left-out store still work."""
+
+from __future__ import annotations
+
+import subprocess
+
+import nats
+import pytest
+
+from services.gateway.openai_api.errors import OpenAIError
+from services.gateway.responses_api.routes import _stored
+from shared.response_store import ResponseStore
+from switchboard.natsd import EmbeddedNats, find_binary, free_port, wait_for_port
+
+
+async def test_records_are_kept_shared_and_deleted():
+    with EmbeddedNats() as url:
+        one, two = await nats.connect(url), await nats.connect(url)
+        try:
+            mine, theirs = ResponseStore(one, 60, 1 << 20), ResponseStore(two, 60, 1 << 20)
+            await mine.open()
+            await theirs.open()
+            assert mine.available and theirs.available
+            await mine.put("resp_1", {"response": {"id": "resp_1"}, "conversation": [{"role": "user", "content": "hi"}]})
+            assert (await theirs.get("resp_1"))["conversation"][0]["content"] == "hi"
+            assert await theirs.get("resp_2") is None
+            assert await theirs.delete("resp_1") and await mine.get("resp_1") is None
+            assert not await mine.delete("resp_1")
+        finally:
+            await one.close()
+            await two.close()
+
+
+async def test_without_jetstream_store_true_is_a_clear_400():
+    port = free_port()
+    server = subprocess.Popen([find_binary(), "-a", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    try:
+        wait_for_port("127.0.0.1", port, 10.0, server)
+        nc = await nats.connect(f"nats://127.0.0.1:{port}")
+        store = ResponseStore(nc, 60, 1 << 20)
+        await store.open()
+        assert not store.available and "JetStream" in store.why
+        with pytest.raises(OpenAIError) as err:
+            _stored({"store": True}, store)
+        assert err.value.param == "store" and "JetStream" in err.value.message
+        assert _stored({"store": False}, store) is False and _stored({}, store) is False
+        await nc.close()
+    finally:
+        server.terminate()
+        server.wait(10)
