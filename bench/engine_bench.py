@@ -102,6 +102,7 @@ class Api:
     path: str
     body: Callable[[str, int], dict[str, Any]]
     count_tokens: Callable[[list[dict[str, Any]]], int]
+    keep_alive: bool = True  # reuse connections (llama.cpp's server closes one after a few requests: not there)
 
 
 def tgi_body(prompt: str, tokens: int) -> dict[str, Any]:
@@ -154,7 +155,7 @@ async def stream_one(client: httpx.AsyncClient, url: str, api: Api, prompt: str,
 async def run_batch(url: str, api: Api, prompts: list[str], tokens: int, concurrency: int) -> tuple[float, list[Sample]]:
     """Send every prompt with at most ``concurrency`` in flight; the wall time and the samples."""
     gate = asyncio.Semaphore(concurrency)
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency if api.keep_alive else 0)
     async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
         async def one(prompt: str) -> Sample:
             async with gate:

