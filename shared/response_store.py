@@ -19,6 +19,8 @@ from nats.js import api
 from nats.js.errors import BucketNotFoundError, KeyDeletedError, KeyNotFoundError, NoKeysError
 from nats.js.errors import Error as JetStreamError
 
+from shared.errors import ErrorKind, SwitchboardError
+
 log = logging.getLogger("switchboard.gateway")
 
 BUCKET = "switchboard_responses"
@@ -49,13 +51,18 @@ class ResponseStore:
             log.warning("stored responses unavailable", extra={"error": self.why})
 
     async def put(self, key: str, record: dict[str, Any]) -> None:
-        await self.kv.put(key, msgspec.json.encode(record))
+        try:
+            await self.kv.put(key, msgspec.json.encode(record))
+        except (JetStreamError, NatsError, TimeoutError) as exc:
+            raise unreachable(exc) from None
 
     async def get(self, key: str) -> dict[str, Any] | None:
         try:
             entry = await self.kv.get(key)
         except (KeyNotFoundError, KeyDeletedError, NoKeysError):
             return None
+        except (JetStreamError, NatsError, TimeoutError) as exc:
+            raise unreachable(exc) from None
         return msgspec.json.decode(entry.value) if entry.value else None
 
     async def delete(self, key: str) -> bool:
@@ -63,3 +70,8 @@ class ResponseStore:
             return False
         await self.kv.purge(key)
         return True
+
+
+def unreachable(exc: Exception) -> SwitchboardError:
+    """NATS did not answer a read or write of the bucket (a reconnect, a JetStream leader change): a 503."""
+    return SwitchboardError(ErrorKind.UNAVAILABLE, f"the stored responses cannot be reached now ({exc!r}); retry")

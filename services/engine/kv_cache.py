@@ -14,6 +14,8 @@ positions it reads.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 KV_DTYPES = ("auto", "int8")
@@ -24,6 +26,15 @@ def token_bytes(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, k
     """K and V of one position in every layer."""
     per_head = head_dim + SCALE_DTYPE.itemsize if kv_dtype == "int8" else head_dim * dtype.itemsize
     return 2 * layers * kv_heads * per_head
+
+
+class LayerKv(NamedTuple):
+    """One layer's cache, as the ops' ``rope_store`` / ``paged_decode`` (and their ``_q8`` forms) take it."""
+
+    k: torch.Tensor  # [kv_heads, slots, head_dim]
+    v: torch.Tensor
+    k_scale: torch.Tensor | None  # [kv_heads, slots] float16 for int8; None otherwise
+    v_scale: torch.Tensor | None
 
 
 class KvCache:
@@ -41,24 +52,21 @@ class KvCache:
         scales = (layers, kv_heads, slots) if self.quantized else (0,)
         self.k_scale = torch.zeros(scales, dtype=SCALE_DTYPE, device=device)
         self.v_scale = torch.zeros(scales, dtype=SCALE_DTYPE, device=device)
+        self.layers = [LayerKv(self.k[i], self.v[i], self.k_scale[i] if self.quantized else None,
+                               self.v_scale[i] if self.quantized else None) for i in range(layers)]
 
     @property
     def dtype_name(self) -> str:
         """What a position's K/V are stored as: "int8", or the model's dtype ("float32", "bfloat16", ...)."""
         return str(self.k.dtype).removeprefix("torch.")
 
-    def layer(self, index: int) -> dict[str, torch.Tensor | None]:
-        """Layer ``index``'s tensors, as the ops' ``rope_store`` and ``paged_decode`` take them."""
-        scaled = self.quantized
-        return {"k_cache": self.k[index], "v_cache": self.v[index],
-                "k_scale": self.k_scale[index] if scaled else None, "v_scale": self.v_scale[index] if scaled else None}
-
     def read(self, index: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [kv_heads, len(slots), head_dim] of layer ``index`` at ``slots``, in ``dtype``."""
-        k, v = self.k[index].index_select(1, slots), self.v[index].index_select(1, slots)
+        layer = self.layers[index]
+        k, v = layer.k.index_select(1, slots), layer.v.index_select(1, slots)
         if not self.quantized:
             return k, v
-        ks, vs = self.k_scale[index].index_select(1, slots), self.v_scale[index].index_select(1, slots)
+        ks, vs = layer.k_scale.index_select(1, slots), layer.v_scale.index_select(1, slots)
         return dequantize(k, ks, dtype), dequantize(v, vs, dtype)
 
     # ---- whole blocks, as bytes (prefill/decode disaggregation: kv_transfer.py) --------------------------

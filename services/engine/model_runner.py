@@ -26,33 +26,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from services.engine import gguf_weights, kernels, linears, prequantized
+from services.engine import gguf_weights, kernels, linears
 from services.engine.devices import Device
 from services.engine.gguf_weights import GgufLinears
 from services.engine.graphs import DecodeGraphs, GraphPlan, reserve_bytes
 from services.engine.kv_cache import KvCache, token_bytes
 from services.engine.lora import GroupStack, LoraSet, Rows
-from services.engine.multimodal import FAMILIES, MediaEncoder, TextView, family_of
+from services.engine.model_loading import UnsupportedModel, load_model, prequantized_config
 from services.engine.scheduler import Scheduled
 
 log = logging.getLogger("switchboard.engine")
-
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
-
-
-# vision-language models whose text model is one of these (services/engine/multimodal.py)
-VISION_LANGUAGE = tuple(FAMILIES)
-TEXT_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_vl_text", "qwen2_5_vl_text")
-
-
-class UnsupportedModel(RuntimeError):
-    pass
-
 
 @dataclass
 class Chunk:
@@ -126,7 +109,6 @@ class ModelRunner:
             raise RuntimeError(f"KV-cache budget of {budget} bytes holds no block of {self.block_bytes} bytes")
         self.scratch_block = self.num_blocks  # one more block, owned by no sequence: padding rows write there
         self.kv = self._allocate_cache(kv_cache_dtype)
-        self.k_cache, self.v_cache = self.kv.k, self.kv.v
         self.cos = self.sin = torch.empty(0, self.head_dim // 2)
         self._rope_tables(1024)
         self.lora = LoraSet(config, self.device, self.dtype, max_loras, max_lora_rank)
@@ -134,6 +116,14 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self, graphs) if graphs is not None else None
         log.info("model runner ready", extra={"dtype": str(self.dtype), "fused_ops": self.ops.fused,
                                                "decode_graphs": bool(self.graphs and self.graphs.graphs)})
+
+    @property
+    def k_cache(self) -> torch.Tensor:
+        return self.kv.k
+
+    @property
+    def v_cache(self) -> torch.Tensor:
+        return self.kv.v
 
     @property
     def block_bytes(self) -> int:
@@ -327,23 +317,22 @@ class ModelRunner:
 
     def _store(self, index: int, qkv: torch.Tensor, cos, sin, positions, slots) -> None:
         """Rotate q and k in place and write the rows' K/V to layer ``index``'s cache at ``slots``."""
-        layer = self.kv.layer(index)
+        layer = self.kv.layers[index]
         if self.kv.quantized:
-            self.ops.rope_store_q8(qkv, cos, sin, positions, layer["k_cache"], layer["v_cache"], layer["k_scale"],
-                                   layer["v_scale"], slots, self.num_heads, self.num_kv_heads, self.head_dim)
+            self.ops.rope_store_q8(qkv, cos, sin, positions, layer.k, layer.v, layer.k_scale, layer.v_scale, slots,
+                                   self.num_heads, self.num_kv_heads, self.head_dim)
         else:
-            self.ops.rope_store(qkv, cos, sin, positions, layer["k_cache"], layer["v_cache"], slots, self.num_heads,
-                                self.num_kv_heads, self.head_dim)
+            self.ops.rope_store(qkv, cos, sin, positions, layer.k, layer.v, slots, self.num_heads, self.num_kv_heads,
+                                self.head_dim)
 
     def _decode(self, index: int, q: torch.Tensor, batch: Batch) -> torch.Tensor:
         """The decode rows' attention over their cached positions in layer ``index``."""
-        layer = self.kv.layer(index)
+        layer = self.kv.layers[index]
         shape = (batch.decode_tables, batch.decode_lens, self.block_size, self.num_heads, self.num_kv_heads,
                  self.head_dim, self.scale)
         if self.kv.quantized:
-            return self.ops.paged_decode_q8(q, layer["k_cache"], layer["v_cache"], layer["k_scale"], layer["v_scale"],
-                                            *shape)
-        return self.ops.paged_decode(q, layer["k_cache"], layer["v_cache"], *shape)
+            return self.ops.paged_decode_q8(q, layer.k, layer.v, layer.k_scale, layer.v_scale, *shape)
+        return self.ops.paged_decode(q, layer.k, layer.v, *shape)
 
     def _attend(self, index: int, qkv: torch.Tensor, batch: Batch) -> torch.Tensor:
         """[T, heads * head_dim]: each row's attention output."""
@@ -387,51 +376,3 @@ def mrope_axes(rotary, half: int, device: torch.device) -> torch.Tensor | None:
     if len(axes) != half:
         raise UnsupportedModel(f"mrope_section {list(sections)} does not cover the head's {half} frequencies")
     return torch.tensor(axes, dtype=torch.long, device=device)
-
-
-def prequantized_config(path: str) -> dict | None:
-    """The folder's ``quantization_config`` when its weights are an AWQ or GPTQ checkpoint; None for float weights."""
-    from shared.model_folder import checkpoint_quantization, read_json
-
-    config = read_json(Path(path) / "config.json")
-    if checkpoint_quantization(config, Path(path) / "config.json") is None:
-        return None
-    return config["quantization_config"]
-
-
-def load_model(path: str, device: torch.device, dtype: torch.dtype, checkpoint: dict | None = None, kernels=None):
-    """The model's text half (a ``*ForCausalLM``, or a vision-language model's ``TextView``), for a
-    vision-language model its media encoder (else None), and for an AWQ or GPTQ folder (``checkpoint``: its
-    quantization_config) the source of its packed layers (else None)."""
-    import transformers
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(path)
-    check_architecture(config)
-    family = family_of(config)
-    if checkpoint is not None:
-        if family is not None:
-            raise UnsupportedModel(f"{checkpoint['quant_method']} checkpoints of vision-language models are not read")
-        del config.quantization_config  # the skeleton is built plain; its projections come from the packed tensors
-        tensors = prequantized.Tensors(Path(path))
-        model = prequantized.load_skeleton(path, config, dtype, tensors)  # cpu: quantized layers run there only
-        return model, None, prequantized.PrequantizedLinears(Path(path), checkpoint, kernels, tensors)
-    if family is None:  # no gradients: a parameter that requires one makes inference tensors unusable outside inference mode
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval().requires_grad_(False), None, None
-    model_class = getattr(transformers, next(a for a in config.architectures if a in FAMILIES))
-    full = model_class.from_pretrained(path, dtype=dtype).to(device).eval().requires_grad_(False)
-    return TextView(full, family), MediaEncoder(full, family, device, dtype), None
-
-
-def check_architecture(config) -> None:
-    archs = list(getattr(config, "architectures", None) or [])
-    if family_of(config) is not None:
-        text = config.get_text_config()
-        if text.model_type in TEXT_MODEL_TYPES:
-            return
-        archs = [f"{archs[0]} with a {text.model_type} text model"]
-    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-        raise UnsupportedModel(
-            f"unsupported model architecture {archs or config.model_type!r}; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES + VISION_LANGUAGE)}"
-        )

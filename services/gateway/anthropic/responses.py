@@ -64,7 +64,7 @@ def stop_reason(end: End, content: list[dict[str, Any]]) -> str:
     return STOP_REASON.get(end.finish_reason, "end_turn")
 
 
-def head(req: MessagesRequest, call: Call) -> dict[str, Any]:
+def head(req: MessagesRequest) -> dict[str, Any]:
     return {"id": "msg_" + uuid.uuid4().hex[:24], "type": "message", "role": "assistant", "model": req.common.model}
 
 
@@ -77,12 +77,12 @@ async def message_body(req: MessagesRequest, call: Call) -> dict[str, Any]:
     (end,) = await call.results()
     content = blocks(req, call, end)
     reason = stop_reason(end, content)
-    return {**head(req, call), "content": content, "stop_reason": reason,
+    return {**head(req), "content": content, "stop_reason": reason,
             "stop_sequence": end.stop or None if reason == "stop_sequence" else None, "usage": usage(call)}
 
 
 async def message_events(req: MessagesRequest, call: Call) -> AsyncIterator[bytes]:
-    start = {**head(req, call), "content": [], "stop_reason": None, "stop_sequence": None,
+    start = {**head(req), "content": [], "stop_reason": None, "stop_sequence": None,
              "usage": {"input_tokens": call.prompt_tokens, "output_tokens": 0}}
     yield event("message_start", {"message": start})
     end = None

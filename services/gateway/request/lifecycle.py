@@ -95,7 +95,7 @@ async def with_keep_alives(chunks: AsyncIterator[bytes], every: float, keep_aliv
             await aclose()
 
 
-async def _after_start(call: Call, starting: asyncio.Future, chunks: Callable[[], AsyncIterator[bytes]]) -> AsyncIterator[bytes]:
+async def _after_start(starting: asyncio.Future, chunks: Callable[[], AsyncIterator[bytes]]) -> AsyncIterator[bytes]:
     """The chunks once the call has started (its start went on past the first keep-alive interval)."""
     try:
         await starting
@@ -146,7 +146,7 @@ async def respond(request: Request, call: Call, streaming: bool, body: Callable[
         try:
             await asyncio.wait_for(asyncio.shield(starting), call.ctx.keep_alive_s)
         except asyncio.TimeoutError:  # still queued: the stream begins, with keep-alives while it waits
-            return stream(call, _after_start(call, starting, chunks), error_chunk, media_type, trailer, keep_alive)
+            return stream(call, _after_start(starting, chunks), error_chunk, media_type, trailer, keep_alive)
         except BaseException:
             starting.cancel()
             raise

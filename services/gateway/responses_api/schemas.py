@@ -10,7 +10,6 @@ after ``instructions`` (a system message, not carried to the next response) beco
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -180,6 +179,3 @@ def _format(text: Any) -> dict[str, Any] | None:
     schema = {key: fmt[key] for key in ("name", "schema", "strict", "description") if key in fmt}
     return {"type": "json_schema", "json_schema": schema}
 
-
-def dumps(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False)

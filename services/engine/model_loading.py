@@ -1,0 +1,76 @@
+"""Loading a model folder for the runner: which architectures the engine runs, the transformers model (its
+text half, and a vision-language model's media encoder), and for an AWQ or GPTQ folder the source of its
+packed layers (``prequantized.py``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from services.engine import prequantized
+from services.engine.multimodal import FAMILIES, MediaEncoder, TextView, family_of
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+
+# vision-language models whose text model is one of these (services/engine/multimodal.py)
+VISION_LANGUAGE = tuple(FAMILIES)
+TEXT_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_vl_text", "qwen2_5_vl_text")
+
+
+class UnsupportedModel(RuntimeError):
+    pass
+
+
+def prequantized_config(path: str) -> dict | None:
+    """The folder's ``quantization_config`` when its weights are an AWQ or GPTQ checkpoint; None for float weights."""
+    from shared.model_folder import checkpoint_quantization, read_json
+
+    config = read_json(Path(path) / "config.json")
+    if checkpoint_quantization(config, Path(path) / "config.json") is None:
+        return None
+    return config["quantization_config"]
+
+
+def load_model(path: str, device: torch.device, dtype: torch.dtype, checkpoint: dict | None = None, kernels=None):
+    """The model's text half (a ``*ForCausalLM``, or a vision-language model's ``TextView``), for a
+    vision-language model its media encoder (else None), and for an AWQ or GPTQ folder (``checkpoint``: its
+    quantization_config) the source of its packed layers (else None)."""
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    check_architecture(config)
+    family = family_of(config)
+    if checkpoint is not None:
+        if family is not None:
+            raise UnsupportedModel(f"{checkpoint['quant_method']} checkpoints of vision-language models are not read")
+        del config.quantization_config  # the skeleton is built plain; its projections come from the packed tensors
+        tensors = prequantized.Tensors(Path(path))
+        model = prequantized.load_skeleton(path, config, dtype, tensors)  # cpu: quantized layers run there only
+        return model, None, prequantized.PrequantizedLinears(Path(path), checkpoint, kernels, tensors)
+    if family is None:  # no gradients: a parameter that requires one makes inference tensors unusable outside inference mode
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval().requires_grad_(False), None, None
+    model_class = getattr(transformers, next(a for a in config.architectures if a in FAMILIES))
+    full = model_class.from_pretrained(path, dtype=dtype).to(device).eval().requires_grad_(False)
+    return TextView(full, family), MediaEncoder(full, family, device, dtype), None
+
+
+def check_architecture(config) -> None:
+    archs = list(getattr(config, "architectures", None) or [])
+    if family_of(config) is not None:
+        text = config.get_text_config()
+        if text.model_type in TEXT_MODEL_TYPES:
+            return
+        archs = [f"{archs[0]} with a {text.model_type} text model"]
+    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        raise UnsupportedModel(
+            f"unsupported model architecture {archs or config.model_type!r}; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES + VISION_LANGUAGE)}"
+        )
