@@ -37,8 +37,9 @@ def requests_of(model: str) -> dict[str, tuple[str, dict, dict]]:
     completion = {"model": model, "prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True}
     vllm = {"prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True}
     triton = {"text_input": PROMPT, "parameters": mindie}
-    messages = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": LONG}
-    responses = {"model": model, "input": PROMPT, "max_output_tokens": LONG, "store": False}
+    messages = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": LONG,
+                "temperature": 0}  # no ignore_eos in this API: greedy, which never draws the tiny model's EOS here
+    responses = {"model": model, "input": PROMPT, "max_output_tokens": LONG, "store": False, "temperature": 0}
     return {
         "tgi": ("/generate_stream", {"inputs": PROMPT, "parameters": mindie}, {"inputs": PROMPT, "parameters": mindie}),
         "openai-chat": ("/v1/chat/completions", {**chat, "stream": True}, chat),
