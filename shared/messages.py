@@ -349,6 +349,7 @@ class Tokenize(msgspec.Struct, omit_defaults=True):
     add_generation_prompt: bool = True  # chat: end with the assistant's turn opened ...
     continue_final_message: bool = False  # ... or leave the last (assistant) message open
     token_strs: bool = False  # also each token's own string (the vocabulary's, e.g. "Ġthe")
+    parts: list[ContentPart] = []  # chat with media: the messages' parts in order, expanded as a request's are
     trace: dict[str, str] = {}
 
 

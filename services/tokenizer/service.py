@@ -49,6 +49,7 @@ from shared.messages import (
     TokenBatch,
     TokenEvent,
     Tokenize,
+    Tokenized,
     TokenizerInfo,
     TokenLogprob,
     TokenOut,
@@ -60,6 +61,7 @@ from shared.tombstones import Tombstones
 
 log = logging.getLogger("switchboard.tokenizer")
 MB = 1 << 20
+MEDIA_COUNT_TIMEOUT_S = 25.0  # under the gateway's 30 s wait for a count
 
 
 def load_tokenizer(path: str):
@@ -362,9 +364,21 @@ class TokenizerService:
 
     async def on_tokenize(self, msg: NatsMsg) -> None:
         req = self.tokenizes.decode(msg.data)
+        if any(part.media is not None for part in req.parts):
+            await bus.respond(msg, await self.count_with_media(req))
+            return
         long = len(req.text) > 2048 or req.messages is not None  # off the loop: it may take a while
         reply = await asyncio.to_thread(counting.tokenize, self.tok, req) if long else counting.tokenize(self.tok, req)
         await bus.respond(msg, reply)
+
+    async def count_with_media(self, req: Tokenize) -> Tokenized:
+        """A conversation with media, fetched and expanded by the processor as a request's are."""
+        try:
+            prepared = await self.media.prepare(req, self.tok, self.media_policy, MEDIA_COUNT_TIMEOUT_S)
+        except SwitchboardError as exc:
+            return Tokenized(ids=[], pieces=[], error=exc.message)
+        strs = self.tok.convert_ids_to_tokens(prepared.ids) if req.token_strs else []
+        return Tokenized(ids=prepared.ids, pieces=[], strs=strs)
 
     async def on_detokenize(self, msg: NatsMsg) -> None:
         await bus.respond(msg, counting.detokenize(self.tok, self.detokenizes.decode(msg.data), self.vocab_size))

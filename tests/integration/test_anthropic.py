@@ -128,3 +128,7 @@ def test_the_sdk_raises_its_own_errors_and_bad_json_is_a_400(tiny_stack):
     assert r.status_code == 405 and r.json()["type"] == "error"
     assert json.loads(httpx.post(tiny_stack.url + "/v1/messages/count_tokens", json={"model": tiny_stack.model},
                                  timeout=30).text)["type"] == "error"
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
+    r = httpx.post(tiny_stack.url + "/v1/messages/count_tokens", timeout=30, json={
+        "model": tiny_stack.model, "messages": [{"role": "user", "content": [image]}]})
+    assert r.status_code == 400 and "image" in r.json()["error"]["message"]  # a text-only model takes none

@@ -24,6 +24,16 @@ def test_kserve_generate_max_tokens_is_honoured(tiny_stack):
     assert bad.status_code == 422 and "max_tokens" in bad.json()["error"]
 
 
+def test_tgi_tokens_carry_their_logprob_without_top_n_tokens(tiny_stack):
+    """TGI reports every generated token's logprob, in details and in the stream."""
+    client = Client(tiny_stack.url)
+    done = client.generate(PROMPT, max_new_tokens=4)
+    assert done.details.top_tokens is None
+    assert all(t.logprob is not None and t.logprob <= 0 for t in done.details.tokens)
+    streamed = list(client.generate_stream(PROMPT, max_new_tokens=4))
+    assert [r.token.logprob for r in streamed] == pytest.approx([t.logprob for t in done.details.tokens], abs=1e-4)
+
+
 def test_tgi_top_n_tokens_in_details_and_stream(tiny_stack):
     client = Client(tiny_stack.url)
     done = client.generate(PROMPT, max_new_tokens=4, top_n_tokens=3)  # the client always asks for details

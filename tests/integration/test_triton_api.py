@@ -167,7 +167,8 @@ def test_infer_json_shape_follows_seed_004(tiny_stack):
     assert r.status_code == 200 and r.headers["content-type"].startswith("application/json")
     assert "inference-header-content-length" not in r.headers
     body = r.json()
-    assert list(body) == ["id", "outputs"] and body["id"] == "42"
+    assert list(body) == ["id", "model_name", "outputs"] and body["id"] == "42"  # KServe's model_name added
+    assert body["model_name"] == tiny_stack.model
     (output,) = body["outputs"]
     assert list(output) == ["name", "shape", "datatype", "data"]
     assert output["name"] == "output0" and output["datatype"] == "UINT32"

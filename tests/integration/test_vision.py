@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import openai
 import pytest
 from text_generation import Client
@@ -106,12 +107,14 @@ def test_openai_client_chat_with_an_image_equals_transformers(stack, smolvlm_dir
     messages = [{"role": "user", "content": [{"type": "text", "text": question}, {"type": "image"}]}]
     expected = hf_generate(smolvlm_dir, [CAT], messages=messages, max_new_tokens=NEW)
     api = openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0, timeout=60)
-    out = api.chat.completions.create(model=stack.model, max_tokens=NEW, temperature=0, messages=[
-        {"role": "user", "content": [{"type": "text", "text": question},
-                                     {"type": "image_url", "image_url": {"url": data_url(CAT)}}]}])
+    conversation = [{"role": "user", "content": [{"type": "text", "text": question},
+                                                 {"type": "image_url", "image_url": {"url": data_url(CAT)}}]}]
+    out = api.chat.completions.create(model=stack.model, max_tokens=NEW, temperature=0, messages=conversation)
     tok = AutoTokenizer.from_pretrained(smolvlm_dir)
     assert out.choices[0].message.content == tok.decode(expected, skip_special_tokens=True)
     assert out.usage.prompt_tokens > 20  # the image's tokens count as prompt tokens
+    counted = httpx.post(stack.url + "/tokenize", json={"messages": conversation}, timeout=60).json()
+    assert counted["count"] == out.usage.prompt_tokens == len(counted["tokens"])  # vLLM's /tokenize, image included
 
 
 def test_anthropic_client_with_an_image_block_equals_transformers(stack, smolvlm_dir):
@@ -123,9 +126,12 @@ def test_anthropic_client_with_an_image_block_equals_transformers(stack, smolvlm
         hf_generate(smolvlm_dir, [CAT], messages=messages, max_new_tokens=NEW), skip_special_tokens=True)
     api = anthropic.Anthropic(base_url=stack.url, api_key="x", max_retries=0, timeout=60)
     source = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(png_bytes(CAT)).decode()}
-    out = api.messages.create(model=stack.model, max_tokens=NEW, extra_body={"temperature": 0}, messages=[
-        {"role": "user", "content": [{"type": "text", "text": question}, {"type": "image", "source": source}]}])
+    conversation = [{"role": "user", "content": [{"type": "text", "text": question},
+                                                 {"type": "image", "source": source}]}]
+    out = api.messages.create(model=stack.model, max_tokens=NEW, extra_body={"temperature": 0}, messages=conversation)
     assert out.content[0].text == expected and out.stop_reason in ("max_tokens", "end_turn")
+    counted = api.messages.count_tokens(model=stack.model, messages=conversation)
+    assert counted.input_tokens == out.usage.input_tokens > 20  # the image's tokens counted as the request's
 
 
 def test_text_and_image_requests_together_answer_as_alone(stack, want):

@@ -15,7 +15,6 @@ from services.gateway.common.content import admit, chat_media
 from services.gateway.openai_api.errors import content_error
 from services.gateway.openai_api.runner import build_call
 from services.gateway.request import lifecycle
-from shared.errors import validation
 from shared.messages import Tokenize
 
 
@@ -36,12 +35,10 @@ async def messages(request: Request) -> Response:
 async def count_tokens(request: Request) -> Response:
     gateway = request.app.state.gateway
     req = parse_messages(await request.body(), gateway.cfg, gateway.served(), counting=True)
-    if chat_media(req.listed):
-        raise validation("messages: count_tokens counts text here; a message with an image is counted by the "
-                         "usage.input_tokens of /v1/messages")
+    admit(req.listed, gateway.media_policy, content_error, gateway.modalities())
     tools = req.tools
     counted = await gateway.tokenize(Tokenize(messages=req.messages, tools=tools.declared if tools else [],
-                                              tool_choice=tools.choice if tools else ""))
+                                              tool_choice=tools.choice if tools else "", parts=chat_media(req.listed)))
     return Response({"input_tokens": len(counted.ids)}, media_type="application/json")
 
 

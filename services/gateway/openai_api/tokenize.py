@@ -13,8 +13,8 @@ from typing import Any
 
 from litestar import Request, Response, Router, post
 
-from services.gateway.common.content import chat_media
-from services.gateway.openai_api.errors import OPENAI_EXCEPTION_HANDLERS, bad_param, model_not_found
+from services.gateway.common.content import admit, chat_media
+from services.gateway.openai_api.errors import OPENAI_EXCEPTION_HANDLERS, bad_param, content_error, model_not_found
 from services.gateway.openai_api.schemas import PARSE_ERROR, chat_messages
 from services.gateway.openai_api.tools import parse_tools
 from services.gateway.web.validation import MAX_INPUT_CHARS, Fields, parse_json_object
@@ -30,7 +30,7 @@ async def tokenize(request: Request) -> Response:
     _check_model(data, gateway)
     f = Fields(data)
     strs = bool(f.boolean("return_token_strs", False))
-    message = _chat(data, f) if data.get("messages") is not None else _prompt(data, f)
+    message = _chat(data, f, gateway) if data.get("messages") is not None else _prompt(data, f)
     message.token_strs = strs
     result = await gateway.tokenize(message)
     return Response({"count": len(result.ids), "max_model_len": gateway.cfg.deploy.max_seq_len, "tokens": result.ids,
@@ -70,12 +70,16 @@ def _prompt(data: dict[str, Any], f: Fields) -> Tokenize:
     return Tokenize(text=prompt, add_special_tokens=bool(f.boolean("add_special_tokens", True)))
 
 
-def _chat(data: dict[str, Any], f: Fields) -> Tokenize:
+def _chat(data: dict[str, Any], f: Fields, gateway) -> Tokenize:
     if data.get("prompt") is not None:
         raise bad_param("prompt", "give either prompt or messages, not both.")
     messages, listed = chat_messages(data.get("messages"))
-    if chat_media(listed):
-        raise bad_param("messages", "/tokenize counts text; a message with media is not counted here.")
+    admit(listed, gateway.media_policy, content_error, gateway.modalities())
+    parts = chat_media(listed)
+    if parts and (f.boolean("add_generation_prompt") is False or f.boolean("continue_final_message")):
+        raise bad_param("messages", "messages with media are counted as a chat request renders them, with the "
+                                    "assistant's turn opened: leave add_generation_prompt and continue_final_message "
+                                    "out.")
     if f.boolean("add_special_tokens", False):
         raise bad_param("add_special_tokens", "add_special_tokens applies to a prompt; the chat template places the "
                                               "special tokens of messages.")
@@ -86,7 +90,7 @@ def _chat(data: dict[str, Any], f: Fields) -> Tokenize:
     tools = parse_tools(data)
     return Tokenize(messages=messages, tools=tools.declared if tools else [], tool_choice=tools.choice if tools else "",
                     chat_template_kwargs=f.obj("chat_template_kwargs").data, add_generation_prompt=turn and not final,
-                    continue_final_message=final)
+                    continue_final_message=final, parts=parts)
 
 
 ROUTES = [Router("/", route_handlers=[tokenize, detokenize], exception_handlers=OPENAI_EXCEPTION_HANDLERS)]

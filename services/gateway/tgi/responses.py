@@ -16,7 +16,7 @@ from shared.messages import Started, TokenOut
 
 
 def token_json(token: TokenOut) -> dict[str, Any]:
-    """``logprob`` is the sampled token's when top_n_tokens asked for log-probabilities, else null."""
+    """``logprob`` is the sampled token's (TGI reports it on every token)."""
     return {"id": token.id, "text": token.text, "logprob": token.logprob, "special": token.special}
 
 

@@ -74,9 +74,10 @@ def _inputs(value: Any) -> tuple[str, ListInput | None]:
 
 
 def sampling_from(p: Fields, top_n_tokens: int = 0) -> Sampling:
-    """``top_n_tokens`` asks the engine for each step's most likely tokens (and every token's logprob)."""
+    """Every token carries its logprob, as in TGI (``details.tokens``, stream events); ``top_n_tokens`` adds each
+    step's most likely tokens."""
     _check_best_of(p)
-    sampling = mindie_sampling(p, TGI, logprobs=top_n_tokens or None)
+    sampling = mindie_sampling(p, TGI, logprobs=top_n_tokens)
     grammar = tgi_grammar(p.data.get("grammar"))
     return sampling if grammar is None else msgspec.structs.replace(sampling, grammar=grammar)
 

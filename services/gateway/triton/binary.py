@@ -76,3 +76,38 @@ def unpack_uint32(raw: bytes) -> list[int]:
 
 def pack_uint32(values: list[int]) -> bytes:
     return struct.pack(f"<{len(values)}I", *values)
+
+
+_SCALARS = {"BOOL": "?", "INT8": "b", "INT16": "h", "INT32": "i", "INT64": "q", "UINT8": "B", "UINT16": "H",
+            "UINT32": "I", "UINT64": "Q", "FP32": "f", "FP64": "d"}
+
+
+def unpack_tensor(datatype: str, raw: bytes) -> list:
+    """A binary tensor's elements: BYTES as length-prefixed strings (4-byte little-endian length), others raw."""
+    if datatype == "BYTES":
+        return _unpack_bytes(raw)
+    code = _SCALARS.get(datatype)
+    if code is None:
+        raise validation(f"Unsupported datatype, got {datatype}.")
+    size = struct.calcsize(code)
+    if len(raw) % size:
+        raise validation(f"binary {datatype} data must be a multiple of {size} bytes, got {len(raw)}.")
+    return list(struct.unpack(f"<{len(raw) // size}{code}", raw))
+
+
+def _unpack_bytes(raw: bytes) -> list[bytes]:
+    items, offset = [], 0
+    while offset < len(raw):
+        if offset + UINT32_BYTES > len(raw):
+            raise validation("binary BYTES data ends inside an element's 4-byte length.")
+        (length,) = struct.unpack_from("<I", raw, offset)
+        offset += UINT32_BYTES
+        if offset + length > len(raw):
+            raise validation(f"binary BYTES element of {length} bytes runs past the end of its data.")
+        items.append(raw[offset:offset + length])
+        offset += length
+    return items
+
+
+def pack_bytes(values: list[bytes]) -> bytes:
+    return b"".join(struct.pack("<I", len(v)) + v for v in values)

@@ -10,6 +10,7 @@ request (first event; 0 afterwards), ``batch_size`` the engine's running request
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 import msgspec
@@ -18,7 +19,8 @@ from litestar import Response
 from services.gateway.common import finish
 from services.gateway.request.call import Call
 from services.gateway.request.session import End, Session
-from services.gateway.triton.binary import HEADER, pack_uint32
+from services.gateway.triton.binary import HEADER, pack_bytes, pack_uint32
+from services.gateway.triton.llm_infer import TextInferRequest
 from services.gateway.triton.schemas import Options
 from services.gateway.web.errors import mindie_body
 from shared.errors import ErrorKind, SwitchboardError
@@ -35,14 +37,53 @@ def finish_reason(end: End) -> str:
 async def infer_response(call: Call, binary: bool) -> Response:
     """Run to the end; the generated ids as the ``output0`` tensor, JSON or binary."""
     ids = [token.id for token in (await call.results())[0].tokens]
-    request_id = call.sessions[0].user_id
-    output: dict[str, Any] = {"name": "output0", "shape": [1, len(ids)], "datatype": "UINT32"}
-    if not binary:
-        return Response({"id": request_id, "outputs": [{**output, "data": ids}]}, media_type="application/json")
-    raw = pack_uint32(ids)
-    output["parameters"] = {"binary_data_size": len(raw)}
-    header = msgspec.json.encode({"id": request_id, "outputs": [output]})
-    return Response(header + raw, media_type="application/octet-stream", headers={HEADER: str(len(header))})
+    return tensor_response(call.sessions[0], [Tensor("output0", "UINT32", [1, len(ids)], ids, binary)])
+
+
+async def text_infer_response(call: Call, req: TextInferRequest) -> Response:
+    """Run to the end; ``text_output`` (and the counts and finish reason the request asked for)."""
+    end = (await call.results())[0]
+    text = f"{req.text}{end.text}" if req.include_prompt else end.text
+    values = {"text_output": ("BYTES", text), "finish_reason": ("BYTES", finish.openai(end.finish_reason)),
+              "num_input_tokens": ("UINT32", end.prompt_tokens),
+              "num_output_tokens": ("UINT32", end.generated_tokens)}
+    return tensor_response(call.sessions[0], [Tensor(name, values[name][0], [1], [values[name][1]], binary)
+                                              for name, binary in req.outputs])
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    datatype: str
+    shape: list[int]
+    data: list
+    binary: bool
+
+
+def tensor_response(session: Session, tensors: list[Tensor]) -> Response:
+    """KServe's infer response: ``id``, ``model_name`` and the outputs, JSON or with binary tensors after a header."""
+    outputs, blobs = [], []
+    for tensor in tensors:
+        output: dict[str, Any] = {"name": tensor.name, "shape": tensor.shape, "datatype": tensor.datatype}
+        if tensor.binary:
+            raw = _packed(tensor)
+            output["parameters"] = {"binary_data_size": len(raw)}
+            blobs.append(raw)
+        else:
+            output["data"] = tensor.data
+        outputs.append(output)
+    head = {"id": session.user_id, "model_name": session.ctx.model, "outputs": outputs}
+    if not blobs:
+        return Response(head, media_type="application/json")
+    header = msgspec.json.encode(head)
+    return Response(header + b"".join(blobs), media_type="application/octet-stream",
+                    headers={HEADER: str(len(header))})
+
+
+def _packed(tensor: Tensor) -> bytes:
+    if tensor.datatype == "BYTES":
+        return pack_bytes([value.encode() for value in tensor.data])
+    return pack_uint32(tensor.data)
 
 
 # ---- /generate, /generate_stream --------------------------------------------------------------

@@ -18,7 +18,9 @@ from services.gateway.request.call import Call
 from services.gateway.request.session import Session
 from services.gateway.triton import metadata
 from services.gateway.triton.binary import HEADER, decode_body
-from services.gateway.triton.responses import collect_text, error_event, infer_response, stream_events
+from services.gateway.triton.llm_infer import TextInferRequest
+from services.gateway.triton.responses import (collect_text, error_event, infer_response, stream_events,
+                                                text_infer_response)
 from services.gateway.triton.schemas import PARSE_ERROR, checked_id, parse_text_request
 from services.gateway.triton.tensors import parse_infer
 from services.gateway.web.errors import mindie_error
@@ -63,11 +65,16 @@ async def infer(request: Request, model: FromPath[str]) -> Response:
     body = decode_body(await request.body(), request.headers.get("content-encoding"), limit)
     req = parse_infer(body, request.headers.get(HEADER))
     opts = req.options
-    session = Session(gateway.context, "", opts.sampling, user_id=req.user_id, prompt_ids=req.prompt_ids,
-                      priority=opts.priority, timeout_s=opts.timeout_s, api="triton")
+    if isinstance(req, TextInferRequest):
+        session = Session(gateway.context, req.text, opts.sampling, user_id=req.user_id, priority=opts.priority,
+                          timeout_s=opts.timeout_s, api="triton")
+        answer = lambda: text_infer_response(call, req)  # noqa: E731
+    else:
+        session = Session(gateway.context, "", opts.sampling, user_id=req.user_id, prompt_ids=req.prompt_ids,
+                          priority=opts.priority, timeout_s=opts.timeout_s, api="triton")
+        answer = lambda: infer_response(call, req.binary_output)  # noqa: E731
     call = Call(gateway.context, [session])
-    return await lifecycle.respond(request, call, False, lambda: infer_response(call, req.binary_output),
-                                   _no_stream, error_event)
+    return await lifecycle.respond(request, call, False, answer, _no_stream, error_event)
 
 
 async def _no_stream():  # /infer answers whole

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.gateway.triton.binary import Tail, split_body, unpack_uint32
+from services.gateway.triton.llm_infer import TextInferRequest, is_text_infer, parse_text_infer
 from services.gateway.triton.schemas import PARSE_ERROR, Options, optional_id, parse_options
 from services.gateway.web.validation import Fields, parse_json_object
 from shared.errors import validation
@@ -33,11 +34,15 @@ class InferRequest:
     options: Options
 
 
-def parse_infer(body: bytes, header_length: str | None) -> InferRequest:
+def parse_infer(body: bytes, header_length: str | None) -> InferRequest | TextInferRequest:
+    """MindIE's token ids, or Triton's LLM convention when the inputs include ``text_input`` (llm_infer.py)."""
     header, blob = split_body(body, header_length)
     data = parse_json_object(header, PARSE_ERROR)
     user_id = optional_id(data)
     tail = Tail(blob)
+    if is_text_infer(data.get("inputs")):
+        binary = Fields(data).obj("parameters").boolean("binary_data_output", False)
+        return parse_text_infer(data, tail, user_id, binary)
     tensor = _single_input(data.get("inputs"))
     ids = _input_ids(tensor, tail)
     tail.check_consumed()

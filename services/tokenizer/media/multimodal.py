@@ -29,7 +29,7 @@ import numpy as np
 from services.tokenizer.media.fetch import fetch_refs
 from shared.errors import validation
 from shared.media import MediaPolicy
-from shared.messages import ContentPart, GenerateRequest, MediaInputs, Tensor
+from shared.messages import ContentPart, GenerateRequest, MediaInputs, Tensor, Tokenize
 from shared.model_folder import ModelFolderError, processor_config
 
 log = logging.getLogger("switchboard.tokenizer")
@@ -87,7 +87,7 @@ class MediaProcessor:
         token = getattr(self.processor, f"{kind}_token", None) or f"<{kind}>"
         return MARKERS.get(token, "{}").format(token)
 
-    async def prepare(self, req: GenerateRequest, tokenizer, policy: MediaPolicy,
+    async def prepare(self, req: GenerateRequest | Tokenize, tokenizer, policy: MediaPolicy,
                       timeout_s: float | None = None) -> Prepared:
         """Fetch, decode and process the request's media; 422 for a kind the model does not take."""
         refs = [part.media for part in req.parts if part.media is not None]
@@ -99,7 +99,7 @@ class MediaProcessor:
         text = self.prompt_text(req, tokenizer)
         return await asyncio.to_thread(self.process, text, list(zip([r.kind for r in refs], contents)))
 
-    def prompt_text(self, req: GenerateRequest, tokenizer) -> str:
+    def prompt_text(self, req: GenerateRequest | Tokenize, tokenizer) -> str:
         """The prompt with a placeholder where each media item goes: a chat rendered by the model's
         template, a raw prompt's text items joined around the processor's placeholders."""
         if req.messages is not None:
