@@ -132,6 +132,7 @@ class EngineRequest(Msg):
     adapter: str = ""  # the LoRA adapter it runs with; "" = the base model
     media: MediaInputs | None = None  # preprocessed media; their features go at the media tokens of prompt_ids
     handoff: bool = False  # PD split: compute the prompt and the first token, then hand over to a decode engine
+    pull_from: str = ""  # fleet prefix cache: the engine holding a longer cached prefix, to pull it from first
 
 
 class Cancel(Msg):
@@ -261,7 +262,30 @@ class KvTransferred(msgspec.Struct, tag="kv", omit_defaults=True):
     seconds: float
 
 
-MetricsEvent = Union[Received, Queued, FirstToken, Finished, KvTransferred]
+class Routed(msgspec.Struct, tag="routed", omit_defaults=True):
+    """Tokenizer: one routing decision (``services/tokenizer/routing.py``): the engine chosen, the prompt tokens
+    it was expected to find cached, the most any engine held, and the load gap between the chosen engine and
+    the least loaded one (requests)."""
+
+    model: str
+    engine: str
+    prompt_tokens: int
+    hit_tokens: int
+    best_hit_tokens: int
+    load_gap: int
+    pulled: bool = False  # the engine was told to pull the holder's longer prefix
+
+
+class PrefixPulled(msgspec.Struct, tag="pulled", omit_defaults=True):
+    """Engine: a prefix pulled from another engine's cache (tokens received, seconds), or given up on."""
+
+    model: str
+    tokens: int
+    seconds: float
+    ok: bool = True
+
+
+MetricsEvent = Union[Received, Queued, FirstToken, Finished, KvTransferred, Routed, PrefixPulled]
 
 
 # ---- request/reply ----------------------------------------------------------------------------
@@ -306,6 +330,11 @@ class EngineInfo(msgspec.Struct, omit_defaults=True):
     device_index: int = -1  # the logical device it runs on (Switchboard.deviceIndex); -1 = none
     quantization: str = "none"  # its linear layers' weight format: none (dtype's) | int8 | int4 | gguf | awq | gptq
     kv_dtype: str = ""  # its KV cache's element type; "" = dtype's
+    block_size: int = 0  # its KV blocks' tokens (the prefix keys' unit)
+    pid: int = 0  # its process (operators, fault tests)
+    cache_seq: int = 0  # fleet prefix cache: the last CacheEvents it published ...
+    cache_count: int = 0  # ... and, as of it, how many keys its cache held ...
+    cache_xor: bytes = b""  # ... and their XOR: a router whose view differs asks for a digest
 
 
 class LoraCommand(msgspec.Struct, omit_defaults=True):

@@ -52,6 +52,21 @@ def engine_kv(model: str, instance: str) -> str:
     return f"{PREFIX}.engine.{model}.{instance}.kv"
 
 
+def engine_cache(model: str) -> str:
+    """every engine -> every router (fan-out): CacheEvents, what enters and leaves its prefix cache."""
+    return f"{PREFIX}.engine.{model}.cache"
+
+
+def engine_cache_sync(model: str, instance: str) -> str:
+    """router -> one engine: CacheSync, answered by its digest (request/reply)."""
+    return f"{PREFIX}.engine.{model}.{instance}.cachesync"
+
+
+def engine_kv_fetch(model: str, instance: str) -> str:
+    """engine -> the engine holding a cached prefix: KvFetch, answered by KvBlocks (request/reply)."""
+    return f"{PREFIX}.engine.{model}.{instance}.kvfetch"
+
+
 def tokenizer_instance(instance: str) -> str:
     """gateway -> one tokenizer instance: a retried or resumed request goes to one known to be live."""
     return f"{PREFIX}.tokenizer.{instance}.generate"

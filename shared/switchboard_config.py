@@ -9,6 +9,26 @@ import msgspec
 from msgspec import Meta, field
 
 
+class RoutingConfig(msgspec.Struct, rename="camel", kw_only=True, forbid_unknown_fields=True):
+    """How a tokenizer picks the engine for a request (``services/tokenizer/routing.py``). With
+    ``ScheduleConfig.enablePrefixCache`` on, the engines announce their prefix caches, and a request's
+    prompt is scored on each engine by the share of its blocks cached there against the engine's load."""
+
+    policy: Literal["load", "cache", "mix"] = "mix"
+    """``load``: the least loaded engine. ``cache``: the engine holding the longest prefix of the prompt
+    (load breaks ties). ``mix``: cacheWeight x (the prompt's share cached there) - loadWeight x (its extra
+    requests over the least loaded engine, per maxLoadGap). All three keep to maxLoadGap."""
+    cache_weight: Annotated[float, Meta(ge=0, le=100)] = 1.0
+    load_weight: Annotated[float, Meta(ge=0, le=100)] = 1.0
+    max_load_gap: Annotated[int, Meta(ge=0, le=100000)] = 4
+    """an engine with this many more requests (running, waiting, just sent) than the least loaded one gets
+    no request for its cache's sake: a shared prefix cannot pile every request onto one engine."""
+    pull_min_tokens: Annotated[int, Meta(ge=0, le=1048576)] = 256
+    """when the chosen engine lacks at least this many prompt tokens that another engine holds, it pulls
+    them from there over the bus (if its measured pull rate beats its prefill rate) instead of computing
+    them; 0 = never pull."""
+
+
 class SwitchboardConfig(msgspec.Struct, rename="camel", kw_only=True, forbid_unknown_fields=True):
     """Keys MindIE lacks: the bus, the torch device, observability. A key this section does not know is an
     error (a misspelt key would otherwise change nothing in silence)."""
@@ -83,6 +103,8 @@ class SwitchboardConfig(msgspec.Struct, rename="camel", kw_only=True, forbid_unk
     # 429 in the family's shape, while a flood of idle or slow sockets cannot exhaust file descriptors.
     max_connections: Annotated[int, Meta(ge=1, le=65536)] = 4096
     """open connections per listener; beyond it a new connection gets 503 (and is closed) on its request."""
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    """request routing across engines: by load, by what their prefix caches hold, or a mix (RoutingConfig)."""
     lease_seconds: Annotated[float, Meta(ge=0.5, le=60.0)] = 2.0
     """an engine, tokenizer or gateway instance not heard from this long is dead for every other one;
     heartbeats go out four times per lease."""

@@ -13,23 +13,15 @@ or past ``seq.num_computed``, which lie in blocks it took fresh.
 
 from __future__ import annotations
 
-import hashlib
 from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable
 
 from services.engine.sequence import Sequence
+from shared.prefix_hash import block_hash, matchable_blocks
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     return (num_tokens + block_size - 1) // block_size
-
-
-def block_hash(parent: bytes, token_ids: list[int]) -> bytes:
-    """The key of a full block after the block keyed ``parent`` (b"" for the first block).
-
-    A cryptographic hash: Python's ``hash()`` collides on purpose-made inputs, and a collision
-    would hand one request another's cached K/V."""
-    return hashlib.blake2b(parent + repr(token_ids).encode(), digest_size=16).digest()
 
 
 class BlockManager:
@@ -44,6 +36,8 @@ class BlockManager:
         self._cached: dict[bytes, int] = {}  # key -> block
         self.prefix_queried_tokens = 0  # tokens of admitted sequences that were looked up
         self.prefix_hit_tokens = 0  # of those, tokens found cached
+        self._journal: dict[bytes, bool] = {}  # keys that entered (True) or left (False) the cache since taken
+        self._key_xor = 0  # the XOR of every cached key: with their count, what a router's view must match
 
     @property
     def num_free(self) -> int:
@@ -88,7 +82,7 @@ class BlockManager:
         if not self.enable_prefix_cache or seq.wants_prompt_logprobs:  # its prompt's logits are needed
             return []
         hits = []
-        for key in self._hashes(seq, (len(seq) - 1) // self.block_size):
+        for key in self._hashes(seq, matchable_blocks(len(seq), self.block_size)):
             block = self._cached.get(key)
             if block is None:
                 break
@@ -128,8 +122,13 @@ class BlockManager:
         for i in range(first, end):
             block = seq.block_table[i]
             if keys[i] not in self._cached and block not in self._hash_of:
-                self._cached[keys[i]] = block
-                self._hash_of[block] = keys[i]
+                self._cache(keys[i], block)
+
+    def _cache(self, key: bytes, block: int) -> None:
+        self._cached[key] = block
+        self._hash_of[block] = key
+        self._journal[key] = True
+        self._key_xor ^= int.from_bytes(key, "big")
 
     # ---- release ----------------------------------------------------------------------------
 
@@ -161,8 +160,56 @@ class BlockManager:
         if self._pool:
             return self._pool.popleft()
         block, _ = self._evictable.popitem(last=False)
-        del self._cached[self._hash_of.pop(block)]
+        key = self._hash_of.pop(block)
+        del self._cached[key]
+        self._journal[key] = False
+        self._key_xor ^= int.from_bytes(key, "big")
         return block
+
+    # ---- the cache across engines (fleet routing, prefix pulls) --------------------------------
+
+    def take_journal(self) -> tuple[list[bytes], list[bytes]]:
+        """The keys that entered and that left the cache since the last call (a key's last change wins)."""
+        journal, self._journal = self._journal, {}
+        return [k for k, stored in journal.items() if stored], [k for k, stored in journal.items() if not stored]
+
+    def checksum(self) -> tuple[int, bytes]:
+        """How many keys the cache holds and their XOR (shared.prefix_hash.checksum of ``cached_keys()``)."""
+        return len(self._cached), self._key_xor.to_bytes(16, "big")
+
+    def cached_keys(self) -> list[bytes]:
+        """Every key the cache holds now (an engine's digest)."""
+        return list(self._cached)
+
+    def cached_run(self, keys: list[bytes]) -> list[int]:
+        """The blocks of the leading ``keys`` the cache holds, up to the first it lacks."""
+        run = []
+        for key in keys:
+            block = self._cached.get(key)
+            if block is None:
+                break
+            run.append(block)
+        return run
+
+    def import_prefix(self, keys: list[bytes], chunks: list[bytes], write, reserve: int = 0) -> int:
+        """Cache K/V received for the blocks keyed ``keys`` (a prefix chain: ``chunks[i]`` is block ``keys[i]``'s,
+        written into a free block by ``write(block, chunk)``), keeping ``reserve`` blocks free for the request
+        that follows. Keys cached already are skipped; the rest go in as evictable blocks, used last. The
+        number of leading keys now cached."""
+        held = [self._take(block) for block in self.cached_run(keys)]  # the chain's head stays while its tail comes
+        room = max(0, self.num_free - reserve)
+        for key, chunk in list(zip(keys, chunks))[len(held):]:
+            block = self._cached.get(key)  # a later block may be cached while an earlier one was evicted
+            if block is None:
+                if room == 0 or chunk is None:  # None: a block this engine held when the pull began
+                    break
+                block, room = self._pop_free(), room - 1
+                write(block, chunk)
+                self._cache(key, block)
+            held.append(self._take(block))
+        for block in reversed(held):
+            self._release(block)
+        return len(held)
 
     # ---- for tests --------------------------------------------------------------------------
 

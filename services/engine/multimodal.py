@@ -17,7 +17,6 @@ every server (fetching, decoding, resizing, tiling, normalising), which scales o
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import Callable
@@ -26,6 +25,7 @@ import torch
 from torch import nn
 
 from shared.messages import MediaInputs, Tensor
+from shared.prefix_hash import media_salt
 
 
 @dataclass(frozen=True)
@@ -198,4 +198,4 @@ def from_wire(t: Tensor) -> torch.Tensor:
 
 def salt(media: MediaInputs | None) -> bytes:
     """Prefix-cache salt of a request's media: K/V after an image are that image's own."""
-    return b"" if media is None else hashlib.blake2b(media.digest.encode(), digest_size=16).digest()
+    return b"" if media is None else media_salt(media.digest)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import uuid
 from typing import Any
@@ -17,6 +18,7 @@ from nats.aio.msg import Msg as NatsMsg
 from services.engine.adapters import AdapterControl
 from services.engine.devices import kv_budget_bytes, resolve_device
 from services.engine.engine import Engine
+from services.engine.fleet import FleetCache
 from services.engine.graphs import GraphPlan
 from services.engine.pd import KvLink, Moved
 from services.engine.model_runner import ModelRunner
@@ -117,7 +119,8 @@ class EngineService:
         self.roles = decoder(EngineRole)
         sb = cfg.switchboard
         self.kv_link = KvLink(nc, self.model, self.instance, sb.lease_seconds, sb.kv_trans_timeout_seconds)
-        self.transfers: set[asyncio.Task] = set()  # handoffs and a grammar warm-up under way (referenced until done)
+        self.transfers: set[asyncio.Task] = set()  # handoffs, pulls and a grammar warm-up under way (referenced until done)
+        self.fleet = FleetCache(nc, self.model, self.instance, engine, stepper, sb.kv_trans_timeout_seconds)
 
     async def start(self) -> None:
         await bus.subscribe(self.nc, subjects.engine_generate(self.model), self.on_request,
@@ -130,6 +133,7 @@ class EngineService:
         await self.adapters.start()
         await self.kv_link.start()
         await bus.subscribe(self.nc, subjects.engine_kv(self.model, self.instance), self.on_kv_part)
+        await self.fleet.start()
 
     async def announce(self) -> None:
         await bus.publish(self.nc, subjects.engine_heartbeat(self.model), self.info())
@@ -163,13 +167,30 @@ class EngineService:
         if req.id in self.cancelled:
             return  # its client is gone already
         self.track(req)
+        if self.fleet.wants_pull(req):
+            self._background(self._after_pull(req))
+            return
+        self._admit(req)
+
+    def _admit(self, req: EngineRequest) -> None:
         if req.sampling.grammar is not None and not self.engine.constraints.ready:
-            task = asyncio.ensure_future(self._after_warming(req))  # not on the step, nor on this callback
-            self.transfers.add(task)
-            task.add_done_callback(self.transfers.discard)
+            self._background(self._after_warming(req))  # not on the step, nor on this callback
             return
         self.engine.add_request(req)
         self.wake.set()
+
+    def _background(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self.transfers.add(task)
+        task.add_done_callback(self.transfers.discard)
+
+    async def _after_pull(self, req: EngineRequest) -> None:
+        """First the prefix the router says another engine holds (fleet.py), then the request as any other."""
+        await self.fleet.pull(req)
+        if req.id in self.cancelled:
+            self.drop(req.id, **{"switchboard.finish_reason": "cancelled"})
+            return
+        self._admit(req)
 
     async def _after_warming(self, req: EngineRequest) -> None:
         """The first constrained request waits (alone) while the grammar engine reads the tokenizer. Should
@@ -203,9 +224,7 @@ class EngineService:
     def start_handoffs(self) -> None:
         """Send on the requests the last step finished prefilling (prefill role)."""
         for handoff in self.engine.take_handoffs():
-            task = asyncio.ensure_future(self._hand_off(handoff))
-            self.transfers.add(task)
-            task.add_done_callback(self.transfers.discard)
+            self._background(self._hand_off(handoff))
 
     async def _hand_off(self, handoff) -> None:
         outcome = await self.kv_link.hand_off(handoff)
@@ -278,7 +297,12 @@ class EngineService:
             prefix_hit_tokens_total=self.engine.blocks.prefix_hit_tokens,
             adapters=runner.lora.listed(), unloading=runner.lora.unloading(), adapters_version=runner.lora.version,
             modalities=runner.modalities, role=self.role, device_index=self.cfg.switchboard.device_index,
+            block_size=runner.block_size, pid=os.getpid(), **self._cache_state(),
         )
+
+    def _cache_state(self) -> dict:
+        seq, count, xor = self.fleet.state
+        return {"cache_seq": seq, "cache_count": count, "cache_xor": xor} if self.fleet.enabled else {}
 
     async def run(self, stop: asyncio.Event) -> None:
         """Step while there is work; sleep on ``wake`` otherwise."""
@@ -307,10 +331,19 @@ class EngineService:
 
     async def _step(self) -> list[TokenEvent]:
         try:
-            return await asyncio.get_running_loop().run_in_executor(self.stepper, self.engine.step)
+            events, cache = await asyncio.get_running_loop().run_in_executor(self.stepper, self._step_job)
         except Exception as exc:  # last resort: per-request failures are isolated inside the step
             log.exception("engine step failed")
             return self.engine.fail_all(f"engine failure: {exc}")
+        await self.fleet.announce(cache)
+        return events
+
+    def _step_job(self):
+        """One step on the engine's thread; its prefill rate measured and its cache changes taken (fleet.py)."""
+        started, before = time.perf_counter(), self.engine.stats.prompt_tokens
+        events = self.engine.step()
+        self.fleet.measure_step(self.engine.stats.prompt_tokens - before, time.perf_counter() - started)
+        return events, self.fleet.journal()
 
     async def _wait(self, stop: asyncio.Event, timeout: float | None = None) -> None:
         waiters = [asyncio.ensure_future(self.wake.wait()), asyncio.ensure_future(stop.wait())]

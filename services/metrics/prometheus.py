@@ -40,7 +40,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from shared.engines import cache_usage, combined, prefix_hit_rate
 from shared.leases import Leases
-from shared.messages import EngineInfo, Finished, FinishReason, FirstToken, KvTransferred, MetricsEvent, Queued, Received
+from services.metrics.fleet import FleetMetrics
+from shared.messages import (EngineInfo, Finished, FinishReason, FirstToken, KvTransferred, MetricsEvent, PrefixPulled,
+                             Queued, Received, Routed)
 
 KV_BYTES_BUCKETS = tuple(float(1 << k) for k in range(16, 33, 2))  # 64 KiB .. 4 GiB
 KV_SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -107,6 +109,7 @@ class PrometheusMetrics:
         self._sums = {field: 0 for _, field in self._counted}  # what every instance counted, together
         self._samples: list[tuple[float, int, int]] = []  # (time, prompt total, generation total)
         self._succeeded = self._failed = 0
+        self.fleet = FleetMetrics(model, r)
         r.register(PerEngine(self))
 
     def observe(self, event: MetricsEvent) -> None:
@@ -123,6 +126,10 @@ class PrometheusMetrics:
             self.kv_seconds.labels(m).observe(event.seconds)
         elif isinstance(event, Finished):
             self._finished(event)
+        elif isinstance(event, Routed):
+            self.fleet.routed(event)
+        elif isinstance(event, PrefixPulled):
+            self.fleet.pulled_prefix(event)
 
     def _finished(self, event: Finished) -> None:
         m, reason = self.model, FinishReason(event.finish_reason)  # as decoded (a str from a caller in process)
@@ -150,6 +157,7 @@ class PrometheusMetrics:
         for counter, field in self._counted:
             self._advance(counter, field, getattr(before, field, 0), getattr(info, field))
         self._rates(self.clock())
+        self.fleet.engines(self.live_engines())
 
     def _advance(self, counter: Counter, field: str, last: int, total: int) -> None:
         """Add what one instance's counter grew by (an instance without an id that restarted restarts at 0)."""

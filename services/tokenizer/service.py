@@ -26,7 +26,7 @@ from services.tokenizer.detokenizer import IncrementalDecoder, StopMatcher
 from services.tokenizer import counting
 from services.tokenizer.encoder import check_media_prompt, check_token_ids, encode_prompt
 from services.tokenizer.media.multimodal import MediaProcessor
-from services.tokenizer.routing import EngineRouter
+from services.tokenizer.routing import Choice, EngineRouter
 from services.tokenizer.tools import tool_format
 from shared import bus, subjects, telemetry
 from shared.config import Config
@@ -45,6 +45,7 @@ from shared.messages import (
     Heartbeat,
     MediaInputs,
     Output,
+    Routed,
     Started,
     TokenBatch,
     TokenEvent,
@@ -57,6 +58,8 @@ from shared.messages import (
     decoder,
     encode,
 )
+from shared.fleet_messages import CacheEvents, CacheSync
+from shared.prefix_hash import chain, matchable_blocks, media_salt
 from shared.tombstones import Tombstones
 
 log = logging.getLogger("switchboard.tokenizer")
@@ -94,7 +97,11 @@ class TokenizerService:
         self.model = cfg.model.model_name
         self.instance = uuid.uuid4().hex[:12]
         self.inbox = subjects.tokens_inbox(self.instance)
-        self.router = EngineRouter(cfg.switchboard.lease_seconds)
+        sc = cfg.schedule
+        self.router = EngineRouter(cfg.switchboard.lease_seconds, cfg.switchboard.routing,
+                                   sc.cache_block_size if sc.enable_prefix_cache else 0)
+        self.cache_events = decoder(CacheEvents)
+        self.syncing: dict[str, asyncio.Task] = {}  # engine -> its cache digest being fetched
         self.gateways: Leases[Heartbeat] = Leases(cfg.switchboard.lease_seconds)
         self.pending: dict[str, Pending] = {}
         self.cancelled = Tombstones()  # cancels that came before their request
@@ -119,6 +126,8 @@ class TokenizerService:
         await bus.subscribe(self.nc, self.inbox, self.on_tokens)
         await bus.subscribe(self.nc, subjects.CANCEL, self.on_cancel)
         await bus.subscribe(self.nc, subjects.engine_heartbeat(self.model), self.on_engine_heartbeat)
+        if self.router.by_cache:
+            await bus.subscribe(self.nc, subjects.engine_cache(self.model), self.on_cache_events)
         await bus.subscribe(self.nc, subjects.heartbeat("gateway"), self.on_gateway_heartbeat)
 
     # ---- liveness ---------------------------------------------------------------------------
@@ -153,7 +162,38 @@ class TokenizerService:
         return sb.lease_seconds if time.monotonic() - self.view_since < 2 * sb.lease_seconds else sb.heartbeat_s
 
     async def on_engine_heartbeat(self, msg: NatsMsg) -> None:
-        self.router.heartbeat(self.engine_beats.decode(msg.data))
+        info = self.engine_beats.decode(msg.data)
+        if self.router.heartbeat(info):
+            self.sync_cache(info.instance)
+
+    # ---- the engines' prefix caches (routing.py, cache_views.py) ----------------------------------
+
+    async def on_cache_events(self, msg: NatsMsg) -> None:
+        events = self.cache_events.decode(msg.data)
+        if self.router.caches.apply(events):
+            self.sync_cache(events.instance)
+
+    def sync_cache(self, instance: str) -> None:
+        """Ask the engine for its digest (one request at a time per engine)."""
+        if instance not in self.syncing:
+            self.syncing[instance] = asyncio.ensure_future(self._sync(instance))
+
+    async def _sync(self, instance: str) -> None:
+        try:
+            reply = await self.nc.request(subjects.engine_cache_sync(self.model, instance),
+                                          encode(CacheSync(router=self.instance)), timeout=self.cfg.switchboard.lease_seconds)
+            self.router.caches.apply(self.cache_events.decode(reply.data))
+        except Exception as exc:  # noqa: BLE001 - a dead or busy engine: its next heartbeat asks again
+            log.debug("cache digest not received", extra={"engine": instance, "error": repr(exc)})
+        finally:
+            self.syncing.pop(instance, None)
+
+    def prefix_keys(self, req: GenerateRequest, ids: list[int], media: MediaInputs | None) -> list[bytes] | None:
+        """The prompt's matchable block keys, as the engines key their caches (None: route by load)."""
+        size = self.router.block_size
+        if not self.router.by_cache or req.adapter or req.sampling.prompt_logprobs is not None:
+            return None
+        return chain(ids, size, media_salt(media.digest) if media is not None else b"", matchable_blocks(len(ids), size))
 
     async def on_gateway_heartbeat(self, msg: NatsMsg) -> None:
         beat = self.beats.decode(msg.data)
@@ -191,7 +231,8 @@ class TokenizerService:
             if media is not None:  # fetching, decoding and the processor, for the trace
                 span.set_attribute("switchboard.media_items", sum(p.media is not None for p in req.parts))
                 span.set_attribute("switchboard.media_prepare_ms", round((time.perf_counter() - started) * 1000, 1))
-            engine = await self.choose_engine(req.adapter)
+            choice = await self.choose_engine(req.adapter, self.prefix_keys(req, ids, media))
+            engine = choice.engine
         except SwitchboardError as exc:
             telemetry.end_span(span, exc.message)
             await bus.publish(self.nc, req.reply_to, Failed(id=req.id, error=exc.info))
@@ -202,6 +243,8 @@ class TokenizerService:
         engine_request = self.engine_request(req, ids, seed, media)
         engine_request.trace = telemetry.inject(span)
         engine_request.handoff = media is None and not req.adapter and self.router.hands_off(engine)
+        engine_request.pull_from = choice.pull_from
+        await self.routed(span, len(ids), choice)
         self.pending[req.id].engine = engine
         if media is not None and (error := self.too_large(engine_request)):
             await self._end(req.id, error.message)
@@ -217,20 +260,31 @@ class TokenizerService:
         return ErrorInfo(ErrorKind.TOO_LARGE, f"the request's preprocessed media are {size / MB:.1f} MB, more than "
                                               f"a bus message's limit of {limit / MB:.1f} MB: send fewer or smaller media")
 
-    async def choose_engine(self, adapter: str = "") -> str:
+    async def routed(self, span, prompt_tokens: int, choice: Choice) -> None:
+        """The decision on the request's span and in the metrics."""
+        size = self.router.block_size
+        span.set_attribute("switchboard.engine", choice.engine)
+        span.set_attribute("switchboard.expected_hit_tokens", choice.hit_blocks * size)
+        if choice.pull_from:
+            span.set_attribute("switchboard.pull_from", choice.pull_from)
+        await bus.publish(self.nc, subjects.METRICS_EVENTS, Routed(
+            model=self.model, engine=choice.engine, prompt_tokens=prompt_tokens, hit_tokens=choice.hit_blocks * size,
+            best_hit_tokens=choice.best_blocks * size, load_gap=choice.load_gap, pulled=bool(choice.pull_from)))
+
+    async def choose_engine(self, adapter: str = "", keys: list[bytes] | None = None) -> Choice:
         """The least loaded live engine (one with the LoRA ``adapter``, when one is named). When none is live,
         wait ``engine_patience()`` for one to be heard, then raise UNAVAILABLE. When engines serve but none
         lists the adapter, raise NOT_FOUND after one heartbeat interval: the gateway admitted it on a heartbeat
         listing it, which may reach this process a moment later."""
         start = time.monotonic()
         deadline = start + self.engine_patience()
-        while (engine := self.router.choose(adapter)) is None:
+        while (choice := self.router.choose(adapter, keys)) is None:
             if adapter and self.router.serving() and time.monotonic() - start >= self.cfg.switchboard.heartbeat_s:
                 raise SwitchboardError(ErrorKind.NOT_FOUND, f"LoRA adapter '{adapter}' is not loaded")
             if time.monotonic() >= deadline:
                 raise SwitchboardError(ErrorKind.UNAVAILABLE, f"no engine is serving model {self.model}")
             await asyncio.sleep(0.05)
-        return engine
+        return choice
 
     def pending_state(self, req: GenerateRequest, ids: list[int], span) -> Pending:
         """A new request's detokenizer state; a resumed one's rebuilt from the tokens its client has."""
