@@ -34,10 +34,14 @@ def smol_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, smol_dir) -> Path:
     """A 2-layer, hidden-64 random-weight Llama with SmolLM2's tokenizer: fast plumbing, noise text."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), smol_dir)
+
+
+def make_tiny_model(path: Path, smol_dir: Path = SMOL_DIR) -> Path:
+    """The tiny random Llama of ``tiny_model_dir``, written into ``path`` (benchmarks use it too)."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    path = tmp_path_factory.mktemp("tiny-llama")
     tokenizer = AutoTokenizer.from_pretrained(smol_dir)
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,

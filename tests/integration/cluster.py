@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import httpx
+import nats
 
+from shared import subjects
+from shared.messages import EngineInfo, MetricsEvent, PrefixPulled, Routed, decoder
 from switchboard.natsd import EmbeddedNats, die_with_parent, wait_for_port
 from switchboard.runner import READY_LINE
 from tests.conftest import write_config
@@ -89,3 +94,44 @@ class Cluster:
                 proc.kill()
                 proc.wait()
         self.nats.stop()
+
+
+class FleetListener:
+    """Routed and PrefixPulled events and the engines' heartbeats, heard on the cluster's nats-server."""
+
+    def __init__(self, url: str, model: str):
+        self.url, self.model = url, model
+        self.routed: list[Routed] = []
+        self.pulled: list[PrefixPulled] = []
+        self.engines: dict[str, EngineInfo] = {}
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(30)
+
+    async def _start(self) -> None:
+        self.nc = await nats.connect(self.url, max_reconnect_attempts=-1)
+        events, beats = decoder(MetricsEvent), decoder(EngineInfo)
+
+        async def on_event(msg):
+            event = events.decode(msg.data)
+            if isinstance(event, Routed):
+                self.routed.append(event)
+            elif isinstance(event, PrefixPulled):
+                self.pulled.append(event)
+
+        async def on_beat(msg):
+            info = beats.decode(msg.data)
+            self.engines[info.instance] = info
+
+        await self.nc.subscribe(subjects.METRICS_EVENTS, cb=on_event)
+        await self.nc.subscribe(subjects.engine_heartbeat(self.model), cb=on_beat)
+
+    def prefix_counters(self) -> tuple[int, int]:
+        """Prompt tokens found in the engines' prefix caches and prompt tokens looked up, all engines heard."""
+        engines = list(self.engines.values())
+        return (sum(e.prefix_hit_tokens_total for e in engines), sum(e.prefix_queried_tokens_total for e in engines))
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.nc.close(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)

@@ -11,61 +11,18 @@ events, and each engine's process from its heartbeat (``pid``)."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import nats
 import pytest
 
-from shared import subjects
-from shared.messages import EngineInfo, MetricsEvent, PrefixPulled, Routed, decoder
-from tests.integration.cluster import Cluster
+from shared.messages import Routed
+from tests.integration.cluster import Cluster, FleetListener
 
 BLOCK = 16
 HISTORY = 12 * BLOCK + 5  # a first turn's prompt: 12 full blocks
-
-
-class Listener:
-    """Routed and PrefixPulled events and the engines' heartbeats, heard on the cluster's nats-server."""
-
-    def __init__(self, url: str, model: str):
-        self.url, self.model = url, model
-        self.routed: list[Routed] = []
-        self.pulled: list[PrefixPulled] = []
-        self.engines: dict[str, EngineInfo] = {}
-        self.loop = asyncio.new_event_loop()
-        self.ready = threading.Event()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(30)
-
-    async def _start(self) -> None:
-        self.nc = await nats.connect(self.url, max_reconnect_attempts=-1)
-        events, beats = decoder(MetricsEvent), decoder(EngineInfo)
-
-        async def on_event(msg):
-            event = events.decode(msg.data)
-            if isinstance(event, Routed):
-                self.routed.append(event)
-            elif isinstance(event, PrefixPulled):
-                self.pulled.append(event)
-
-        async def on_beat(msg):
-            info = beats.decode(msg.data)
-            self.engines[info.instance] = info
-
-        await self.nc.subscribe(subjects.METRICS_EVENTS, cb=on_event)
-        await self.nc.subscribe(subjects.engine_heartbeat(self.model), cb=on_beat)
-
-    def instance_of(self, pid: int) -> str:
-        return next(i for i, e in self.engines.items() if e.pid == pid)
-
-    def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.nc.close(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +33,7 @@ def fleet(tmp_path_factory, tiny_model_dir):
     try:
         cluster.wait_ready()
         model = httpx.get(cluster.base + "/v1/models", timeout=10).json()["data"][0]["id"]
-        listener = Listener(cluster.url, model)
+        listener = FleetListener(cluster.url, model)
         deadline = time.monotonic() + 30
         while len(listener.engines) < 2:
             assert time.monotonic() < deadline, "the engines' heartbeats were not heard"
@@ -190,3 +147,16 @@ def test_a_burst_sharing_one_prefix_is_spread(fleet):
     engines = [r.engine for r in fleet.listener.routed[before:]]
     assert len(engines) == 8 and len(set(engines)) == 2
     assert max(engines.count(e) for e in set(engines)) <= 5
+
+
+def test_routing_and_pulls_are_in_the_metrics(fleet):
+    port = json.loads(fleet.config.read_text())["ServerConfig"]["metricsPort"]
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    label = f'model_name="{fleet.model}"'
+    assert values[f'route_decisions_total{{{label},outcome="cache"}}'] >= 4
+    assert values[f'route_decisions_total{{{label},outcome="pull"}}'] >= 2
+    assert values[f"route_hit_tokens_total{{{label}}}"] >= 4 * 12 * BLOCK
+    assert values[f"prefix_pull_tokens_total{{{label}}}"] >= 2 * 4 * BLOCK
+    assert values[f"engine_load_imbalance{{{label}}}"] >= 1.0
