@@ -105,7 +105,12 @@ class FleetCache:
     # ---- holding ----------------------------------------------------------------------------------
 
     async def on_fetch(self, msg: NatsMsg) -> None:
-        await bus.respond(msg, await self._on_stepper(self._export, self.fetches.decode(msg.data)))
+        try:
+            answer = await self._on_stepper(self._export, self.fetches.decode(msg.data))
+        except Exception as exc:  # noqa: BLE001 - the asker computes instead, at once rather than at its timeout
+            log.exception("prefix fetch failed")
+            answer = KvBlocks(error=f"the holder could not read the blocks: {exc!r}")
+        await bus.respond(msg, answer)
 
     def _export(self, fetch: KvFetch) -> KvBlocks:
         runner = self.engine.runner

@@ -75,9 +75,9 @@ class KvCache:
         """Block ``block`` of every layer: K then V ``[2, layers, kv_heads, block_size, head_dim]``, then (int8)
         their scales ``[2, layers, kv_heads, block_size]``."""
         span = slice(block * block_size, (block + 1) * block_size)
-        data = torch.stack([self.k[:, :, span], self.v[:, :, span]]).contiguous().cpu().numpy().tobytes()
+        data = _raw(torch.stack([self.k[:, :, span], self.v[:, :, span]]))
         if self.quantized:
-            data += torch.stack([self.k_scale[:, :, span], self.v_scale[:, :, span]]).contiguous().cpu().numpy().tobytes()
+            data += _raw(torch.stack([self.k_scale[:, :, span], self.v_scale[:, :, span]]))
         return data
 
     def write_block(self, block: int, block_size: int, data: bytes) -> None:
@@ -90,6 +90,11 @@ class KvCache:
         if self.quantized:
             scales = torch.frombuffer(bytearray(data[codes:]), dtype=SCALE_DTYPE).view(2, layers, heads, block_size)
             self.k_scale[:, :, span], self.v_scale[:, :, span] = scales[0], scales[1]
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    """A tensor's bytes in its own dtype (as bytes: numpy has no bfloat16)."""
+    return t.contiguous().cpu().view(torch.uint8).numpy().tobytes()
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -160,3 +160,30 @@ def test_a_dead_or_restarted_engine_is_not_credited():
     assert "a" not in r.caches.views and r.choose("", KEYS).engine == "b"
     r.heartbeat(beat("a2"))  # a restarted engine is a new instance with an empty view
     assert r.caches.hit_blocks("a2", KEYS) == 0
+
+
+# ---- a block's bytes, in every cache dtype ----------------------------------------------------------
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from services.engine.kv_cache import KvCache  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype, kv_dtype", [(torch.float32, "auto"), (torch.bfloat16, "auto"),
+                                             (torch.bfloat16, "int8")])
+def test_a_blocks_bytes_write_back_exactly(dtype, kv_dtype):
+    """What a holder sends (block_bytes) and a puller writes (write_block): bfloat16 has no numpy dtype."""
+    source = KvCache(2, 3, 4 * BLOCK, 8, dtype, kv_dtype, torch.device("cpu"))
+    target = KvCache(2, 3, 4 * BLOCK, 8, dtype, kv_dtype, torch.device("cpu"))
+    torch.manual_seed(0)
+    for t in (source.k, source.v):
+        t.copy_(torch.randn(t.shape).to(t.dtype) if kv_dtype == "auto" else torch.randint(-127, 128, t.shape))
+    if kv_dtype == "int8":
+        source.k_scale.copy_(torch.rand(source.k_scale.shape))
+        source.v_scale.copy_(torch.rand(source.v_scale.shape))
+    target.write_block(2, BLOCK, source.block_bytes(1, BLOCK))
+    span, into = slice(BLOCK, 2 * BLOCK), slice(2 * BLOCK, 3 * BLOCK)
+    assert torch.equal(target.k[:, :, into], source.k[:, :, span]) and torch.equal(target.v[:, :, into], source.v[:, :, span])
+    if kv_dtype == "int8":
+        assert torch.equal(target.k_scale[:, :, into], source.k_scale[:, :, span])
