@@ -122,6 +122,22 @@ async def stream(client: httpx.AsyncClient, base: str, model: str, messages: lis
     return "".join(parts)
 
 
+def final_history_tokens(model_dir: Path, work: Workload) -> int:
+    """A conversation's last prompt plus its answer, by the model's chat template (answers of the right length)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    answer = tok.decode([tok.encode(" river")[-1]] * work.args.answer_tokens)
+    lengths = []
+    for i in range(work.args.conversations):
+        messages = [{"role": "system", "content": SYSTEM}]
+        for k, question in enumerate(work.questions[i]):
+            messages.append({"role": "user", "content": question if k else f"{work.documents[i]}\n\n{question}"})
+            messages.append({"role": "assistant", "content": answer})
+        lengths.append(len(tok(tok.apply_chat_template(messages, tokenize=False), add_special_tokens=False).input_ids))
+    return round(statistics.mean(lengths))
+
+
 def kv_bytes_per_token(model_dir: Path, dtype: str) -> int:
     config = json.loads((model_dir / "config.json").read_text())
     heads = config.get("num_key_value_heads", config["num_attention_heads"])
@@ -199,11 +215,11 @@ def main() -> int:
     work_dir = Path(tempfile.mkdtemp(prefix="fleet-bench-"))
     model_dir = make_tiny_model(work_dir / "tiny") if args.tiny else SMOL_DIR
     work = Workload(args)
-    final_tokens = 1.4 * (len(SYSTEM) / 4 + args.document_words + args.turns * (args.user_words * 1.3 + args.answer_tokens + 12))
+    final_tokens = final_history_tokens(model_dir, work)
     per_token = kv_bytes_per_token(model_dir, args.dtype)
     half_mb = max(16, math.ceil(args.conversations / 2 * final_tokens * per_token / 2**20))
     all_mb = max(16, math.ceil(1.5 * args.conversations * final_tokens * per_token / 2**20))
-    print(f"KV per engine: {half_mb} MiB (about half of {args.conversations} conversations of ~{final_tokens:.0f} "
+    print(f"KV per engine: {half_mb} MiB (about half of {args.conversations} conversations of ~{final_tokens} "
           f"tokens at {per_token} B/token); one engine holding everything: {all_mb} MiB", flush=True)
     deployments = [(f"{args.engines} engines, {policy}", args.engines, half_mb, {"policy": policy})
                    for policy in args.policies.split(",")]

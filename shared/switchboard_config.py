@@ -19,7 +19,10 @@ class RoutingConfig(msgspec.Struct, rename="camel", kw_only=True, forbid_unknown
     (load breaks ties). ``mix``: cacheWeight x (the prompt's share cached there) - loadWeight x (its extra
     requests over the least loaded engine, per maxLoadGap). All three keep to maxLoadGap."""
     cache_weight: Annotated[float, Meta(ge=0, le=100)] = 1.0
-    load_weight: Annotated[float, Meta(ge=0, le=100)] = 1.0
+    load_weight: Annotated[float, Meta(ge=0, le=100)] = 0.25
+    """with the defaults, an engine holding the prompt's history is passed over for load only when another holds
+    nearly as much (within a quarter of the prompt per maxLoadGap requests): one more request in a batch costs
+    little next to recomputing a history (bench/fleet_bench.py measured weight 1 below weight 0.25)."""
     max_load_gap: Annotated[int, Meta(ge=0, le=100000)] = 4
     """an engine with this many more requests (running, waiting, just sent) than the least loaded one gets
     no request for its cache's sake: a shared prefix cannot pile every request onto one engine."""

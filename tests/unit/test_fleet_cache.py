@@ -118,9 +118,13 @@ def test_a_shared_prefix_does_not_pile_onto_one_engine_past_the_load_gap():
     holding(r, "a", KEYS)
     r.heartbeat(beat("b"))
     engines = [r.choose("", KEYS).engine for _ in range(12)]
-    assert engines[:4] == ["a"] * 3 + ["b"]  # a full hit is worth the whole gap (a tie goes to the less loaded)
+    assert engines[:5] == ["a"] * 4 + ["b"]  # a full hit outweighs the load up to the gap, never past it
+    weighed = EngineRouter(2.0, RoutingConfig(load_weight=1.0, max_load_gap=3), BLOCK)
+    holding(weighed, "a", KEYS)
+    weighed.heartbeat(beat("b"))
+    assert [weighed.choose("", KEYS).engine for _ in range(4)] == ["a"] * 3 + ["b"]  # weight 1: a tie at the gap
     queued = {e: engines.count(e) for e in "ab"}
-    assert abs(queued["a"] - queued["b"]) <= 3 and queued["b"] >= 4
+    assert abs(queued["a"] - queued["b"]) <= 3 + 1 and queued["b"] >= 4  # the gap is checked before each request
 
 
 def test_the_chosen_engine_pulls_a_long_prefix_from_a_busy_holder():
