@@ -195,7 +195,8 @@ def percentile(values: list[float], q: float) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tiny", action="store_true", help="the tiny random Llama instead of SmolLM2-135M")
+    parser.add_argument("--tiny", action="store_true", help="a tiny random Llama (4 layers, hidden 256) instead of "
+                                                            "SmolLM2-135M")
     parser.add_argument("--engines", type=int, default=2)
     parser.add_argument("--cores", type=int, default=2, help="torch threads to share among the engines")
     parser.add_argument("--dtype", default="bfloat16")
@@ -213,7 +214,9 @@ def main() -> int:
     from tests.conftest import SMOL_DIR, make_tiny_model
 
     work_dir = Path(tempfile.mkdtemp(prefix="fleet-bench-"))
-    model_dir = make_tiny_model(work_dir / "tiny") if args.tiny else SMOL_DIR
+    # tiny: 4 layers of 4 KV heads of 64 (4 KiB a token in bfloat16), so that half the conversations' K/V is more
+    # than the smallest kvCacheMemoryMb (16 MiB)
+    model_dir = make_tiny_model(work_dir / "tiny", hidden=256, layers=4, heads=4, kv_heads=4) if args.tiny else SMOL_DIR
     work = Workload(args)
     final_tokens = final_history_tokens(model_dir, work)
     per_token = kv_bytes_per_token(model_dir, args.dtype)
@@ -251,7 +254,7 @@ def summary(run: Run) -> str:
 
 def report(args, runs: dict[str, Run], half_mb: int, all_mb: int) -> None:
     model, flags = cpu()
-    name = "tiny random Llama" if args.tiny else "SmolLM2-135M-Instruct"
+    name = "tiny random Llama (4 layers, hidden 256)" if args.tiny else "SmolLM2-135M-Instruct"
     lines = [f"# Fleet prefix cache: {args.engines} engines, {name} (git {git_head()})", "",
              f"CPU: {model}; flags: {' '.join(flags)}",
              f"Workload: {args.conversations} conversations x {args.turns} turns, Poisson starts at {args.rate:g}/s, "

@@ -37,15 +37,16 @@ def tiny_model_dir(tmp_path_factory, smol_dir) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), smol_dir)
 
 
-def make_tiny_model(path: Path, smol_dir: Path = SMOL_DIR) -> Path:
-    """The tiny random Llama of ``tiny_model_dir``, written into ``path`` (benchmarks use it too)."""
+def make_tiny_model(path: Path, smol_dir: Path = SMOL_DIR, hidden: int = 64, layers: int = 2, heads: int = 4,
+                    kv_heads: int = 2) -> Path:
+    """The tiny random Llama of ``tiny_model_dir``, written into ``path`` (benchmarks use it too, some wider)."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(smol_dir)
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
         bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True,
     )
     torch.manual_seed(0)
