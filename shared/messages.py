@@ -300,6 +300,7 @@ class Adapter(msgspec.Struct, omit_defaults=True):
 
     name: str
     path: str
+    salt: bytes = b""  # its weights' digest: the salt of its prefix-cache keys (shared.prefix_hash)
 
 
 class EngineInfo(msgspec.Struct, omit_defaults=True):

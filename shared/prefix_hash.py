@@ -3,8 +3,8 @@ announces them (``CacheEvents``), and the tokenizer's router hashes a request's 
 find which engine holds the longest prefix of it.
 
 A key names a whole prefix: block i's key hashes its tokens chained to block i-1's key, and the first
-block's parent is the request's salt (its media's digest; adapters' K/V are salted by the engine's own
-load of the adapter, so the router does not look those up). A cryptographic hash: Python's ``hash()``
+block's parent is the request's salt: its LoRA adapter's weights digest (``services/engine/lora.py``, listed
+in the engines' heartbeats) followed by its media's digest. A cryptographic hash: Python's ``hash()``
 collides on purpose-made inputs, and a collision would hand one request another's cached K/V.
 """
 

@@ -122,14 +122,15 @@ class FleetCache:
     # ---- pulling ----------------------------------------------------------------------------------
 
     def wants_pull(self, req: EngineRequest) -> bool:
-        return (self.enabled and bool(req.pull_from) and req.pull_from != self.instance and not req.adapter
-                and not req.generated_ids)
+        return (self.enabled and bool(req.pull_from) and req.pull_from != self.instance and not req.generated_ids
+                and (not req.adapter or self.engine.runner.lora.salt(req.adapter) is not None))
 
     async def pull(self, req: EngineRequest) -> None:
         """Bring the prefix of ``req``'s prompt this cache lacks from ``req.pull_from``, within its budget.
         Never raises: whatever does not arrive is computed."""
         size = self.blocks.block_size
-        keys = chain(req.prompt_ids, size, salt(req.media), matchable_blocks(len(req.prompt_ids), size))
+        adapter = self.engine.runner.lora.salt(req.adapter) or b"" if req.adapter else b""
+        keys = chain(req.prompt_ids, size, adapter + salt(req.media), matchable_blocks(len(req.prompt_ids), size))
         have = len(self.blocks.cached_run(keys))
         budget = self.budget((len(keys) - have) * size)
         if budget is None:

@@ -18,8 +18,8 @@ and its slot is freed when the last request holding it ends (``release``).
 
 from __future__ import annotations
 
+import hashlib
 import logging
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,11 +43,25 @@ class Slot:
     offset: int = 0
     users: int = 0  # requests holding it
     unloading: bool = False
-    uid: bytes = field(default_factory=lambda: uuid.uuid4().bytes)  # this load's identity: prefix-cache keys
+    uid: bytes = b""  # its weights' digest: the prefix-cache keys' salt, the same on every engine loading them
+
+    def __post_init__(self):
+        self.uid = self.uid or weights_digest(self.weights)
 
     @property
     def rank(self) -> int:
         return self.weights.rank
+
+
+def weights_digest(weights: AdapterWeights) -> bytes:
+    """A digest of an adapter's matrices as loaded: K/V computed with equal weights are equal, whatever the
+    adapter's name or folder, on any engine; a reload of changed weights gets new keys."""
+    digest = hashlib.blake2b(digest_size=16)
+    for key in sorted(weights.weights):
+        digest.update(repr(key).encode())
+        for matrix in weights.weights[key]:
+            digest.update(matrix.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    return digest.digest()
 
 
 @dataclass
@@ -151,7 +165,12 @@ class LoraSet:
     # dict's values in one step under the GIL.
 
     def listed(self) -> list[Adapter]:
-        return [Adapter(s.name, s.weights.path) for s in list(self.slots.values()) if not s.unloading]
+        return [Adapter(s.name, s.weights.path, s.uid) for s in list(self.slots.values()) if not s.unloading]
+
+    def salt(self, name: str) -> bytes | None:
+        """The prefix-cache salt of the adapter loaded as ``name`` (None when it is not)."""
+        slot = self.slots.get(name)
+        return None if slot is None or slot.unloading else slot.uid
 
     def unloading(self) -> list[str]:
         return [s.name for s in list(self.slots.values()) if s.unloading]

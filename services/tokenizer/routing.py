@@ -5,7 +5,8 @@ The engines' heartbeats (``EngineInfo``: running, waiting, free KV blocks, stopp
 leases; an engine's load is its requests (running, waiting, and those sent to it since its last heartbeat,
 so a burst is spread instead of piling onto one engine). A new engine takes load from its first heartbeat;
 a dead one (lease run out) or a stopping one gets none. A request with a LoRA adapter goes only to an
-engine whose heartbeat lists that adapter; decode-role engines take new requests only when no other does.
+engine whose heartbeat lists that adapter (its blocks salted by the adapter's weights, the same on every
+engine); decode-role engines take new requests only when no other does.
 
 By cache: the request's prompt is hashed into the engines' block keys (``shared.prefix_hash``), and each
 engine within ``maxLoadGap`` requests of the least loaded one is scored by the share of those blocks its
@@ -105,6 +106,12 @@ class EngineRouter:
                 and (hits[holder] - hits[best]) * self.block_size >= policy.pull_min_tokens)
         return Choice(best, hits[best], hits[holder], holder if hits[holder] else "", queued[best] - least,
                       holder if pull else "")
+
+    def adapter_salt(self, adapter: str) -> bytes | None:
+        """The prefix-cache salt of a LoRA adapter (its weights' digest), when the engines serving it agree on
+        one (None: route by load)."""
+        salts = {a.salt for e in self.serving().values() for a in e.adapters if a.name == adapter}
+        return salts.pop() if len(salts) == 1 and b"" not in salts else None
 
     def hands_off(self, instance: str) -> bool:
         """Whether a request sent to ``instance`` should go on on a decode engine: it is a prefill engine

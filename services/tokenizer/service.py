@@ -191,9 +191,11 @@ class TokenizerService:
     def prefix_keys(self, req: GenerateRequest, ids: list[int], media: MediaInputs | None) -> list[bytes] | None:
         """The prompt's matchable block keys, as the engines key their caches (None: route by load)."""
         size = self.router.block_size
-        if not self.router.by_cache or req.adapter or req.sampling.prompt_logprobs is not None:
+        adapter = self.router.adapter_salt(req.adapter) if req.adapter else b""
+        if not self.router.by_cache or adapter is None or req.sampling.prompt_logprobs is not None:
             return None
-        return chain(ids, size, media_salt(media.digest) if media is not None else b"", matchable_blocks(len(ids), size))
+        salt = adapter + (media_salt(media.digest) if media is not None else b"")
+        return chain(ids, size, salt, matchable_blocks(len(ids), size))
 
     async def on_gateway_heartbeat(self, msg: NatsMsg) -> None:
         beat = self.beats.decode(msg.data)

@@ -160,3 +160,25 @@ def test_routing_and_pulls_are_in_the_metrics(fleet):
     assert values[f"route_hit_tokens_total{{{label}}}"] >= 4 * 12 * BLOCK
     assert values[f"prefix_pull_tokens_total{{{label}}}"] >= 2 * 4 * BLOCK
     assert values[f"engine_load_imbalance{{{label}}}"] >= 1.0
+
+
+def test_an_adapters_conversation_goes_to_the_engine_holding_it(fleet, tiny_model_dir, tmp_path):
+    from tests.lora_adapters import make_adapter
+
+    adapter = make_adapter(tiny_model_dir, tmp_path / "x", seed=3, r=4, alpha=8)
+    reply = httpx.post(fleet.mgmt + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(adapter)},
+                       timeout=120)
+    assert reply.status_code == 200, reply.text
+    deadline = time.monotonic() + 10
+    while sum(any(a.name == "x" for a in e.adapters) for e in fleet.listener.engines.values()) < 2:
+        assert time.monotonic() < deadline, "the engines do not list the adapter"
+        time.sleep(0.1)
+    salts = {a.salt for e in fleet.listener.engines.values() for a in e.adapters if a.name == "x"}
+    assert len(salts) == 1 and len(salts.pop()) == 16  # its weights' digest, the same on both engines
+    history = conversation(40)
+    first, _ = turn(fleet, history, model="x")
+    settled(fleet)
+    second, _ = turn(fleet, history + [11, 12, 13], model="x")
+    assert second.engine == first.engine and second.hit_tokens >= 12 * BLOCK
+    base, _ = turn(fleet, history + [11, 12, 13])  # the base model's blocks of the same tokens are other blocks
+    assert base.best_hit_tokens == 0

@@ -191,3 +191,23 @@ def test_a_blocks_bytes_write_back_exactly(dtype, kv_dtype):
     assert torch.equal(target.k[:, :, into], source.k[:, :, span]) and torch.equal(target.v[:, :, into], source.v[:, :, span])
     if kv_dtype == "int8":
         assert torch.equal(target.k_scale[:, :, into], source.k_scale[:, :, span])
+
+
+def test_an_adapters_salt_is_its_weights_digest_the_same_on_every_engine():
+    from services.engine.lora import weights_digest
+    from services.engine.lora_files import AdapterWeights
+    from shared.messages import Adapter
+
+    torch.manual_seed(1)
+    matrices = {(0, "q_proj"): (torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(8, 4, dtype=torch.bfloat16))}
+    same = AdapterWeights("/a", 4, {k: (a.clone(), b.clone()) for k, (a, b) in matrices.items()})
+    other = AdapterWeights("/b", 4, {k: (a.clone(), b * 2) for k, (a, b) in matrices.items()})
+    salt = weights_digest(AdapterWeights("/a", 4, matrices))
+    assert weights_digest(same) == salt != weights_digest(other) and len(salt) == 16
+    r = router()
+    for instance in ("a", "b"):
+        info = beat(instance)
+        info.adapters = [Adapter("x", "/a", salt), Adapter("y", f"/{instance}", weights_digest(same if instance == "a"
+                                                                                               else other))]
+        r.heartbeat(info)
+    assert r.adapter_salt("x") == salt and r.adapter_salt("y") is None and r.adapter_salt("z") is None
