@@ -166,6 +166,7 @@ class TokenEvent(msgspec.Struct, omit_defaults=True):
     logprobs: list[TokenLogprob] = []  # one per token id when the request asked for them
     position: int = 0  # how many tokens the request had generated before these
     prompt_logprobs: list[TokenLogprob | None] = []  # with the first token, when asked: one per prompt token (the first None)
+    cached_tokens: int = 0  # with the first token: prompt tokens found in the prefix cache (not computed)
 
 
 class TokenBatch(msgspec.Struct, omit_defaults=True):
@@ -211,6 +212,7 @@ class Output(Msg, tag="output"):
     finish_reason: FinishReason | None = None  # set on the last event
     generated_tokens: int = 0
     stop: str = ""  # finish_reason stop_sequence: the stop string that ended it (Anthropic's stop_sequence)
+    cached_tokens: int = 0  # with the first token: prompt tokens the engine found in its prefix cache
 
 
 class Failed(Msg, tag="failed"):

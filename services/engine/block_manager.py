@@ -72,6 +72,8 @@ class BlockManager:
         fresh = [self._take(self._pop_free()) for _ in range(blocks_for(num_tokens, self.block_size) - len(hits))]
         seq.block_table = hits + fresh
         seq.num_computed = len(hits) * self.block_size
+        if seq.cached_tokens is None:
+            seq.cached_tokens = seq.num_computed
         if self.enable_prefix_cache:
             self.prefix_queried_tokens += len(seq)
             self.prefix_hit_tokens += seq.num_computed

@@ -205,6 +205,8 @@ class Engine:
             event = TokenEvent(seq.id, [drawn.token_id], None, position=seq.num_generated - 1)
             if drawn.logprob is not None:
                 event.logprobs = [drawn.logprob]
+            if event.position == 0:
+                event.cached_tokens = seq.cached_tokens or 0
             if seq.wants_prompt_logprobs and event.position == 0:
                 event.prompt_logprobs = [seq.prompt_logprobs.get(p) for p in range(len(seq.prompt_ids))]
                 seq.wants_prompt_logprobs, seq.prompt_logprobs = False, {}  # sent: a recompute need not redo them

@@ -43,6 +43,7 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0  # leading token_ids whose K/V are in block_table's blocks
+    cached_tokens: int | None = None  # prompt tokens its first allocation found in the prefix cache
     block_hashes: list[bytes] = field(default_factory=list, repr=False)  # prefix-cache keys of its first full blocks
     status: Status = Status.WAITING
     num_preemptions: int = 0

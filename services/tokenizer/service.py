@@ -365,7 +365,8 @@ class TokenizerService:
             await self._end(req.id, cancel=CancelKind.STOP_SEQUENCE if stopped and not event.finish_reason else None,
                             **{"switchboard.finish_reason": str(finish), "switchboard.generated_tokens": state.generated})
         out = Output(id=req.id, position=position, tokens=tokens, finish_reason=finish,
-                     generated_tokens=state.generated, stop=state.stops.matched if stopped else "")
+                     generated_tokens=state.generated, stop=state.stops.matched if stopped else "",
+                     cached_tokens=event.cached_tokens)
         if event.prompt_logprobs and len(event.prompt_logprobs) == len(state.prompt_ids):
             out.prompt = [self.token_out(i, self.tok.decode([i], skip_special_tokens=False), lp)
                           for i, lp in zip(state.prompt_ids, event.prompt_logprobs)]

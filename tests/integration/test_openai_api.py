@@ -19,7 +19,7 @@ CHAT_KEYS = {"id", "object", "created", "model", "choices", "usage"}  # system_f
 CHAT_CHOICE_KEYS = {"index", "message", "logprobs", "finish_reason"}
 CHUNK_CHOICE_KEYS = {"index", "delta", "logprobs", "finish_reason"}
 COMPLETION_CHOICE_KEYS = {"index", "text", "logprobs", "finish_reason", "stop_reason"}
-USAGE_KEYS = {"prompt_tokens", "completion_tokens", "total_tokens"}
+USAGE_KEYS = {"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"}
 
 
 def client(stack) -> openai.OpenAI:
@@ -54,6 +54,7 @@ def complete(stack, **body) -> dict:
 def check_usage(usage: dict) -> None:
     assert set(usage) == USAGE_KEYS
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert 0 <= usage["prompt_tokens_details"]["cached_tokens"] < usage["prompt_tokens"]
 
 
 def test_models_list_and_retrieve(tiny_stack):
@@ -270,3 +271,19 @@ def test_smol_greedy_completion_matches_the_known_continuation(smol_stack):
     done = client(smol_stack).completions.create(model=smol_stack.model, prompt=PROMPT, temperature=0, max_tokens=20)
     assert done.choices[0].text == \
         "'m here to help you with your business. I'll be your go-to person to ensure your"
+
+
+def test_usage_reports_the_prompt_tokens_found_in_the_prefix_cache(tiny_stack):
+    """OpenAI's prompt_tokens_details.cached_tokens: whole blocks of a prompt seen before (the shipped config
+    caches prefixes in blocks of 16), none for a new one; the openai client reads it."""
+    prompt = " ".join(f"w{i}" for i in range(20))  # the tiny stack takes prompts of at most 64 tokens
+    first = complete(tiny_stack, prompt=prompt, max_tokens=2, temperature=0)
+    again = complete(tiny_stack, prompt=prompt, max_tokens=2, temperature=0)
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached > 0 and cached % 16 == 0 and cached < again["usage"]["prompt_tokens"]
+    api = openai.OpenAI(base_url=tiny_stack.url + "/v1", api_key="x", max_retries=0)
+    chat = [{"role": "user", "content": " ".join(prompt.split()[:6])}]  # the template adds a system prompt
+    api.chat.completions.create(model=tiny_stack.model, messages=chat, max_tokens=2)
+    done = api.chat.completions.create(model=tiny_stack.model, messages=chat, max_tokens=2)
+    assert done.usage.prompt_tokens_details.cached_tokens >= 16

@@ -115,9 +115,16 @@ class Call:
     def completion_tokens(self) -> int:
         return sum(s.generated for s in self.sessions)
 
-    def usage(self) -> dict[str, int]:
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens the engines found in their prefix caches, each prompt counted once."""
+        return sum(s.cached_tokens for s in self.sessions[:: self.n])
+
+    def usage(self) -> dict:
+        """OpenAI's usage, with ``prompt_tokens_details.cached_tokens`` (the prompt's tokens a prefix cache held)."""
         prompt, completion = self.prompt_tokens, self.completion_tokens
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
     # ---- close ----------------------------------------------------------------------------------
 

@@ -106,6 +106,7 @@ class Session:
         self.generated = 0
         self.tokens: list[TokenOut] = []
         self.prompt: list[TokenOut] = []  # the prompt's tokens with their logprobs, when they were asked
+        self.cached_tokens = 0  # prompt tokens the engine found in its prefix cache (the first attempt's)
 
     async def start(self) -> Started:
         """Publish the request and wait for the tokenizer's answer (raises on a validation error)."""
@@ -261,6 +262,8 @@ class Session:
             return None
         if event.prompt and not self.prompt:  # with the first token (a resumed attempt's are ignored)
             self.prompt = event.prompt
+        if event.position == 0 and event.tokens and self.first_token_at is None:
+            self.cached_tokens = event.cached_tokens
         if event.tokens and self.first_token_at is None:
             self.first_token_at = time.time()
             self.ctx.emit(FirstToken(id=self.id, model=self.ctx.model, ttft_s=self.first_token_at - self.arrival))
