@@ -175,6 +175,8 @@ class FleetCache:
             answer = self.answers.decode(reply.data)
             if answer.error:
                 raise RuntimeError(f"engine {holder}: {answer.error}")
+            if len(answer.chunks) > len(group) or any(len(c) != layout.chunk_bytes for c in answer.chunks):
+                raise RuntimeError(f"engine {holder} sent blocks that do not fit this engine's cache")
             chunks.extend(answer.chunks)
             if len(answer.chunks) < len(group):
                 break
