@@ -34,7 +34,8 @@ from services.engine.kv_transfer import KvLayout
 from services.engine.multimodal import salt
 from shared import bus, subjects
 from shared.fleet_messages import CacheEvents, KvBlocks, KvFetch
-from shared.messages import EngineRequest, PrefixPulled, decoder, encode
+from shared.messages import EngineRequest, decoder, encode
+from shared.metrics_messages import PrefixPulled
 from shared.prefix_hash import chain, matchable_blocks
 
 log = logging.getLogger("switchboard.engine")
@@ -129,7 +130,7 @@ class FleetCache:
         """Bring the prefix of ``req``'s prompt this cache lacks from ``req.pull_from``, within its budget.
         Never raises: whatever does not arrive is computed."""
         size = self.blocks.block_size
-        adapter = self.engine.runner.lora.salt(req.adapter) or b"" if req.adapter else b""
+        adapter = self.engine.runner.lora.salt(req.adapter) or b""  # none for the base model ("")
         keys = chain(req.prompt_ids, size, adapter + salt(req.media), matchable_blocks(len(req.prompt_ids), size))
         have = len(self.blocks.cached_run(keys))
         budget = self.budget((len(keys) - have) * size)
@@ -166,12 +167,11 @@ class FleetCache:
     async def _fetch(self, holder: str, keys: list[bytes]) -> list[bytes]:
         layout = KvLayout.of(self.engine.runner)
         per_part = max(1, PART_BYTES // max(1, layout.chunk_bytes))
-        fields = [layout.layers, layout.kv_heads, layout.head_dim, layout.block_size, layout.dtype]
         chunks: list[bytes] = []
         for start in range(0, len(keys), per_part):
             group = keys[start:start + per_part]
             reply = await self.nc.request(subjects.engine_kv_fetch(self.model, holder),
-                                          encode(KvFetch(keys=group, layout=fields)), timeout=self.timeout_s)
+                                          encode(KvFetch(keys=group, layout=layout.fields)), timeout=self.timeout_s)
             answer = self.answers.decode(reply.data)
             if answer.error:
                 raise RuntimeError(f"engine {holder}: {answer.error}")

@@ -37,6 +37,11 @@ class KvLayout:
         return cls(k.shape[0], k.shape[1], k.shape[3], runner.block_size, runner.kv.dtype_name)
 
     @property
+    def fields(self) -> list:
+        """As a message carries it (``KvPart.layout``, ``KvFetch.layout``): ``KvLayout(*fields)`` rebuilds it."""
+        return [self.layers, self.kv_heads, self.head_dim, self.block_size, self.dtype]
+
+    @property
     def chunk_bytes(self) -> int:
         dtype = getattr(torch, self.dtype)
         return self.block_size * token_bytes(self.layers, self.kv_heads, self.head_dim, dtype,

@@ -42,7 +42,8 @@ from services.engine.kv_transfer import KvImport, KvLayout, export_blocks, impor
 from services.engine.sequence import Sequence
 from shared import bus, subjects, telemetry
 from shared.leases import Leases
-from shared.messages import EngineInfo, EngineRequest, KvTransferred, decoder, encode
+from shared.messages import EngineInfo, EngineRequest, decoder, encode
+from shared.metrics_messages import KvTransferred
 from shared.pd_messages import KvAck, KvPart
 
 if TYPE_CHECKING:
@@ -186,7 +187,7 @@ class KvLink:
         subject = subjects.engine_kv(self.model, target)
         layout = kv.layout
         header = KvPart(id=req.id, index=0, count=2, chunks=[], request=req, num_tokens=kv.num_tokens,
-                        layout=[layout.layers, layout.kv_heads, layout.head_dim, layout.block_size, layout.dtype])
+                        layout=layout.fields)
         cached = min(len(kv.chunks), (await self._part(subject, target, header)).cached_blocks)
         rest = kv.chunks[cached:]
         per_part = max(1, PART_BYTES // max(1, layout.chunk_bytes))

@@ -28,8 +28,16 @@ from shared.config import Config
 from shared.leases import Leases
 from shared.tombstones import Tombstones
 from shared.messages import (
-    Cancel, CancelKind, EngineInfo, EngineRequest, Heartbeat, Queued, TokenBatch, TokenEvent, decoder,
+    Cancel,
+    CancelKind,
+    EngineInfo,
+    EngineRequest,
+    Heartbeat,
+    TokenBatch,
+    TokenEvent,
+    decoder,
 )
+from shared.metrics_messages import Queued
 from shared.pd_messages import EngineRole
 
 log = logging.getLogger("switchboard.engine")

@@ -31,7 +31,6 @@ from shared.messages import (
     Detokenize,
     Detokenized,
     EngineInfo,
-    MetricsEvent,
     Ping,
     StopInfer,
     Tokenize,
@@ -40,6 +39,7 @@ from shared.messages import (
     decoder,
     encode,
 )
+from shared.metrics_messages import MetricsEvent
 
 log = logging.getLogger("switchboard.gateway")
 PROBE_TIMEOUT_S = 1.0

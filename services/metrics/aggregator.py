@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 
-from shared.messages import Finished, FirstToken, MetricsEvent, MetricsSnapshot
+from shared.messages import MetricsSnapshot
+from shared.metrics_messages import Finished, FirstToken, MetricsEvent
 
 WINDOW = 1000
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from shared.messages import EngineInfo, PrefixPulled, Routed
+from shared.messages import EngineInfo
+from shared.metrics_messages import PrefixPulled, Routed
 
 GAP_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64)
 PULL_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)

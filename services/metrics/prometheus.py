@@ -41,8 +41,17 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from shared.engines import cache_usage, combined, prefix_hit_rate
 from shared.leases import Leases
 from services.metrics.fleet import FleetMetrics
-from shared.messages import (EngineInfo, Finished, FinishReason, FirstToken, KvTransferred, MetricsEvent, PrefixPulled,
-                             Queued, Received, Routed)
+from shared.messages import EngineInfo, FinishReason
+from shared.metrics_messages import (
+    Finished,
+    FirstToken,
+    KvTransferred,
+    MetricsEvent,
+    PrefixPulled,
+    Queued,
+    Received,
+    Routed,
+)
 
 KV_BYTES_BUCKETS = tuple(float(1 << k) for k in range(16, 33, 2))  # 64 KiB .. 4 GiB
 KV_SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)

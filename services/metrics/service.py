@@ -11,7 +11,8 @@ from services.metrics.aggregator import Aggregator
 from services.metrics.prometheus import PrometheusMetrics
 from shared import bus, subjects
 from shared.config import Config
-from shared.messages import EngineInfo, MetricsEvent, PrometheusText, decoder
+from shared.messages import EngineInfo, PrometheusText, decoder
+from shared.metrics_messages import MetricsEvent
 
 log = logging.getLogger("switchboard.metrics")
 

@@ -10,6 +10,8 @@ from services.tokenizer.encoder import render_chat
 from shared.errors import SwitchboardError
 from shared.messages import Detokenize, Detokenized, Tokenize, Tokenized
 
+MEDIA_COUNT_TIMEOUT_S = 25.0  # under the gateway's 30 s wait for a count
+
 
 def tokenize(tokenizer, req: Tokenize) -> Tokenized:
     if req.messages is not None:
@@ -21,6 +23,17 @@ def tokenize(tokenizer, req: Tokenize) -> Tokenized:
         ids = tokenizer(req.text, add_special_tokens=req.add_special_tokens).input_ids
     strs = tokenizer.convert_ids_to_tokens(ids) if req.token_strs else []
     return Tokenized(ids=ids, pieces=token_pieces(tokenizer, ids), strs=strs)
+
+
+async def tokenize_with_media(tokenizer, req: Tokenize, media, policy) -> Tokenized:
+    """A conversation with media (``req.parts``), fetched and expanded by the processor (``media``, a
+    MediaProcessor) as a request's are."""
+    try:
+        prepared = await media.prepare(req, tokenizer, policy, MEDIA_COUNT_TIMEOUT_S)
+    except SwitchboardError as exc:
+        return Tokenized(ids=[], pieces=[], error=exc.message)
+    strs = tokenizer.convert_ids_to_tokens(prepared.ids) if req.token_strs else []
+    return Tokenized(ids=prepared.ids, pieces=[], strs=strs)
 
 
 def detokenize(tokenizer, req: Detokenize, vocab_size: int) -> Detokenized:

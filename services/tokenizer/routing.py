@@ -23,6 +23,8 @@ from services.tokenizer.cache_views import CacheViews
 from shared.engines import adapter_names
 from shared.leases import Leases
 from shared.messages import EngineInfo
+from shared.metrics_messages import Routed
+from shared.prefix_hash import chain, matchable_blocks, media_salt
 from shared.switchboard_config import RoutingConfig
 
 
@@ -106,6 +108,21 @@ class EngineRouter:
                 and (hits[holder] - hits[best]) * self.block_size >= policy.pull_min_tokens)
         return Choice(best, hits[best], hits[holder], holder if hits[holder] else "", queued[best] - least,
                       holder if pull else "")
+
+    def prefix_keys(self, adapter: str, ids: list[int], media_digest: str = "") -> list[bytes] | None:
+        """A prompt's matchable block keys, as the engines key their caches (None: route by load)."""
+        salt = self.adapter_salt(adapter) if adapter else b""
+        if not self.by_cache or salt is None:
+            return None
+        salt += media_salt(media_digest) if media_digest else b""
+        return chain(ids, self.block_size, salt, matchable_blocks(len(ids), self.block_size))
+
+    def routed(self, model: str, prompt_tokens: int, choice: Choice) -> Routed:
+        """A decision as the metrics count it."""
+        size = self.block_size
+        return Routed(model=model, engine=choice.engine, prompt_tokens=prompt_tokens,
+                      hit_tokens=choice.hit_blocks * size, best_hit_tokens=choice.best_blocks * size,
+                      load_gap=choice.load_gap, pulled=bool(choice.pull_from))
 
     def adapter_salt(self, adapter: str) -> bytes | None:
         """The prefix-cache salt of a LoRA adapter (its weights' digest), when the engines serving it agree on

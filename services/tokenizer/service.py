@@ -26,6 +26,7 @@ from services.tokenizer.detokenizer import IncrementalDecoder, StopMatcher
 from services.tokenizer import counting
 from services.tokenizer.encoder import check_media_prompt, check_token_ids, encode_prompt
 from services.tokenizer.media.multimodal import MediaProcessor
+from services.tokenizer.cache_sync import CacheFollower
 from services.tokenizer.routing import Choice, EngineRouter
 from services.tokenizer.tools import tool_format
 from shared import bus, subjects, telemetry
@@ -45,12 +46,10 @@ from shared.messages import (
     Heartbeat,
     MediaInputs,
     Output,
-    Routed,
     Started,
     TokenBatch,
     TokenEvent,
     Tokenize,
-    Tokenized,
     TokenizerInfo,
     TokenLogprob,
     TokenOut,
@@ -58,13 +57,10 @@ from shared.messages import (
     decoder,
     encode,
 )
-from shared.fleet_messages import CacheEvents, CacheSync
-from shared.prefix_hash import chain, matchable_blocks, media_salt
 from shared.tombstones import Tombstones
 
 log = logging.getLogger("switchboard.tokenizer")
 MB = 1 << 20
-MEDIA_COUNT_TIMEOUT_S = 25.0  # under the gateway's 30 s wait for a count
 
 
 def load_tokenizer(path: str):
@@ -100,8 +96,7 @@ class TokenizerService:
         sc = cfg.schedule
         self.router = EngineRouter(cfg.switchboard.lease_seconds, cfg.switchboard.routing,
                                    sc.cache_block_size if sc.enable_prefix_cache else 0)
-        self.cache_events = decoder(CacheEvents)
-        self.syncing: dict[str, asyncio.Task] = {}  # engine -> its cache digest being fetched
+        self.caches = CacheFollower(nc, self.model, self.instance, self.router.caches, cfg.switchboard.lease_seconds)
         self.gateways: Leases[Heartbeat] = Leases(cfg.switchboard.lease_seconds)
         self.pending: dict[str, Pending] = {}
         self.cancelled = Tombstones()  # cancels that came before their request
@@ -127,7 +122,7 @@ class TokenizerService:
         await bus.subscribe(self.nc, subjects.CANCEL, self.on_cancel)
         await bus.subscribe(self.nc, subjects.engine_heartbeat(self.model), self.on_engine_heartbeat)
         if self.router.by_cache:
-            await bus.subscribe(self.nc, subjects.engine_cache(self.model), self.on_cache_events)
+            await self.caches.start()
         await bus.subscribe(self.nc, subjects.heartbeat("gateway"), self.on_gateway_heartbeat)
 
     # ---- liveness ---------------------------------------------------------------------------
@@ -164,38 +159,7 @@ class TokenizerService:
     async def on_engine_heartbeat(self, msg: NatsMsg) -> None:
         info = self.engine_beats.decode(msg.data)
         if self.router.heartbeat(info):
-            self.sync_cache(info.instance)
-
-    # ---- the engines' prefix caches (routing.py, cache_views.py) ----------------------------------
-
-    async def on_cache_events(self, msg: NatsMsg) -> None:
-        events = self.cache_events.decode(msg.data)
-        if self.router.caches.apply(events):
-            self.sync_cache(events.instance)
-
-    def sync_cache(self, instance: str) -> None:
-        """Ask the engine for its digest (one request at a time per engine)."""
-        if instance not in self.syncing:
-            self.syncing[instance] = asyncio.ensure_future(self._sync(instance))
-
-    async def _sync(self, instance: str) -> None:
-        try:
-            reply = await self.nc.request(subjects.engine_cache_sync(self.model, instance),
-                                          encode(CacheSync(router=self.instance)), timeout=self.cfg.switchboard.lease_seconds)
-            self.router.caches.apply(self.cache_events.decode(reply.data))
-        except Exception as exc:  # noqa: BLE001 - a dead or busy engine: its next heartbeat asks again
-            log.debug("cache digest not received", extra={"engine": instance, "error": repr(exc)})
-        finally:
-            self.syncing.pop(instance, None)
-
-    def prefix_keys(self, req: GenerateRequest, ids: list[int], media: MediaInputs | None) -> list[bytes] | None:
-        """The prompt's matchable block keys, as the engines key their caches (None: route by load)."""
-        size = self.router.block_size
-        adapter = self.router.adapter_salt(req.adapter) if req.adapter else b""
-        if not self.router.by_cache or adapter is None or req.sampling.prompt_logprobs is not None:
-            return None
-        salt = adapter + (media_salt(media.digest) if media is not None else b"")
-        return chain(ids, size, salt, matchable_blocks(len(ids), size))
+            self.caches.sync(info.instance)
 
     async def on_gateway_heartbeat(self, msg: NatsMsg) -> None:
         beat = self.beats.decode(msg.data)
@@ -233,7 +197,9 @@ class TokenizerService:
             if media is not None:  # fetching, decoding and the processor, for the trace
                 span.set_attribute("switchboard.media_items", sum(p.media is not None for p in req.parts))
                 span.set_attribute("switchboard.media_prepare_ms", round((time.perf_counter() - started) * 1000, 1))
-            choice = await self.choose_engine(req.adapter, self.prefix_keys(req, ids, media))
+            keys = None if req.sampling.prompt_logprobs is not None else self.router.prefix_keys(
+                req.adapter, ids, media.digest if media is not None else "")  # prompt logprobs: computed whole
+            choice = await self.choose_engine(req.adapter, keys)
             engine = choice.engine
         except SwitchboardError as exc:
             telemetry.end_span(span, exc.message)
@@ -264,14 +230,12 @@ class TokenizerService:
 
     async def routed(self, span, prompt_tokens: int, choice: Choice) -> None:
         """The decision on the request's span and in the metrics."""
-        size = self.router.block_size
+        event = self.router.routed(self.model, prompt_tokens, choice)
         span.set_attribute("switchboard.engine", choice.engine)
-        span.set_attribute("switchboard.expected_hit_tokens", choice.hit_blocks * size)
+        span.set_attribute("switchboard.expected_hit_tokens", event.hit_tokens)
         if choice.pull_from:
             span.set_attribute("switchboard.pull_from", choice.pull_from)
-        await bus.publish(self.nc, subjects.METRICS_EVENTS, Routed(
-            model=self.model, engine=choice.engine, prompt_tokens=prompt_tokens, hit_tokens=choice.hit_blocks * size,
-            best_hit_tokens=choice.best_blocks * size, load_gap=choice.load_gap, pulled=bool(choice.pull_from)))
+        await bus.publish(self.nc, subjects.METRICS_EVENTS, event)
 
     async def choose_engine(self, adapter: str = "", keys: list[bytes] | None = None) -> Choice:
         """The least loaded live engine (one with the LoRA ``adapter``, when one is named). When none is live,
@@ -422,20 +386,11 @@ class TokenizerService:
     async def on_tokenize(self, msg: NatsMsg) -> None:
         req = self.tokenizes.decode(msg.data)
         if any(part.media is not None for part in req.parts):
-            await bus.respond(msg, await self.count_with_media(req))
+            await bus.respond(msg, await counting.tokenize_with_media(self.tok, req, self.media, self.media_policy))
             return
         long = len(req.text) > 2048 or req.messages is not None  # off the loop: it may take a while
         reply = await asyncio.to_thread(counting.tokenize, self.tok, req) if long else counting.tokenize(self.tok, req)
         await bus.respond(msg, reply)
-
-    async def count_with_media(self, req: Tokenize) -> Tokenized:
-        """A conversation with media, fetched and expanded by the processor as a request's are."""
-        try:
-            prepared = await self.media.prepare(req, self.tok, self.media_policy, MEDIA_COUNT_TIMEOUT_S)
-        except SwitchboardError as exc:
-            return Tokenized(ids=[], pieces=[], error=exc.message)
-        strs = self.tok.convert_ids_to_tokens(prepared.ids) if req.token_strs else []
-        return Tokenized(ids=prepared.ids, pieces=[], strs=strs)
 
     async def on_detokenize(self, msg: NatsMsg) -> None:
         await bus.respond(msg, counting.detokenize(self.tok, self.detokenizes.decode(msg.data), self.vocab_size))

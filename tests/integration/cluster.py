@@ -16,7 +16,8 @@ import httpx
 import nats
 
 from shared import subjects
-from shared.messages import EngineInfo, MetricsEvent, PrefixPulled, Routed, decoder
+from shared.messages import EngineInfo, decoder
+from shared.metrics_messages import MetricsEvent, PrefixPulled, Routed
 from switchboard.natsd import EmbeddedNats, die_with_parent, wait_for_port
 from switchboard.runner import READY_LINE
 from tests.conftest import write_config

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from shared.messages import Routed
+from shared.metrics_messages import Routed
 from tests.integration.cluster import Cluster, FleetListener
 
 BLOCK = 16

@@ -29,17 +29,16 @@ from shared.messages import (
     CancelKind,
     EngineInfo,
     Failed,
-    Finished,
     FinishReason,
     GenerateRequest,
     Heartbeat,
-    MetricsEvent,
     Output,
     Sampling,
     Started,
     TokenOut,
     decoder,
 )
+from shared.metrics_messages import Finished, MetricsEvent
 from switchboard.natsd import EmbeddedNats
 from tests.conftest import write_config
 

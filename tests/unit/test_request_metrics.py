@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.metrics.prometheus import PrometheusMetrics
-from shared.messages import Finished, Received
+from shared.metrics_messages import Finished, Received
 
 
 def counts(metrics: PrometheusMetrics) -> dict[tuple[str, tuple], float]:

@@ -19,7 +19,8 @@ if TYPE_CHECKING:
     from services.gateway.request.inflight import InFlight
     from services.gateway.request.mailbox import Mailboxes
     from services.gateway.request.slots import Slots
-    from shared.messages import EngineInfo, MetricsEvent
+    from shared.messages import EngineInfo
+from shared.metrics_messages import MetricsEvent
 
 
 @dataclass(frozen=True)

@@ -22,16 +22,14 @@ from shared.messages import (
     Cancel,
     CancelKind,
     Failed,
-    Finished,
     FinishReason,
-    FirstToken,
     GenerateRequest,
     Output,
-    Received,
     Sampling,
     Started,
     TokenOut,
 )
+from shared.metrics_messages import Finished, FirstToken, Received
 
 if TYPE_CHECKING:
     from services.gateway.request.context import SessionContext

@@ -1,0 +1,75 @@
+"""Wire messages to the metrics service (``subjects.METRICS_EVENTS``): lifecycle events from the gateways,
+tokenizers and engines, one tagged union, encoded as every wire message (``shared.messages.encode``)."""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+from shared.ends import FinishReason
+from shared.messages import Msg
+
+
+class Received(Msg, tag="received"):
+    model: str
+    adapter: str = ""  # the request's LoRA adapter ("" = base model): a label on the request counters
+    api: str = ""  # the API family and route it came by (tgi, openai-chat, anthropic, …): a label too
+
+
+class Queued(msgspec.Struct, tag="queued", omit_defaults=True):
+    """Engine: seconds each request of this step waited from receipt to its first schedule."""
+
+    model: str
+    seconds: list[float]
+
+
+class FirstToken(Msg, tag="first_token"):
+    model: str
+    ttft_s: float
+
+
+class Finished(Msg, tag="finished"):
+    model: str
+    arrival: float
+    e2e_s: float
+    ttft_s: float | None
+    prompt_tokens: int
+    generated_tokens: int
+    finish_reason: FinishReason
+    adapter: str = ""
+    api: str = ""
+
+
+class KvTransferred(msgspec.Struct, tag="kv", omit_defaults=True):
+    """Prefill engine: one request's K/V handed to a decode engine (bytes sent, seconds it took)."""
+
+    model: str
+    bytes: int
+    seconds: float
+
+
+class Routed(msgspec.Struct, tag="routed", omit_defaults=True):
+    """Tokenizer: one routing decision (``services/tokenizer/routing.py``): the engine chosen, the prompt tokens
+    it was expected to find cached, the most any engine held, and the load gap between the chosen engine and
+    the least loaded one (requests)."""
+
+    model: str
+    engine: str
+    prompt_tokens: int
+    hit_tokens: int
+    best_hit_tokens: int
+    load_gap: int
+    pulled: bool = False  # the engine was told to pull the holder's longer prefix
+
+
+class PrefixPulled(msgspec.Struct, tag="pulled", omit_defaults=True):
+    """Engine: a prefix pulled from another engine's cache (tokens received, seconds), or given up on."""
+
+    model: str
+    tokens: int
+    seconds: float
+    ok: bool = True
+
+
+MetricsEvent = Union[Received, Queued, FirstToken, Finished, KvTransferred, Routed, PrefixPulled]
