@@ -1,8 +1,8 @@
 """The issue's own scale: streams whose first token is held back 40 s receive keep-alives every 15 s (the
 default ``streamKeepAliveSeconds``) and complete through each family's real client.
 
-The hold is a real queue: the engine runs one sequence at a time (maxBatchSize 1) and two threads keep
-priority-1 requests in its waiting queue for HOLD seconds, so every stream of the default priority waits its
+The hold is a real queue: the engine runs one sequence at a time (maxBatchSize 1) and threads keep
+priority-1 requests in its waiting queue for HOLD seconds (four threads, so one ending early leaves no gap), so every stream of the default priority waits its
 turn from admission until the holders stop. All families wait at once, so the module costs one hold."""
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ PING = b'event: ping\ndata: {"type": "ping"}\n\n'
 EVERY = 15.0  # the default Switchboard.streamKeepAliveSeconds, left as it is
 HOLD = 40.0
 SLACK = 3.0
+HOLDERS = 4  # priority-1 requests running or waiting: one that ends early (a random model's EOS) leaves no gap
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +90,8 @@ def test_streams_held_back_40_s_get_keep_alives_every_15_s_and_complete(queue_st
                           "messages": [{"role": "user", "content": "Hi"}]}, PING),
     }
     clients = {"openai": openai_chat, "responses": openai_responses, "anthropic": anthropic_messages, "tgi": tgi}
-    with ThreadPoolExecutor(2 + len(raw) + len(clients)) as pool:
-        holders = [pool.submit(hold_the_engine, stack, stop) for _ in range(2)]
+    with ThreadPoolExecutor(HOLDERS + len(raw) + len(clients)) as pool:
+        holders = [pool.submit(hold_the_engine, stack, stop) for _ in range(HOLDERS)]
         time.sleep(1.0)  # the holders own the engine before the streams arrive
         raw_runs = {path: pool.submit(timed_raw, stack, path, body) for path, (body, _) in raw.items()}
         client_runs = {name: pool.submit(run, stack) for name, run in clients.items()}
