@@ -192,10 +192,12 @@ class Gateway:
         return reply.text
 
     async def is_ready(self) -> bool:
+        """Ready when a request would be taken: a loaded engine and a tokenizer heard (by the heartbeats that
+        ``require_engine`` goes by: a gateway started a moment ago has heard none yet) and answering."""
         if self.stopping:
             return False
         loaded = any(e.loaded for e in self.serving_engines().values())
-        return loaded and await self.tokenizer_info() is not None
+        return loaded and self.failover.tokenizer_live() and await self.tokenizer_info() is not None
 
     async def _probe(self, subject: str, reply_type, message=None, timeout: float = PROBE_TIMEOUT_S):
         try:

@@ -5,6 +5,7 @@ Triton's generate_stream, MindIE's /infer), vLLM's empty chunks."""
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -30,14 +31,29 @@ def one_slot_stack(tmp_path_factory, tiny_model_dir):
 
 @contextmanager
 def queued_behind_a_long_request(stack):
-    """While the block runs, the server's one slot is held by a long non-streaming request."""
-    body = {"model": stack.model, "prompt": "Once", "max_tokens": BLOCKER_TOKENS, "ignore_eos": True, "temperature": 0}
+    """While the block runs, the server's one slot is held by a long request: a stream, whose first token
+    says it holds the slot (a fixed sleep was not enough on a loaded machine: the block's request got there
+    first)."""
+    body = {"model": stack.model, "prompt": "Once", "max_tokens": BLOCKER_TOKENS, "ignore_eos": True,
+            "temperature": 0, "stream": True}
+    admitted = threading.Event()
+
+    def ahead() -> bytes:
+        data = b""
+        with httpx.stream("POST", stack.url + "/v1/completions", json=body, timeout=120) as r:
+            assert r.status_code == 200
+            for chunk in r.iter_raw():
+                data += chunk
+                if b"data: {" in data:
+                    admitted.set()
+        return data
+
     with ThreadPoolExecutor(1) as pool:
-        ahead = pool.submit(httpx.post, stack.url + "/v1/completions", json=body, timeout=120)
-        time.sleep(0.3)  # admitted first
+        running = pool.submit(ahead)
+        assert admitted.wait(60), "the request ahead never started"
         started = time.monotonic()
         yield
-        assert ahead.result().status_code == 200
+        assert running.result().rstrip().endswith(b"data: [DONE]")
     assert time.monotonic() - started > 3 * EVERY, "the request ahead ended too soon to hold the stream back"
 
 

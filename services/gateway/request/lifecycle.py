@@ -95,9 +95,12 @@ async def with_keep_alives(chunks: AsyncIterator[bytes], every: float, keep_aliv
             await aclose()
 
 
-async def _after_start(starting: asyncio.Future, chunks: Callable[[], AsyncIterator[bytes]]) -> AsyncIterator[bytes]:
-    """The chunks once the call has started (its start went on past the first keep-alive interval)."""
+async def _after_start(starting: asyncio.Future, chunks: Callable[[], AsyncIterator[bytes]],
+                       keep_alive: bytes) -> AsyncIterator[bytes]:
+    """A keep-alive at once (the start has already taken one interval), then the chunks once the call has
+    started."""
     try:
+        yield keep_alive
         await starting
     except ClientDisconnected:  # seen by the start's own watch: nobody reads this stream
         return
@@ -146,7 +149,8 @@ async def respond(request: Request, call: Call, streaming: bool, body: Callable[
         try:
             await asyncio.wait_for(asyncio.shield(starting), call.ctx.keep_alive_s)
         except asyncio.TimeoutError:  # still queued: the stream begins, with keep-alives while it waits
-            return stream(call, _after_start(starting, chunks), error_chunk, media_type, trailer, keep_alive)
+            return stream(call, _after_start(starting, chunks, keep_alive), error_chunk, media_type, trailer,
+                          keep_alive)
         except BaseException:
             starting.cancel()
             raise
