@@ -8,7 +8,7 @@ from shared.messages import EngineInfo
 
 SUMMED = ("max_batch_size", "total_blocks", "free_blocks", "running", "waiting", "free_slots",
           "prompt_tokens_total", "generation_tokens_total", "preemptions_total", "prefix_queried_tokens_total",
-          "prefix_hit_tokens_total")
+          "prefix_hit_tokens_total", "host_total_blocks", "host_used_blocks")
 
 
 def combined(engines: Iterable[EngineInfo]) -> EngineInfo | None:
@@ -35,6 +35,13 @@ def prefix_hit_rate(engine: EngineInfo | None) -> float:
     if engine is None or not engine.prefix_queried_tokens_total:
         return 0.0
     return engine.prefix_hit_tokens_total / engine.prefix_queried_tokens_total
+
+
+def host_cache_usage(engine: EngineInfo | None) -> float:
+    """Share of the host tier's blocks in use (1 = 100%); 0 with no engine or no host tier."""
+    if engine is None or not engine.host_total_blocks:
+        return 0.0
+    return engine.host_used_blocks / engine.host_total_blocks
 
 
 def cache_usage(engine: EngineInfo | None) -> float:

@@ -88,6 +88,11 @@ class SwitchboardConfig(msgspec.Struct, rename="camel", kw_only=True, forbid_unk
     connections idle for 60-120 s."""
     kv_cache_memory_mb: Annotated[int, Meta(ge=16, le=1048576)] = 1024
     """KV-cache budget in MiB on cpu (accelerators follow npuMemSize: -1 = 80% of free memory)."""
+    host_kv_cache_memory_mb: Annotated[int, Meta(ge=0, le=16777216)] = 0
+    """on an accelerator with the prefix cache on (enablePrefixCache), the prefix cache's second tier: blocks
+    evicted from device memory keep their K/V in this many MiB of pinned host memory (least recently stored
+    dropped first) and are copied back on a hit; 0 = none. A cpu engine's cache is host memory already: one
+    tier (give the memory to kvCacheMemoryMb), so it is refused there."""
     otlp_endpoint: str = ""
     """OTLP/HTTP traces endpoint; empty = no spans exported."""
     log_level: Literal["debug", "info", "warning", "error"] = "warning"

@@ -9,15 +9,24 @@ after the blocks that never held a cached prefix.
 
 A shared block is never written: matches are whole blocks and a sequence writes only positions at
 or past ``seq.num_computed``, which lie in blocks it took fresh.
+
+On an accelerator with a host tier (``host_tier.py``), an evicted block's K/V moves to host memory with its
+key, and a match found there is copied back into a fresh block at admission. The cache's keys, as the fleet
+sees them (journal, checksum, digest), are those of both tiers: moving between them changes nothing there.
 """
 
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from contextlib import nullcontext as _nothing
+from typing import TYPE_CHECKING
 
 from services.engine.sequence import Sequence
 from shared.prefix_hash import block_hash, matchable_blocks
+
+if TYPE_CHECKING:
+    from services.engine.host_tier import HostTier
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -25,7 +34,8 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = False):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = False,
+                 tier: HostTier | None = None):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_cache = enable_prefix_cache
@@ -38,6 +48,7 @@ class BlockManager:
         self.prefix_hit_tokens = 0  # of those, tokens found cached
         self._journal: dict[bytes, bool] = {}  # keys that entered (True) or left (False) the cache since taken
         self._key_xor = 0  # the XOR of every cached key: with their count, what a router's view must match
+        self.tier = tier if enable_prefix_cache else None  # evicted blocks' K/V in host memory
 
     @property
     def num_free(self) -> int:
@@ -57,18 +68,22 @@ class BlockManager:
 
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether ``allocate(seq, num_tokens)`` would find its blocks. Matched blocks that are
-        evictable count as free now but stop being free once taken, so they are spent too."""
-        hits = self._match(seq)
-        revived = sum(1 for block in hits if self._refs[block] == 0)
-        return self.num_free - revived >= blocks_for(num_tokens, self.block_size) - len(hits)
+        evictable count as free now but stop being free once taken, so they are spent too; a match in the
+        host tier needs a fresh block to come back into."""
+        on_device = [block for _, block in self._match(seq) if block is not None]
+        revived = sum(1 for block in on_device if self._refs[block] == 0)
+        return self.num_free - revived >= blocks_for(num_tokens, self.block_size) - len(on_device)
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Blocks for ``num_tokens`` positions (the prompt, or its whole reserved length): the
-        cached prefix shared, the rest fresh. Sets ``seq.num_computed`` to the shared tokens."""
+        cached prefix shared (brought back from the host tier where it lies there), the rest fresh. Sets
+        ``seq.num_computed`` to the cached tokens."""
         assert not seq.block_table, "sequence already holds blocks"
-        hits = self._match(seq)
-        for block in hits:
-            self._take(block)
+        matched = self._match(seq)
+        for _, block in matched:
+            if block is not None:
+                self._take(block)
+        hits = self._bring_back(matched)
         fresh = [self._take(self._pop_free()) for _ in range(blocks_for(num_tokens, self.block_size) - len(hits))]
         seq.block_table = hits + fresh
         seq.num_computed = len(hits) * self.block_size
@@ -78,18 +93,38 @@ class BlockManager:
             self.prefix_queried_tokens += len(seq)
             self.prefix_hit_tokens += seq.num_computed
 
-    def _match(self, seq: Sequence) -> list[int]:
-        """The cached blocks holding the longest prefix of ``seq``, at most ``len(seq) - 1``
-        tokens: the last token is always computed, since sampling needs its logits."""
+    def _match(self, seq: Sequence) -> list[tuple[bytes, int | None]]:
+        """The keys and cached blocks (None: in the host tier) of the longest cached prefix of ``seq``, at most
+        ``len(seq) - 1`` tokens: the last token is always computed, since sampling needs its logits."""
         if not self.enable_prefix_cache or seq.wants_prompt_logprobs:  # its prompt's logits are needed
             return []
-        hits = []
-        for key in self._hashes(seq, matchable_blocks(len(seq), self.block_size)):
+        return self._run(self._hashes(seq, matchable_blocks(len(seq), self.block_size)))
+
+    def _run(self, keys: list[bytes]) -> list[tuple[bytes, int | None]]:
+        """The leading ``keys`` either tier holds, with their device blocks (None: in the host tier)."""
+        run = []
+        for key in keys:
             block = self._cached.get(key)
-            if block is None:
+            if block is None and (self.tier is None or key not in self.tier):
                 break
-            hits.append(block)
-        return hits
+            run.append((key, block))
+        return run
+
+    def _bring_back(self, matched: list[tuple[bytes, int | None]]) -> list[int]:
+        """The device blocks of a matched run, copying its host-tier blocks into fresh ones (taken). The run's
+        host keys are held meanwhile: the evictions that free those blocks move other keys to the tier."""
+        waiting = [key for key, block in matched if block is None]
+        if not waiting:
+            return [block for _, block in matched]
+        blocks = []
+        with self.tier.holding(waiting):
+            for key, block in matched:
+                if block is None:
+                    block = self._take(self._pop_free())
+                    self.tier.load(key, block)
+                    self._cached[key], self._hash_of[block] = block, key
+                blocks.append(block)
+        return blocks
 
     def _hashes(self, seq: Sequence, count: int) -> list[bytes]:
         """Keys of the first ``count`` (full) blocks of ``seq``, computed once per sequence."""
@@ -129,7 +164,15 @@ class BlockManager:
     def _cache(self, key: bytes, block: int) -> None:
         self._cached[key] = block
         self._hash_of[block] = key
+        if self.tier is not None and key in self.tier:  # computed again past a miss: the device copy wins
+            self.tier.discard(key)
+            return
         self._journal[key] = True
+        self._key_xor ^= int.from_bytes(key, "big")
+
+    def _forget(self, key: bytes) -> None:
+        """``key`` left the cache (both tiers)."""
+        self._journal[key] = False
         self._key_xor ^= int.from_bytes(key, "big")
 
     # ---- release ----------------------------------------------------------------------------
@@ -164,8 +207,9 @@ class BlockManager:
         block, _ = self._evictable.popitem(last=False)
         key = self._hash_of.pop(block)
         del self._cached[key]
-        self._journal[key] = False
-        self._key_xor ^= int.from_bytes(key, "big")
+        lost = key if self.tier is None else self.tier.store(key, block)
+        if lost is not None:
+            self._forget(lost)
         return block
 
     # ---- the cache across engines (fleet routing, prefix pulls) --------------------------------
@@ -177,41 +221,47 @@ class BlockManager:
 
     def checksum(self) -> tuple[int, bytes]:
         """How many keys the cache holds and their XOR (shared.prefix_hash.checksum of ``cached_keys()``)."""
-        return len(self._cached), self._key_xor.to_bytes(16, "big")
+        return len(self._cached) + len(self.tier or ()), self._key_xor.to_bytes(16, "big")
 
     def cached_keys(self) -> list[bytes]:
-        """Every key the cache holds now (an engine's digest)."""
-        return list(self._cached)
+        """Every key the cache holds now, in either tier (an engine's digest)."""
+        return [*self._cached, *(self.tier.keys() if self.tier is not None else ())]
 
-    def cached_run(self, keys: list[bytes]) -> list[int]:
-        """The blocks of the leading ``keys`` the cache holds, up to the first it lacks."""
-        run = []
-        for key in keys:
-            block = self._cached.get(key)
-            if block is None:
-                break
-            run.append(block)
-        return run
+    def cached_run(self, keys: list[bytes]) -> int:
+        """How many of the leading ``keys`` the cache holds (either tier), up to the first it lacks."""
+        return len(self._run(keys))
+
+    def run_bytes(self, keys: list[bytes], read: Callable[[int], bytes]) -> list[bytes]:
+        """The K/V of the leading ``keys`` the cache holds: a device block's by ``read(block)``, a host one's
+        from the tier."""
+        return [self.tier.block_bytes(key) if block is None else read(block) for key, block in self._run(keys)]
 
     def import_prefix(self, keys: list[bytes], chunks: list[bytes], write, reserve: int = 0) -> int:
         """Cache K/V received for the blocks keyed ``keys`` (a prefix chain: ``chunks[i]`` is block ``keys[i]``'s,
         written into a free block by ``write(block, chunk)``), keeping ``reserve`` blocks free for the request
         that follows. Keys cached already are skipped; the rest go in as evictable blocks, used last. The
         number of leading keys now cached."""
-        held = [self._take(block) for block in self.cached_run(keys)]  # the chain's head stays while its tail comes
+        head = self._run(keys)  # the chain's head stays while its tail comes (host keys: in the tier, held)
+        held = [self._take(block) for _, block in head if block is not None]
         room = max(0, self.num_free - reserve)
-        for key, chunk in list(zip(keys, chunks))[len(held):]:
-            block = self._cached.get(key)  # a later block may be cached while an earlier one was evicted
-            if block is None:
-                if room == 0 or chunk is None:  # None: a block this engine held when the pull began
-                    break
-                block, room = self._pop_free(), room - 1
-                write(block, chunk)
-                self._cache(key, block)
-            held.append(self._take(block))
+        count = len(head)
+        with self.tier.holding([key for key in keys if key in self.tier]) if self.tier else _nothing():
+            for key, chunk in list(zip(keys, chunks))[count:]:
+                block = self._cached.get(key)  # a later block may be cached while an earlier one was evicted
+                if block is None and self.tier is not None and key in self.tier:
+                    count += 1  # stays in the tier until a request brings it back
+                    continue
+                if block is None:
+                    if room == 0 or chunk is None:  # None: a block this engine held when the pull began
+                        break
+                    block, room = self._pop_free(), room - 1
+                    write(block, chunk)
+                    self._cache(key, block)
+                held.append(self._take(block))
+                count += 1
         for block in reversed(held):
             self._release(block)
-        return len(held)
+        return count
 
     # ---- for tests --------------------------------------------------------------------------
 
@@ -228,6 +278,8 @@ class BlockManager:
         assert not pool & self._hash_of.keys(), "a pool block is still cached"
         assert evictable <= self._hash_of.keys(), "an evictable block is not cached"
         assert {b: k for k, b in self._cached.items()} == self._hash_of, "cache maps disagree"
+        if self.tier is not None:
+            assert not set(self.tier.keys()) & self._cached.keys(), "a key is in both tiers"
         if seqs is not None:
             counts = Counter(b for seq in seqs for b in seq.block_table)
             assert all(counts[b] == refs for b, refs in enumerate(self._refs)), "reference counts are off"

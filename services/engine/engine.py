@@ -20,6 +20,7 @@ import torch
 
 from services.engine.block_manager import BlockManager, blocks_for
 from services.engine.grammar import Constraints, apply_masks
+from services.engine.host_tier import HostTier
 from services.engine.isolation import Outcome, run_isolated
 from services.engine.kv_transfer import KvImport
 from services.engine.model_runner import ModelRunner
@@ -82,9 +83,11 @@ class _Received:
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, limits: Limits, eos_token_ids: set[int], prefix_cache: bool = False):
+    def __init__(self, runner: ModelRunner, limits: Limits, eos_token_ids: set[int], prefix_cache: bool = False,
+                 host_blocks: int = 0):
         self.runner = runner
-        self.blocks = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_cache=prefix_cache)
+        tier = HostTier(runner.kv, runner.block_size, host_blocks) if prefix_cache and host_blocks > 0 else None
+        self.blocks = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_cache=prefix_cache, tier=tier)
         self.kv = KvHandoff(runner, self.blocks)  # PD disaggregation, at its three points (pd.py)
         self.scheduler = Scheduler(limits, self.blocks, eos_token_ids, on_finish=self._release_adapter,
                                    on_admit=self.kv.on_allocated)

@@ -118,7 +118,7 @@ class FleetCache:
         layout = KvLayout.of(runner)
         if len(fetch.layout) != 5 or KvLayout(*fetch.layout) != layout:
             return KvBlocks(error=f"KV layout {fetch.layout} does not match this engine's {layout}")
-        return KvBlocks(chunks=[runner.kv.block_bytes(b, runner.block_size) for b in self.blocks.cached_run(fetch.keys)])
+        return KvBlocks(chunks=self.blocks.run_bytes(fetch.keys, lambda block: runner.kv.block_bytes(block, runner.block_size)))
 
     # ---- pulling ----------------------------------------------------------------------------------
 
@@ -132,7 +132,7 @@ class FleetCache:
         size = self.blocks.block_size
         adapter = self.engine.runner.lora.salt(req.adapter) or b""  # none for the base model ("")
         keys = chain(req.prompt_ids, size, adapter + salt(req.media), matchable_blocks(len(req.prompt_ids), size))
-        have = len(self.blocks.cached_run(keys))
+        have = self.blocks.cached_run(keys)
         budget = self.budget((len(keys) - have) * size)
         if budget is None:
             return

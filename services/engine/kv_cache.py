@@ -80,6 +80,12 @@ class KvCache:
             data += _raw(torch.stack([self.k_scale[:, :, span], self.v_scale[:, :, span]]))
         return data
 
+    def block_nbytes(self, block_size: int) -> int:
+        """The bytes of one block (``block_bytes``'s length)."""
+        layers, heads, _, dim = self.k.shape
+        scales = 2 * layers * heads * block_size * SCALE_DTYPE.itemsize if self.quantized else 0
+        return 2 * layers * heads * block_size * dim * self.k.element_size() + scales
+
     def write_block(self, block: int, block_size: int, data: bytes) -> None:
         """The inverse of ``block_bytes``, into block ``block``."""
         span = slice(block * block_size, (block + 1) * block_size)

@@ -20,6 +20,7 @@ from services.engine.devices import kv_budget_bytes, resolve_device
 from services.engine.engine import Engine
 from services.engine.fleet import FleetCache
 from services.engine.graphs import GraphPlan
+from services.engine.host_tier import HostTier
 from services.engine.pd import KvLink, Moved
 from services.engine.model_runner import ModelRunner
 from services.engine.scheduler import Limits
@@ -50,6 +51,7 @@ def build_engine(cfg: Config) -> tuple[Engine, str]:
     if cfg.switchboard.torch_threads:
         torch.set_num_threads(cfg.switchboard.torch_threads)
     device = resolve_device(cfg.switchboard.device, cfg.switchboard.dtype)
+    check_host_tier(cfg, device.kind)
     sc, deploy = cfg.schedule, cfg.deploy
     blocks_per_seq = -(-deploy.max_seq_len // sc.cache_block_size)
     sb = cfg.switchboard
@@ -73,7 +75,24 @@ def build_engine(cfg: Config) -> tuple[Engine, str]:
                     token_timeout_s=float(cfg.server.token_timeout), max_preempt_count=sc.max_preempt_count,
                     max_queue_delay_s=sc.max_queue_delay_microseconds / 1e6,
                     prefill_chunk_size=sc.prefill_chunk_size, mix=sc.template_type == "Mix")
-    return Engine(runner, limits, eos_token_ids(runner), prefix_cache=sc.enable_prefix_cache), device.kind
+    return Engine(runner, limits, eos_token_ids(runner), prefix_cache=sc.enable_prefix_cache,
+                  host_blocks=host_blocks(runner, cfg)), device.kind
+
+
+def host_blocks(runner: ModelRunner, cfg: Config) -> int:
+    """The blocks of the host tier (``Switchboard.hostKvCacheMemoryMb``)."""
+    return HostTier.blocks_for(cfg.switchboard.host_kv_cache_memory_mb * 1024 * 1024, runner.kv, runner.block_size)
+
+
+def check_host_tier(cfg: Config, device_kind: str) -> None:
+    """Refuse a host tier where it cannot work, before the model loads."""
+    mb = cfg.switchboard.host_kv_cache_memory_mb
+    if mb and device_kind == "cpu":
+        raise ValueError("Switchboard.hostKvCacheMemoryMb: the engine runs on cpu, whose K/V cache is host memory "
+                         "already (one tier); give the memory to Switchboard.kvCacheMemoryMb instead")
+    if mb and not cfg.schedule.enable_prefix_cache:
+        raise ValueError("Switchboard.hostKvCacheMemoryMb: the host tier holds the prefix cache's evicted blocks; "
+                         "set BackendConfig.ScheduleConfig.enablePrefixCache to true, or hostKvCacheMemoryMb to 0")
 
 
 def load_lora_modules(runner: ModelRunner, cfg: Config) -> None:
@@ -305,8 +324,12 @@ class EngineService:
             prefix_hit_tokens_total=self.engine.blocks.prefix_hit_tokens,
             adapters=runner.lora.listed(), unloading=runner.lora.unloading(), adapters_version=runner.lora.version,
             modalities=runner.modalities, role=self.role, device_index=self.cfg.switchboard.device_index,
-            block_size=runner.block_size, pid=os.getpid(), **self._cache_state(),
+            block_size=runner.block_size, pid=os.getpid(), **self._cache_state(), **self._host_tier(),
         )
+
+    def _host_tier(self) -> dict:
+        tier = self.engine.blocks.tier
+        return {"host_total_blocks": tier.capacity, "host_used_blocks": len(tier)} if tier is not None else {}
 
     def _cache_state(self) -> dict:
         seq, count, xor = self.fleet.state

@@ -13,8 +13,9 @@ restarted engine is a new instance) counts tokens and preemptions from 0. MindIE
 instance ever heard of what that instance counted: each instance's growth is tracked apart, so one
 engine's smaller total is never read as another's restart, and an engine that leaves keeps its last totals
 in the sum (a counter never goes down). MindIE's gauges (``num_requests_running``, ``num_requests_waiting``,
-``npu_cache_usage_perc``) cover the engines live now (heard within ``Switchboard.leaseSeconds``); cache usage
-is blocks in use over blocks of all of them. So do the prefix-cache gauges: ``all_radix_match_num`` (prompt
+``npu_cache_usage_perc``, ``cpu_cache_usage_perc``) cover the engines live now (heard within
+``Switchboard.leaseSeconds``); cache usage is blocks in use over blocks of all of them (cpu_cache_usage_perc: of
+the prefix cache's host tiers, ``Switchboard.hostKvCacheMemoryMb``; 0 without one). So do the prefix-cache gauges: ``all_radix_match_num`` (prompt
 tokens looked up in the prefix cache since each live engine started), ``npu_radix_match_hit_num`` (of those,
 the tokens found cached: whole blocks) and ``npu_prefix_cache_hit_rate``, the second over the first (0 when
 nothing was looked up, as with ``enablePrefixCache`` off).
@@ -38,7 +39,7 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from shared.engines import cache_usage, combined, prefix_hit_rate
+from shared.engines import cache_usage, combined, host_cache_usage, prefix_hit_rate
 from shared.leases import Leases
 from services.metrics.fleet import FleetMetrics
 from shared.messages import EngineInfo, FinishReason
@@ -106,7 +107,7 @@ class PrometheusMetrics:
         self.failed_perc = Gauge("failed_request_perc", "Failed requests ratio (1 = 100%).", label, registry=r)
         self.cache_usage = Gauge("npu_cache_usage_perc", "KV-cache block usage of the accelerator or CPU pool (1 = 100%).",
                                  label, registry=r)
-        self.cpu_cache_usage = Gauge("cpu_cache_usage_perc", "KV-cache usage of swap space (1 = 100%).", label, registry=r)
+        self.cpu_cache_usage = Gauge("cpu_cache_usage_perc", "KV-cache usage of the prefix cache's host tier (1 = 100%).", label, registry=r)
         self.prefix_hit = Gauge("npu_prefix_cache_hit_rate", "Prefix-cache hit rate: prompt tokens found cached "
                                 "over prompt tokens looked up (1 = 100%).", label, registry=r)
         self.radix_match = Gauge("all_radix_match_num", "Prompt tokens taking part in prefix-cache matching.",
@@ -197,7 +198,7 @@ class PrometheusMetrics:
         self.waiting.labels(m).set(live.waiting if live else 0)
         self.cache_usage.labels(m).set(cache_usage(live))
         self.swapped.labels(m).set(0)
-        self.cpu_cache_usage.labels(m).set(0.0)
+        self.cpu_cache_usage.labels(m).set(host_cache_usage(live))
         self.radix_match.labels(m).set(live.prefix_queried_tokens_total if live else 0)
         self.radix_hit.labels(m).set(live.prefix_hit_tokens_total if live else 0)
         self.prefix_hit.labels(m).set(prefix_hit_rate(live))

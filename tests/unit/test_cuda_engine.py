@@ -156,3 +156,35 @@ def test_prompt_logprobs_on_cuda(model_dir):
         logits = model(torch.tensor([ids], device="cuda")).logits[0].float().log_softmax(-1)
     want = [float(logits[i, ids[i + 1]]) for i in range(len(ids) - 1)]
     assert got == pytest.approx(want, abs=1e-3)
+
+
+def test_the_host_tier_brings_evicted_prefixes_back_with_the_same_tokens(model_dir):
+    """Eight device blocks: b's prompt evicts a's blocks to pinned host memory; a's next turn copies them back
+    (queued on the stream the CUDA graphs replay on) and gives the tokens a cache without a tier gives."""
+    from services.engine.devices import Device
+    from services.engine.engine import Engine
+    from services.engine.graphs import GraphPlan
+    from services.engine.model_runner import ModelRunner
+    from services.engine.scheduler import Limits
+
+    def small(host_blocks):
+        r = ModelRunner(str(model_dir), Device("cuda", torch.bfloat16), block_size=BLOCK, kv_budget_bytes=1 << 30,
+                        max_blocks=8, graphs=GraphPlan(4, 256))
+        return Engine(r, Limits(4, 4, 4096, 256, mix=True, prefill_chunk_size=32), {2}, prefix_cache=True,
+                      host_blocks=host_blocks)
+
+    first = prompt(3 * BLOCK + 5, 600)
+    turns = [("a", first), ("b", prompt(7 * BLOCK, 40)), ("a2", first + prompt(4, 300))]  # b takes all 8
+    results = []
+    for host_blocks in (0, 8):
+        engine, tokens = small(host_blocks), {}
+        for rid, ids in turns:
+            engine.add_request(request(rid, ids, max_new_tokens=8))
+            for _ in range(200):
+                if not engine.has_work:
+                    break
+                for e in engine.step():
+                    tokens.setdefault(e.id, []).extend(e.token_ids)
+        results.append((tokens, engine.blocks.prefix_hit_tokens))
+    (plain, plain_hits), (tiered, tiered_hits) = results
+    assert tiered == plain and plain_hits == 0 and tiered_hits == 3 * BLOCK

@@ -45,8 +45,7 @@ def test_imported_blocks_are_matched_by_the_next_request():
     ids = list(range(7, 7 + 4 * BLOCK + 3))
     run(source, ids, "a")
     keys = chain(ids, BLOCK)
-    held = source.cached_run(keys)
-    assert len(held) == 4
+    assert source.cached_run(keys) == 4
     target = BlockManager(8, BLOCK, enable_prefix_cache=True)
     written = {}
     count = target.import_prefix(keys, [b"k%d" % i for i in range(4)], written.__setitem__, reserve=2)
@@ -54,7 +53,8 @@ def test_imported_blocks_are_matched_by_the_next_request():
     assert target.take_journal()[0] == keys and target.num_free == 8  # cached, held by nobody
     again = Sequence("b", ids + [1, 2], Sampling(max_new_tokens=4))
     target.allocate(again, len(again))
-    assert again.num_computed == 4 * BLOCK and again.block_table[:4] == target.cached_run(keys)
+    assert again.num_computed == 4 * BLOCK and target.cached_run(keys) == 4
+    assert sorted(written) == sorted(again.block_table[:4])  # the imported blocks, shared
     target.check([again])
 
 
@@ -67,7 +67,7 @@ def test_an_import_keeps_its_reserve_and_skips_what_is_cached():
     written = {}
     count = target.import_prefix(keys, [b"x"] * 5, written.__setitem__, reserve=3)
     assert count == 3 and len(written) == 1  # 4 free past the two cached, 3 kept for the request
-    assert target.cached_run(keys) == target.cached_run(keys[:3]) and len(target.cached_run(keys)) == 3
+    assert target.cached_run(keys) == 3
     target.check()
 
 
