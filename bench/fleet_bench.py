@@ -53,6 +53,7 @@ class Turn:
     conversation: int
     index: int
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens
     ttft: float = 0.0
     tokens: int = 0
 
@@ -114,7 +115,9 @@ async def stream(client: httpx.AsyncClient, base: str, model: str, messages: lis
                 continue
             chunk = json.loads(line[len("data: "):])
             if chunk.get("usage"):
-                turn.prompt_tokens, turn.tokens = chunk["usage"]["prompt_tokens"], chunk["usage"]["completion_tokens"]
+                usage = chunk["usage"]
+                turn.prompt_tokens, turn.tokens = usage["prompt_tokens"], usage["completion_tokens"]
+                turn.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
             for choice in chunk.get("choices") or []:
                 if choice["delta"].get("content"):
                     turn.ttft = turn.ttft or time.perf_counter() - started
@@ -234,7 +237,7 @@ def main() -> int:
             cluster, listener, model = deploy(work_dir, model_dir, args, name, engines, kv_mb, routing)
             print(f"[{name}] running", flush=True)
             runs[name] = measure(cluster, listener, model, work)
-            print(f"[{name}] {summary(runs[name])}", flush=True)
+            print(f"[{name}] {summary(runs[name])}\n[{name}] {breakdown(runs[name])}", flush=True)
         finally:
             if listener is not None:
                 listener.close()
@@ -242,6 +245,16 @@ def main() -> int:
                 cluster.stop()
     report(args, runs, half_mb, all_mb)
     return 0
+
+
+def breakdown(run: Run) -> str:
+    """TTFT of the later turns by the prompt tokens they computed (a hit computes the new turn only)."""
+    parts = []
+    for low, high in ((0, 128), (128, 256), (256, 10**9)):
+        group = [t.ttft for t in run.turns if t.index > 0 and low <= t.prompt_tokens - t.cached_tokens < high]
+        if group:
+            parts.append(f"{low}-{high if high < 10**9 else ''} computed: {len(group)} turns, mean {statistics.mean(group):.3f} s")
+    return "; ".join(parts)
 
 
 def summary(run: Run) -> str:

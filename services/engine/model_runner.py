@@ -186,7 +186,7 @@ class ModelRunner:
                 tables.append(seq.block_table[: (start + self.block_size) // self.block_size])
                 lens.append(start + 1)
             else:
-                chunks.append(self._chunk(seq, row, start, n))
+                chunks.extend(self._chunks(seq, row, start, n, item.segment))
             if item.samples:
                 sample_rows.append(len(ids) - 1)
             if seq.media_rows is not None or seq.media is not None:
@@ -236,6 +236,15 @@ class ModelRunner:
         if found is not None:
             positions, embeds = found
             out.append((positions - start + row, embeds))
+
+    def _chunks(self, seq, row: int, start: int, n: int, segment: int) -> list[Chunk]:
+        """The attention pieces of positions [start, start + n) at rows from ``row``: one, or one per segment
+        between multiples of ``segment``: a row's keys then end where its segment does, whatever else the
+        step computes (flash SDPA sums differently for a different key length)."""
+        if not segment:
+            return [self._chunk(seq, row, start, n)]
+        cuts = [start, *range((start // segment + 1) * segment, start + n, segment), start + n]
+        return [self._chunk(seq, row + a - start, a, b - a) for a, b in zip(cuts, cuts[1:])]
 
     def _chunk(self, seq, row: int, start: int, n: int) -> Chunk:
         positions = torch.arange(start + n, device=self.device)

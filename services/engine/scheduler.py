@@ -33,10 +33,12 @@ class Limits:
 @dataclass(frozen=True)
 class Scheduled:
     """One sequence's work in a step: ``num_tokens`` tokens from ``seq.num_computed`` on, at those
-    positions, attending to every earlier position."""
+    positions, attending to every earlier position. ``segment`` (Mix: prefillChunkSize): the rows' attention
+    is computed in pieces ending at its multiples, as if each were a step of its own (0: in one)."""
 
     seq: Sequence
     num_tokens: int
+    segment: int = 0
 
     @property
     def samples(self) -> bool:
@@ -125,26 +127,36 @@ class Scheduler:
         for seq in [s for s in self.running if s.is_prefilling]:
             if not room():
                 break
-            if self._piece(seq) > budget:
+            piece = self._piece(seq, budget)
+            if not piece:
                 continue  # a later, shorter piece may fit
-            prefill.append(Scheduled(seq, self._piece(seq)))
-            budget -= prefill[-1].num_tokens
+            prefill.append(Scheduled(seq, piece, self.limits.prefill_chunk_size))
+            budget -= piece
         while room() and self.waiting and self.num_preemptions == preemptions:
             seq = self.waiting[0]
             if not self._admit(seq):
                 break
-            if self._piece(seq) > budget:
+            piece = self._piece(seq, budget)
+            if not piece:
                 break  # admitted; its first piece goes in the next step
-            prefill.append(Scheduled(seq, self._piece(seq)))
-            budget -= prefill[-1].num_tokens
+            prefill.append(Scheduled(seq, piece, self.limits.prefill_chunk_size))
+            budget -= piece
         return decode + prefill
 
-    def _piece(self, seq: Sequence) -> int:
-        """The sequence's next prompt piece: up to the next multiple of prefillChunkSize from position 0,
-        or its end. Fixed boundaries make a prompt's chunks the same whatever shares the step or came
-        from the prefix cache, so its K/V, and in bfloat16 its tokens, do not depend on them."""
+    def _piece(self, seq: Sequence, budget: int) -> int:
+        """The sequence's next prompt piece within ``budget`` tokens (0: none fits): whole segments between
+        multiples of prefillChunkSize from position 0 (the first from where its computed or cached part
+        ends), the last one possibly the prompt's end. Fixed boundaries make a prompt's K/V, and in bfloat16
+        its tokens, the same whatever shares its steps or came from the prefix cache: the attention of each
+        segment is computed as if it were a step of its own (``Scheduled.segment``), so a prefix-cache hit
+        whose new tokens cross a boundary still takes one step."""
         size = self.limits.prefill_chunk_size
-        return min(seq.num_uncomputed, size - seq.num_computed % size)
+        piece = min(seq.num_uncomputed, size - seq.num_computed % size)
+        if piece > budget:
+            return 0
+        while piece < seq.num_uncomputed and piece + min(size, seq.num_uncomputed - piece) <= budget:
+            piece += min(size, seq.num_uncomputed - piece)
+        return piece
 
     def _admit(self, seq: Sequence) -> bool:
         """Move the first waiting sequence to running with its blocks, if a slot and blocks allow."""

@@ -10,7 +10,8 @@ import pytest
 
 from services.engine.engine import Engine
 from tests.unit.engine_helpers import (
-    BLOCK, MIX, TOP, Run, alone, assert_pool_whole, assert_same_outputs, limits, prompt, request, run_until_idle,
+    BLOCK, MIX, TOP, Run, alone, assert_pool_whole, assert_same_outputs, limits, outputs, prompt, request,
+    run_until_idle,
 )
 
 # ---- prefix caching ---------------------------------------------------------------------------
@@ -96,6 +97,24 @@ def test_a_follow_up_turn_reuses_the_blocks_of_the_previous_answer(tiny_runner):
     ours.record([e for e in run.events if e.id == "turn2"])
     assert_same_outputs(ours, expected)
     assert_pool_whole(engine)
+
+
+def test_mix_a_hit_crossing_a_chunk_boundary_gives_the_outputs_of_no_cache_bit_for_bit(tiny_runner):
+    """Chunks of 32: with the cache, r1's and r2's new tokens (from position 48) cross the boundary at 64 in
+    one step; without it, their prompts go 0-32, 32-64, 64-end. Each row attends to keys ending where its
+    segment does either way, and the linear layers are batch-invariant: the same numbers exactly."""
+    mix32 = dict(mix=True, prefill_chunk_size=32)
+    prompts = {f"r{i}": SHARED_IDS + prompt(20 + 3 * i, start=20 + 40 * i) for i in range(3)}
+    runs = []
+    for cache in (False, True):
+        engine = Engine(tiny_runner, limits(**mix32), set(), prefix_cache=cache)
+        run = Run()
+        for rid, ids in prompts.items():
+            engine.add_request(request(rid, ids, max_new_tokens=8, logprobs=TOP))
+            run = run_until_idle(engine, run, check_blocks=True)
+        runs.append((run, engine.blocks.prefix_hit_tokens))
+    (off, _), (on, hits) = runs
+    assert hits == 6 * BLOCK and on.tokens == off.tokens and outputs(on) == outputs(off)
 
 
 SEEDED = dict(do_sample=True, temperature=0.9, top_k=40, top_p=0.95, ignore_eos=True)

@@ -108,6 +108,25 @@ def test_mix_reuses_a_cached_prefix_and_prefills_only_the_rest():
     assert sched.blocks.prefix_hit_tokens == 64
 
 
+def test_mix_a_cache_hit_crossing_a_chunk_boundary_takes_one_step():
+    """Chunks of 32, blocks of 16: b finds 3 blocks (48 tokens) cached and computes 30 more, 48-64 and 64-78:
+    two segments of the fixed boundaries, in one step (each attends as a step of its own would)."""
+    sched = scheduler(prefix_cache=True, mix=True, prefill_chunk_size=32)
+    a = seq("a", 80)
+    sched.add(a)
+    while a.is_prefilling or a.num_generated == 0:
+        step(sched)
+    b = seq("b", 78)
+    b.token_ids[48:] = list(range(9000, 9030))  # the same first 48 tokens only
+    sched.add(b)
+    items = step(sched)
+    assert rows(items) == [("a", 1), ("b", 30)] and items[1].segment == 32
+    assert sched.blocks.prefix_hit_tokens == 48
+    c = seq("c", 100, start=7000)  # nothing cached: one segment a step, as before
+    sched.add(c)
+    assert rows(step(sched))[-1] == ("c", 32)
+
+
 def test_standard_steps_are_prefill_only_or_decode_only():
     sched = scheduler(prefill_chunk_size=64)
     decoders = [seq(f"d{i}", 10, start=100 * i) for i in range(4)]
