@@ -7,6 +7,7 @@ turn from admission until the holders stop. All families wait at once, so the mo
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -40,6 +41,14 @@ def hold_the_engine(stack, stop: threading.Event) -> None:
     while not stop.is_set():
         r = httpx.post(f"{stack.url}/v2/models/{stack.model}/generate", json=body, timeout=60)
         assert r.status_code == 200, r.text
+
+
+def holding(stack, timeout: float) -> None:
+    """Wait until every holder's request is in the engine (one running, the rest waiting)."""
+    deadline = time.monotonic() + timeout
+    while (info := asyncio.run(stack.engine_info())).running + info.waiting < HOLDERS:
+        assert time.monotonic() < deadline, f"the holders are not in the engine: {info.running} + {info.waiting}"
+        time.sleep(0.1)
 
 
 def timed_raw(stack, path: str, body: dict) -> tuple[list[tuple[float, bytes]], float]:
@@ -92,7 +101,7 @@ def test_streams_held_back_40_s_get_keep_alives_every_15_s_and_complete(queue_st
     clients = {"openai": openai_chat, "responses": openai_responses, "anthropic": anthropic_messages, "tgi": tgi}
     with ThreadPoolExecutor(HOLDERS + len(raw) + len(clients)) as pool:
         holders = [pool.submit(hold_the_engine, stack, stop) for _ in range(HOLDERS)]
-        time.sleep(1.0)  # the holders own the engine before the streams arrive
+        holding(stack, timeout=30)  # the holders own the engine before the streams arrive
         raw_runs = {path: pool.submit(timed_raw, stack, path, body) for path, (body, _) in raw.items()}
         client_runs = {name: pool.submit(run, stack) for name, run in clients.items()}
         time.sleep(HOLD)
