@@ -80,8 +80,13 @@ def build_engine(cfg: Config) -> tuple[Engine, str]:
 
 
 def host_blocks(runner: ModelRunner, cfg: Config) -> int:
-    """The blocks of the host tier (``Switchboard.hostKvCacheMemoryMb``)."""
-    return HostTier.blocks_for(cfg.switchboard.host_kv_cache_memory_mb * 1024 * 1024, runner.kv, runner.block_size)
+    """The blocks of the host tier (``Switchboard.hostKvCacheMemoryMb``); a budget that holds none is refused."""
+    mb = cfg.switchboard.host_kv_cache_memory_mb
+    blocks = HostTier.blocks_for(mb * 1024 * 1024, runner.kv, runner.block_size)
+    if mb and not blocks:
+        raise ValueError(f"Switchboard.hostKvCacheMemoryMb: {mb} MiB holds no K/V block of this model "
+                         f"({runner.kv.block_nbytes(runner.block_size)} bytes); raise it, or set 0 for no host tier")
+    return blocks
 
 
 def check_host_tier(cfg: Config, device_kind: str) -> None:
