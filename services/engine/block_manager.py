@@ -48,7 +48,7 @@ class BlockManager:
         self.prefix_hit_tokens = 0  # of those, tokens found cached
         self._journal: dict[bytes, bool] = {}  # keys that entered (True) or left (False) the cache since taken
         self._key_xor = 0  # the XOR of every cached key: with their count, what a router's view must match
-        self.tier = tier if enable_prefix_cache else None  # evicted blocks' K/V in host memory
+        self.tier = tier  # evicted blocks' K/V in host memory (with the prefix cache on)
 
     @property
     def num_free(self) -> int:

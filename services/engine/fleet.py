@@ -118,7 +118,8 @@ class FleetCache:
         layout = KvLayout.of(runner)
         if len(fetch.layout) != 5 or KvLayout(*fetch.layout) != layout:
             return KvBlocks(error=f"KV layout {fetch.layout} does not match this engine's {layout}")
-        return KvBlocks(chunks=self.blocks.run_bytes(fetch.keys, lambda block: runner.kv.block_bytes(block, runner.block_size)))
+        chunks = self.blocks.run_bytes(fetch.keys, lambda block: runner.kv.block_bytes(block, runner.block_size))
+        return KvBlocks(chunks=chunks)
 
     # ---- pulling ----------------------------------------------------------------------------------
 

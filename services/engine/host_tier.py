@@ -17,7 +17,7 @@ from typing import Iterator
 
 import torch
 
-from services.engine.kv_cache import SCALE_DTYPE, KvCache, _raw
+from services.engine.kv_cache import SCALE_DTYPE, KvCache, pack_block
 
 
 class HostTier:
@@ -35,12 +35,7 @@ class HostTier:
         self._free = list(range(capacity))
         self._slots: OrderedDict[bytes, int] = OrderedDict()  # key -> host slot, least recently stored first
         self._held: set[bytes] = set()  # keys that must not be dropped now (being brought back)
-        self.stored = self.loaded = self.dropped = 0  # blocks moved out, brought back, lost for room
-
-    @staticmethod
-    def blocks_for(budget_bytes: int, kv: KvCache, block_size: int) -> int:
-        """How many blocks ``budget_bytes`` of host memory hold."""
-        return budget_bytes // (kv.block_nbytes(block_size) or 1)
+        self.loaded = self.dropped = 0  # blocks brought back, and lost for room
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._slots
@@ -79,7 +74,6 @@ class HostTier:
             self.k_scale[slot].copy_(self.kv.k_scale[:, :, span], non_blocking=self.pinned)
             self.v_scale[slot].copy_(self.kv.v_scale[:, :, span], non_blocking=self.pinned)
         self._slots[key] = slot
-        self.stored += 1
         return lost
 
     def load(self, key: bytes, block: int) -> None:
@@ -102,15 +96,12 @@ class HostTier:
         """``key``'s block as ``KvCache.block_bytes`` writes a device block (a fleet pull served from here)."""
         self._sync()
         slot = self._slots[key]
-        data = _raw(torch.stack([self.k[slot], self.v[slot]]))
-        if self.kv.quantized:
-            data += _raw(torch.stack([self.k_scale[slot], self.v_scale[slot]]))
-        return data
+        scales = (self.k_scale[slot], self.v_scale[slot]) if self.kv.quantized else None
+        return pack_block(self.k[slot], self.v[slot], scales)
 
     def _span(self, block: int) -> slice:
         return slice(block * self.block_size, (block + 1) * self.block_size)
 
     def _sync(self) -> None:
-        device = self.kv.k.device
-        if self.pinned and device.type != "cpu":
-            getattr(torch, device.type).current_stream().synchronize()
+        if self.pinned:  # copies to pinned memory may still be queued on the device's stream
+            getattr(torch, self.kv.k.device.type).current_stream().synchronize()

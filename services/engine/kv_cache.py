@@ -75,16 +75,8 @@ class KvCache:
         """Block ``block`` of every layer: K then V ``[2, layers, kv_heads, block_size, head_dim]``, then (int8)
         their scales ``[2, layers, kv_heads, block_size]``."""
         span = slice(block * block_size, (block + 1) * block_size)
-        data = _raw(torch.stack([self.k[:, :, span], self.v[:, :, span]]))
-        if self.quantized:
-            data += _raw(torch.stack([self.k_scale[:, :, span], self.v_scale[:, :, span]]))
-        return data
-
-    def block_nbytes(self, block_size: int) -> int:
-        """The bytes of one block (``block_bytes``'s length)."""
-        layers, heads, _, dim = self.k.shape
-        scales = 2 * layers * heads * block_size * SCALE_DTYPE.itemsize if self.quantized else 0
-        return 2 * layers * heads * block_size * dim * self.k.element_size() + scales
+        scales = (self.k_scale[:, :, span], self.v_scale[:, :, span]) if self.quantized else None
+        return pack_block(self.k[:, :, span], self.v[:, :, span], scales)
 
     def write_block(self, block: int, block_size: int, data: bytes) -> None:
         """The inverse of ``block_bytes``, into block ``block``."""
@@ -96,6 +88,12 @@ class KvCache:
         if self.quantized:
             scales = torch.frombuffer(bytearray(data[codes:]), dtype=SCALE_DTYPE).view(2, layers, heads, block_size)
             self.k_scale[:, :, span], self.v_scale[:, :, span] = scales[0], scales[1]
+
+
+def pack_block(k: torch.Tensor, v: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None) -> bytes:
+    """One block's K and V (and, int8, their scales) as ``KvCache.block_bytes`` lays them out."""
+    data = _raw(torch.stack([k, v]))
+    return data + _raw(torch.stack(scales)) if scales is not None else data
 
 
 def _raw(t: torch.Tensor) -> bytes:

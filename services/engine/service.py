@@ -12,111 +12,24 @@ from concurrent.futures import ThreadPoolExecutor
 from collections import defaultdict
 from dataclasses import dataclass
 
-import torch
 from nats.aio.msg import Msg as NatsMsg
 
 from services.engine.adapters import AdapterControl
-from services.engine.devices import kv_budget_bytes, resolve_device
+from services.engine.build import build_engine
 from services.engine.engine import Engine
 from services.engine.fleet import FleetCache
-from services.engine.graphs import GraphPlan
-from services.engine.host_tier import HostTier
 from services.engine.pd import KvLink, Moved
-from services.engine.model_runner import ModelRunner
-from services.engine.scheduler import Limits
 from shared import bus, subjects, telemetry
 from shared.config import Config
 from shared.leases import Leases
 from shared.tombstones import Tombstones
-from shared.messages import (
-    Cancel,
-    CancelKind,
-    EngineInfo,
-    EngineRequest,
-    Heartbeat,
-    TokenBatch,
-    TokenEvent,
-    decoder,
-)
+from shared.messages import Cancel, CancelKind, EngineInfo, EngineRequest, Heartbeat, TokenBatch, TokenEvent, decoder
 from shared.metrics_messages import Queued
 from shared.pd_messages import EngineRole
 
 log = logging.getLogger("switchboard.engine")
 ENGINE_ROLE = {"prefill": "prefill", "decode": "decode", "flex": "both"}  # a server's PD role -> its engines'
 DRAIN_MAX_S = 30.0
-
-
-def build_engine(cfg: Config) -> tuple[Engine, str]:
-    """Load the model named by the config and size the KV cache; returns (engine, device label)."""
-    if cfg.switchboard.torch_threads:
-        torch.set_num_threads(cfg.switchboard.torch_threads)
-    device = resolve_device(cfg.switchboard.device, cfg.switchboard.dtype)
-    check_host_tier(cfg, device.kind)
-    sc, deploy = cfg.schedule, cfg.deploy
-    blocks_per_seq = -(-deploy.max_seq_len // sc.cache_block_size)
-    sb = cfg.switchboard
-    runner = ModelRunner(
-        str(cfg.model_path),
-        device,
-        block_size=sc.cache_block_size,
-        # on an accelerator: its free memory once the weights are loaded
-        kv_budget_bytes=lambda: kv_budget_bytes(device, sb.kv_cache_memory_mb, cfg.model.npu_mem_size),
-        max_blocks=sc.max_batch_size * blocks_per_seq,
-        batch_hint=sc.max_batch_size,
-        cpu_kernels=sb.cpu_kernels if device.kind == "cpu" else sb.gpu_kernels,
-        graphs=GraphPlan(sc.max_batch_size, deploy.max_seq_len) if device.kind == "cuda" and sb.cuda_graphs else None,
-        max_loras=deploy.max_loras,
-        max_lora_rank=deploy.max_lora_rank,
-        quantization=sb.quantization,
-        kv_cache_dtype=sb.kv_cache_dtype,
-    )
-    load_lora_modules(runner, cfg)
-    limits = Limits(sc.max_batch_size, sc.prefill_batch_size, sc.max_prefill_tokens, deploy.max_seq_len,
-                    token_timeout_s=float(cfg.server.token_timeout), max_preempt_count=sc.max_preempt_count,
-                    max_queue_delay_s=sc.max_queue_delay_microseconds / 1e6,
-                    prefill_chunk_size=sc.prefill_chunk_size, mix=sc.template_type == "Mix")
-    return Engine(runner, limits, eos_token_ids(runner), prefix_cache=sc.enable_prefix_cache,
-                  host_blocks=host_blocks(runner, cfg)), device.kind
-
-
-def host_blocks(runner: ModelRunner, cfg: Config) -> int:
-    """The blocks of the host tier (``Switchboard.hostKvCacheMemoryMb``); a budget that holds none is refused."""
-    mb = cfg.switchboard.host_kv_cache_memory_mb
-    blocks = HostTier.blocks_for(mb * 1024 * 1024, runner.kv, runner.block_size)
-    if mb and not blocks:
-        raise ValueError(f"Switchboard.hostKvCacheMemoryMb: {mb} MiB holds no K/V block of this model "
-                         f"({runner.kv.block_nbytes(runner.block_size)} bytes); raise it, or set 0 for no host tier")
-    return blocks
-
-
-def check_host_tier(cfg: Config, device_kind: str) -> None:
-    """Refuse a host tier where it cannot work, before the model loads."""
-    mb = cfg.switchboard.host_kv_cache_memory_mb
-    if mb and device_kind == "cpu":
-        raise ValueError("Switchboard.hostKvCacheMemoryMb: the engine runs on cpu, whose K/V cache is host memory "
-                         "already (one tier); give the memory to Switchboard.kvCacheMemoryMb instead")
-    if mb and not cfg.schedule.enable_prefix_cache:
-        raise ValueError("Switchboard.hostKvCacheMemoryMb: the host tier holds the prefix cache's evicted blocks; "
-                         "set BackendConfig.ScheduleConfig.enablePrefixCache to true, or hostKvCacheMemoryMb to 0")
-
-
-def load_lora_modules(runner: ModelRunner, cfg: Config) -> None:
-    """The adapters of ``LoraModules``: a start-up failure names the adapter and why."""
-    for i, module in enumerate(cfg.deploy.lora_modules):
-        reply = runner.lora.load(module.name, str(cfg.resolve_path(module.path)))
-        if not reply.outcome.ok:
-            raise RuntimeError(f"BackendConfig.ModelDeployConfig.LoraModules[{i}] ({module.name}): {reply.message}")
-
-
-def eos_token_ids(runner: ModelRunner) -> set[int]:
-    ids: set[int] = set()
-    for source in (runner.config, getattr(runner.model, "generation_config", None)):
-        value = getattr(source, "eos_token_id", None)
-        if isinstance(value, int):
-            ids.add(value)
-        elif value:
-            ids.update(value)
-    return ids
 
 
 @dataclass

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from shared.config import ModelDeployConfig
-from shared.errors import validation
+from shared.errors import ErrorInfo, ErrorKind, validation
 from services.tokenizer.tools import plain, takes_tools, with_tools
-from shared.messages import GenerateRequest, Tokenize
+from shared.messages import EngineRequest, GenerateRequest, Tokenize, encode
 
 MAX_TOKENS_NUM = 1048576
 
@@ -72,3 +72,15 @@ def check_media_prompt(ids: list[int], req: GenerateRequest, deploy: ModelDeploy
         raise validation(f"the prompt with its media has {len(ids)} tokens, more than the limit of {limit}; "
                          "a prompt with media is not truncated: send fewer or smaller media or a shorter text")
     return ids
+
+
+MB = 1 << 20
+
+
+def too_large(request: EngineRequest, limit: int) -> ErrorInfo | None:
+    """A 413 for a request whose preprocessed media exceed what one bus message (``limit`` bytes) may carry."""
+    size = len(encode(request))
+    if size <= limit:
+        return None
+    return ErrorInfo(ErrorKind.TOO_LARGE, f"the request's preprocessed media are {size / MB:.1f} MB, more than "
+                                          f"a bus message's limit of {limit / MB:.1f} MB: send fewer or smaller media")

@@ -24,7 +24,7 @@ from nats.aio.msg import Msg as NatsMsg
 
 from services.tokenizer.detokenizer import IncrementalDecoder, StopMatcher
 from services.tokenizer import counting
-from services.tokenizer.encoder import check_media_prompt, check_token_ids, encode_prompt
+from services.tokenizer.encoder import check_media_prompt, check_token_ids, encode_prompt, too_large
 from services.tokenizer.media.multimodal import MediaProcessor
 from services.tokenizer.cache_sync import CacheFollower
 from services.tokenizer.routing import Choice, EngineRouter
@@ -35,32 +35,13 @@ from shared.errors import ErrorInfo, ErrorKind, SwitchboardError
 from shared.leases import Leases
 from shared.media import MediaPolicy
 from shared.messages import (
-    Cancel,
-    CancelKind,
-    Detokenize,
-    EngineInfo,
-    EngineRequest,
-    Failed,
-    FinishReason,
-    GenerateRequest,
-    Heartbeat,
-    MediaInputs,
-    Output,
-    Started,
-    TokenBatch,
-    TokenEvent,
-    Tokenize,
-    TokenizerInfo,
-    TokenLogprob,
-    TokenOut,
-    TopToken,
+    Cancel, CancelKind, Detokenize, EngineInfo, EngineRequest, Failed, FinishReason, GenerateRequest, Heartbeat,
+    MediaInputs, Output, Started, TokenBatch, TokenEvent, Tokenize, TokenizerInfo, TokenLogprob, TokenOut, TopToken,
     decoder,
-    encode,
 )
 from shared.tombstones import Tombstones
 
 log = logging.getLogger("switchboard.tokenizer")
-MB = 1 << 20
 
 
 def load_tokenizer(path: str):
@@ -214,19 +195,11 @@ class TokenizerService:
         engine_request.pull_from = choice.pull_from
         await self.routed(span, len(ids), choice)
         self.pending[req.id].engine = engine
-        if media is not None and (error := self.too_large(engine_request)):
+        if media is not None and (error := too_large(engine_request, self.nc.max_payload)):
             await self._end(req.id, error.message)
             await bus.publish(self.nc, req.reply_to, Failed(id=req.id, error=error))
             return
         await bus.publish(self.nc, subjects.engine_instance(req.model, engine), engine_request)
-
-    def too_large(self, request: EngineRequest) -> ErrorInfo | None:
-        """A 413 for a request whose preprocessed media exceed what one bus message may carry."""
-        size, limit = len(encode(request)), self.nc.max_payload
-        if size <= limit:
-            return None
-        return ErrorInfo(ErrorKind.TOO_LARGE, f"the request's preprocessed media are {size / MB:.1f} MB, more than "
-                                              f"a bus message's limit of {limit / MB:.1f} MB: send fewer or smaller media")
 
     async def routed(self, span, prompt_tokens: int, choice: Choice) -> None:
         """The decision on the request's span and in the metrics."""

@@ -14,7 +14,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from services.engine.engine import Engine
-from services.engine.service import eos_token_ids
+from services.engine.build import eos_token_ids
 from shared import subjects
 from shared.messages import EngineInfo
 from tests.integration import test_failover

@@ -16,7 +16,7 @@ from services.engine.engine import Engine
 from services.engine.host_tier import HostTier
 from services.engine.kv_cache import KvCache
 from services.engine.sequence import Sequence
-from services.engine.service import check_host_tier, host_blocks
+from services.engine.build import check_host_tier, host_blocks
 from shared.config import parse_config
 from shared.messages import Sampling
 from shared.prefix_hash import chain, checksum
@@ -144,8 +144,8 @@ def test_a_host_budget_is_counted_in_whole_blocks_and_one_holding_none_is_refuse
     data = json.loads(DEFAULT_CONFIG.read_text())
     data["Switchboard"] = {**data.get("Switchboard", {}), "hostKvCacheMemoryMb": 1}
     cfg = parse_config(json.dumps(data).encode())
-    small = SimpleNamespace(kv=cache(2), block_size=BLOCK)  # 2 x 2 layers x 2 heads x 16 x 8 x 4 bytes a block
+    small = SimpleNamespace(block_bytes=2 * LAYERS * HEADS * BLOCK * DIM * 4)  # K and V of a block, float32
     assert host_blocks(small, cfg) == (1 << 20) // (2 * LAYERS * HEADS * BLOCK * DIM * 4)
-    big = KvCache(64, 8, 2 * BLOCK, 128, torch.float32, "auto", torch.device("cpu"))  # 8 MiB a block
+    big = SimpleNamespace(block_bytes=8 << 20)  # e.g. 64 layers x 8 heads x 16 x 128 x 2 x 4 bytes
     with pytest.raises(ValueError, match=r"hostKvCacheMemoryMb: 1 MiB holds no K/V block of this model \(8388608"):
-        host_blocks(SimpleNamespace(kv=big, block_size=BLOCK), cfg)
+        host_blocks(big, cfg)

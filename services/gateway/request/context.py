@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from services.gateway.request.mailbox import Mailboxes
     from services.gateway.request.slots import Slots
     from shared.messages import EngineInfo
-from shared.metrics_messages import MetricsEvent
+    from shared.metrics_messages import MetricsEvent
 
 
 @dataclass(frozen=True)

@@ -260,9 +260,9 @@ class Session:
             return None
         if event.prompt and not self.prompt:  # with the first token (a resumed attempt's are ignored)
             self.prompt = event.prompt
-        if event.position == 0 and event.tokens and self.first_token_at is None:
-            self.cached_tokens = event.cached_tokens
         if event.tokens and self.first_token_at is None:
+            if event.position == 0:
+                self.cached_tokens = event.cached_tokens
             self.first_token_at = time.time()
             self.ctx.emit(FirstToken(id=self.id, model=self.ctx.model, ttft_s=self.first_token_at - self.arrival))
         self.tokens.extend(event.tokens)

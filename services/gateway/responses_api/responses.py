@@ -66,7 +66,8 @@ class Builder:
         self.obj.update(status="incomplete" if cut else "completed", output=output,
                         incomplete_details={"reason": "max_output_tokens"} if cut else None, usage={
                             "input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
-                            "total_tokens": usage["total_tokens"], "input_tokens_details": {"cached_tokens": call.cached_tokens},
+                            "total_tokens": usage["total_tokens"],
+                            "input_tokens_details": {"cached_tokens": call.cached_tokens},
                             "output_tokens_details": {"reasoning_tokens": 0}})
         return self.obj
 
