@@ -105,5 +105,6 @@ def unrotate(rows: int, heads: int) -> torch.Tensor:
 def permute_rows(layer: QuantLinear, order: torch.Tensor) -> QuantLinear:
     """``layer`` with its output rows taken in ``order`` (rows are independent in both formats)."""
     if isinstance(layer, Q4Linear):
-        return Q4Linear(layer.q[order], layer.d[order], layer.m[order], kernels=layer.kernels)
+        q, d, m = layer.canonical()
+        return Q4Linear(q[order], d[order], m[order], kernels=layer.kernels)
     return Q8Linear(layer.q[order], layer.s[order], kernels=layer.kernels)

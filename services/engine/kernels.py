@@ -137,6 +137,8 @@ class CpuOps(TorchOps):
         self.rope_store_q8, self.paged_decode_q8 = module.rope_store_q8, module.paged_decode_q8  # int8 K/V
         self.q8_linear, self.q4_linear = module.q8_linear, module.q4_linear  # quantized weights (quant.py)
         self.q8_dequant, self.q4_dequant = module.q8_dequant, module.q4_dequant
+        self.q4_packed = module.q4_packed()  # int4 layers in the kernel's own layout (AVX-512 BF16)
+        self.q4p_linear = module.q4p_linear
         self.q8_activations = module.q8_activations  # the activations as the int8 kernel quantizes them
         self.q4_operands = module.q4_operands  # the activations and weight as the int4 kernel multiplies them
         self.int8_activations = module.q8_int8_activations()  # W8A8 (AVX-512 VNNI) rather than W8A16

@@ -8,8 +8,10 @@ Two formats (``Switchboard.quantization``):
   (W8A8); elsewhere it multiplies float activations by the dequantized weights (W8A16).
 * ``int4`` → ``Q4Linear``: ``w = d * q + m``, q in 0..15, a float16 scale d and offset m per block of 32
   input columns (GGUF's Q4_1 layout; 0.625 bytes per weight). Asymmetric: each block's [min, max] onto 0..15.
-  Where the CPU has AVX-512 BF16 the kernel rounds the activations to bfloat16 (as a bfloat16 model does
-  everywhere) and multiplies with ``vdpbf16ps``; elsewhere float activations by dequantized weights.
+  Where the CPU has AVX-512 BF16 the layer keeps its codes in the kernel's own layout (``pack_q4``: 16 rows
+  interleaved, so one instruction unpacks 16 rows' codes of 2 columns), and the kernel rounds the activations
+  to bfloat16 (as a bfloat16 model does everywhere) and multiplies with ``vdpbf16ps``; elsewhere float
+  activations by dequantized weights.
   GGUF files (``gguf_weights.py``) and AWQ / GPTQ checkpoints (``prequantized.py``) load into it as stored.
 
 Each holds only its packed weight (the float one is dropped). On the CPU the engine's C++ kernels
@@ -96,10 +98,27 @@ class Q4Linear(QuantLinear):
     def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None = None,
                  kernels=None):
         """``q``: uint8 [out, in / 2] (byte j of a block: element j low, element j + 16 high); ``d``, ``m``:
-        float16 [out, in / 32]."""
+        float16 [out, in / 32]. Held as given, or in the kernel's layout where the kernels have one."""
         super().__init__(q.shape[0], q.shape[1] * 2, bias, kernels)
-        self.q = q.contiguous()
-        self.d, self.m = d.to(torch.float16).contiguous(), m.to(torch.float16).contiguous()
+        q, d, m = q.contiguous(), d.to(torch.float16).contiguous(), m.to(torch.float16).contiguous()
+        self.packed = kernels is not None and getattr(kernels, "q4_packed", False)
+        self.stored = pack_q4(q, d, m) if self.packed else (q, d, m)
+
+    def canonical(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q, d, m) as the constructor takes them (unpacked from the kernel's layout where held in it)."""
+        return unpack_q4(*self.stored, self.out_features) if self.packed else self.stored
+
+    @property
+    def q(self) -> torch.Tensor:
+        return self.canonical()[0]
+
+    @property
+    def d(self) -> torch.Tensor:
+        return self.canonical()[1]
+
+    @property
+    def m(self) -> torch.Tensor:
+        return self.canonical()[2]
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, kernels=None) -> Q4Linear:
@@ -112,18 +131,21 @@ class Q4Linear(QuantLinear):
         return cls(pack4(codes).reshape(n, k // 2), d, m, bias, kernels)
 
     def _kernel(self, rows: torch.Tensor) -> torch.Tensor:
-        return self.kernels.q4_linear(rows, self.q, self.d, self.m)
+        if self.packed:
+            return self.kernels.q4p_linear(rows, *self.stored, self.out_features)
+        return self.kernels.q4_linear(rows, *self.stored)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        q, d, m = self.canonical()
         if self.kernels is not None:
-            return self.kernels.q4_dequant(self.q, self.d, self.m, dtype)
+            return self.kernels.q4_dequant(q, d, m, dtype)
         n, k = self.out_features, self.in_features
-        codes = unpack4(self.q.reshape(n, k // BLOCK, BLOCK // 2)).float()
-        w = codes * self.d.float()[..., None] + self.m.float()[..., None]
+        codes = unpack4(q.reshape(n, k // BLOCK, BLOCK // 2)).float()
+        w = codes * d.float()[..., None] + m.float()[..., None]
         return w.reshape(n, k).to(dtype)
 
     def _tensors(self) -> list[torch.Tensor]:
-        return [self.q, self.d, self.m]
+        return list(self.stored)
 
 
 def pack4(codes: torch.Tensor) -> torch.Tensor:
@@ -134,6 +156,33 @@ def pack4(codes: torch.Tensor) -> torch.Tensor:
 def unpack4(packed: torch.Tensor) -> torch.Tensor:
     """The inverse of ``pack4``."""
     return torch.cat([packed & 0xF, packed >> 4], dim=-1)
+
+
+GROUP = 16  # weight rows interleaved in the kernel's layout
+
+
+def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_1-style (q, d, m) of [n, k] weights in the CPU kernel's layout (``csrc/quant_ops.cpp``, ``linear_q4p``):
+    rows in groups of 16 (the last padded with zero rows); per group and octet of columns 8o..8o+7, 64 bytes
+    whose 32-bit lane i holds row i's codes of the even columns in its low half and of the odd ones in its
+    high half (column 8o + 2t + h: half h, bits 4t..4t+3); d and m as [groups, k / 32, 16]."""
+    n, k = q.shape[0], q.shape[1] * 2
+    groups, pad = -(-n // GROUP), -n % GROUP
+    codes = unpack4(q.reshape(n, k // BLOCK, BLOCK // 2)).reshape(n, k)
+    codes, d, m = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (codes, d, m))
+    lanes = codes.reshape(groups, GROUP, k // 8, 4, 2).permute(0, 2, 1, 4, 3)  # (group, octet, row, half, t)
+    packed = (lanes[..., 0::2] | (lanes[..., 1::2] << 4)).contiguous().reshape(groups * GROUP, k // 2)
+    return (packed, *(t.reshape(groups, GROUP, k // BLOCK).transpose(1, 2).contiguous() for t in (d, m)))
+
+
+def unpack_q4(packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of ``pack_q4``: (q, d, m) of the first ``n`` rows."""
+    groups, k = d.shape[0], packed.shape[1] * 2
+    pairs = packed.reshape(groups, k // 8, GROUP, 2, 2)
+    lanes = torch.stack([pairs & 0xF, pairs >> 4], dim=-1).reshape(groups, k // 8, GROUP, 2, 4)
+    codes = lanes.permute(0, 2, 1, 4, 3).reshape(groups * GROUP, k)[:n].reshape(n, k // BLOCK, BLOCK)
+    scales = (t.transpose(1, 2).reshape(groups * GROUP, k // BLOCK)[:n].contiguous() for t in (d, m))
+    return (pack4(codes).reshape(n, k // 2), *scales)
 
 
 def quantize(linear: nn.Module, fmt: str, kernels=None) -> nn.Module:
@@ -154,8 +203,8 @@ def quantize_head(linear: nn.Module, kernels=None) -> nn.Module:
 def merge(layers: list[QuantLinear], kernels=None) -> QuantLinear:
     """Layers of one input width side by side (their outputs concatenated); int8 when their formats differ."""
     if all(isinstance(layer, Q4Linear) for layer in layers):
-        return Q4Linear(torch.cat([l.q for l in layers]), torch.cat([l.d for l in layers]),
-                        torch.cat([l.m for l in layers]), kernels=kernels)
+        q, d, m = zip(*(layer.canonical() for layer in layers))
+        return Q4Linear(torch.cat(q), torch.cat(d), torch.cat(m), kernels=kernels)
     eights = [l if isinstance(l, Q8Linear) else Q8Linear.from_float(l.dequantized(), kernels=kernels) for l in layers]
     return Q8Linear(torch.cat([l.q for l in eights]), torch.cat([l.s for l in eights]), kernels=kernels)
 

@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType, quants
 
 from services.engine import kernels
 from services.engine.model_runner import ModelRunner
-from services.engine.quant import BLOCK, Q4Linear, Q8Linear, quantize
+from services.engine.quant import BLOCK, Q4Linear, Q8Linear, pack_q4, quantize, unpack_q4
 from tests.unit.engine_helpers import BLOCK as KV_BLOCK
 from tests.unit.engine_helpers import CPU, batch_greedy, block_bytes
 
@@ -28,11 +28,11 @@ def weight(n: int = 72, k: int = 96, seed: int = 0) -> torch.Tensor:
 def operands(layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` and the dequantized weight as the layer's kernel multiplies them: the activations quantized per
     block of 32 by the int8 kernel on VNNI (for a width of whole pairs of blocks); rounded to bfloat16 by the
-    int4 kernel on AVX-512 BF16 (and, from a few rows on, its weights too); as they are otherwise."""
+    int4 kernel on AVX-512 BF16; as they are otherwise."""
     if isinstance(layer, Q8Linear) and layer.int8_activations and x.shape[-1] % 64 == 0:
         return KERNELS.q8_activations(x.float()), layer.dequantized()
     if isinstance(layer, Q4Linear) and layer.kernels is not None:
-        return tuple(KERNELS.q4_operands(x, layer.q, layer.d, layer.m))
+        return tuple(KERNELS.q4_operands(x, *layer.canonical()))
     return x.float(), layer.dequantized()
 
 
@@ -66,7 +66,29 @@ def test_the_kernels_and_pytorch_dequantize_alike_and_within_the_formats_error(c
         spread = (blocks.amax(-1) - blocks.amin(-1)) / 15
     error = (deq - w).abs().reshape(72, -1, BLOCK).amax(-1)
     assert torch.all(error <= spread * 0.5 * 1.01 + 1e-6)
-    assert with_kernels.nbytes < w.numel() * (1.1 if cls is Q8Linear else 0.65)
+    rows = 80 if getattr(with_kernels, "packed", False) else 72  # the kernel's layout: groups of 16 rows
+    assert with_kernels.nbytes < rows * 96 * (1.1 if cls is Q8Linear else 0.65)
+
+
+@pytest.mark.skipif(KERNELS is None, reason="needs the C++ kernels")
+@pytest.mark.parametrize("rows", [1, 5])
+def test_the_int4_kernel_on_ggufs_layout_is_the_product_with_the_dequantized_weight(rows):
+    """The kernel CPUs without AVX-512 BF16 run (GGUF's layout, float activations), whatever this CPU has."""
+    layer = Q4Linear.from_float(weight(), kernels=KERNELS)
+    x = torch.randn(rows, 96)
+    got = KERNELS.q4_linear(x, *layer.canonical())
+    assert torch.allclose(got, x @ layer.dequantized().T, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("n", [72, 50, 16])
+def test_int4_in_the_kernels_layout_unpacks_to_the_same_weights(n):
+    """``pack_q4`` (16 rows interleaved, the last group padded) and ``unpack_q4`` are inverses, whatever the
+    row count; the packed layer holds no more than the padding beyond GGUF's bytes."""
+    plain = Q4Linear.from_float(weight(n=n))
+    packed = pack_q4(*plain.canonical())
+    assert packed[0].shape == (-(-n // 16) * 16, 48) and packed[1].shape == packed[2].shape == (-(-n // 16), 3, 16)
+    for mine, theirs in zip(unpack_q4(*packed, n), plain.canonical()):
+        assert torch.equal(mine, theirs)
 
 
 def test_int4_is_gguf_q4_1():

@@ -460,6 +460,8 @@ torch::Tensor q4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch
 std::vector<torch::Tensor> q4_operands(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor m);
 torch::Tensor q8_dequant(torch::Tensor q, torch::Tensor s, torch::ScalarType dtype);
 torch::Tensor q4_dequant(torch::Tensor q, torch::Tensor d, torch::Tensor m, torch::ScalarType dtype);
+bool q4_packed();
+torch::Tensor q4p_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor m, int64_t n);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm);
@@ -477,4 +479,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_int8_activations", &q8_int8_activations);
   m.def("q8_activations", &q8_activations);
   m.def("q4_dequant", &q4_dequant);
+  m.def("q4_packed", &q4_packed);
+  m.def("q4p_linear", &q4p_linear);
 }

@@ -391,14 +391,10 @@ torch::Tensor linear_w8a8(const Q8& w, const torch::Tensor& x, int64_t n) {
 #define SWITCHBOARD_BF16 1
 // ---- q4 with bfloat16 activations (AVX-512 BF16) -----------------------------------------------------
 //
-// Each activation row is rounded to bfloat16 once (what a bfloat16 model does to every activation), and
-// `vdpbf16ps` does 32 multiply-adds per instruction. Two kernels, by the number of rows:
-// - few (decode): a block's codes go in as the bfloat16 numbers 128 + q (bits 0x4300 | q, exact), so a weight
-//   vector costs 5 integer operations and no float ones; per block and row
-//       sum_j x_j (d q_j + m) = d * sum_j x_j (128 + q_j) + (m - 128 d) * sum_j x_j
-//   with sum_j x_j (of the rounded values) computed once per row;
-// - many (prefill chunks, large batches): each block is dequantized to bfloat16 (d q + m, rounded once) in
-//   registers and multiplied by every row of the tile with one instruction each.
+// Each activation row is rounded to bfloat16 once (what a bfloat16 model does to every activation), with each
+// block's sum of the rounded values, and `vdpbf16ps` does 32 multiply-adds per instruction. The codes go in as
+// the bfloat16 numbers 128 + q (bits 0x4300 | q, exact), so per block and row
+//     sum_j x_j (d q_j + m) = d * sum_j x_j (128 + q_j) + (m - 128 d) * sum_j x_j.
 
 struct Bf16Rows {
   torch::Tensor xb;  // bfloat16 [rows, K]
@@ -423,130 +419,107 @@ Bf16Rows bf16_rows(const torch::Tensor& xf) {
   return out;
 }
 
-inline __m512i codes_bf16(const uint8_t* p) {  // a block's 16 bytes: its 32 codes as bfloat16 128 + q, in order
-  const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i low = _mm256_and_si256(bytes, _mm256_set1_epi16(0xf)), high = _mm256_srli_epi16(bytes, 4);
-  return _mm512_or_si512(_mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1), _mm512_set1_epi16(0x4300));
-}
-
-inline __m512i dequant_bf16(const uint8_t* p, float scale, float offset) {  // a block's 32 weights d q + m as bfloat16
-  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m512 d = _mm512_set1_ps(scale), m = _mm512_set1_ps(offset);
-  const __m512 low = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0xf))), d, m);
-  const __m512 high = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), d, m);
-  return (__m512i)_mm512_cvtne2ps_pbh(high, low);
-}
-
 inline __m512 dot_bf16(__m512 acc, __m512i x, __m512i w) { return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)w); }
 
-// The scales d and offsets m of blocks [b0, b0 + count) (count <= 16) of weight row n, as float32.
-inline void block_scales(const Q4& w, int64_t n, int64_t b0, int count, float* d, float* m) {
-  const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
-  const int64_t at = n * (w.k / BLOCK) + b0;
-  _mm512_storeu_ps(d, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, w.d + at)));
-  _mm512_storeu_ps(m, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, w.m + at)));
+// ---- q4 in the kernel's own layout (AVX-512 BF16) ----------------------------------------------------------
+//
+// The layout (quant.py's pack_q4 writes it): weight rows in groups of 16 (the last padded with zero rows), each
+// group's K columns in octets of 8; an octet of a group is 64 bytes, and 32-bit lane i of them holds row i's 8
+// codes: its low 16 bits those of columns 8o, 8o + 2, 8o + 4, 8o + 6 and its high 16 bits those of 8o + 1,
+// 8o + 3, 8o + 5, 8o + 7 (code t in bits 4t..4t+3 of each half). Scales d and offsets m: float16
+// [groups, K / 32, 16], lane i row i. So the 64 bytes shifted right by 4t within each 16-bit half, their low
+// nibble kept and or'ed with 0x4300 (one vpternlogd), hold 16 rows' codes of columns (8o + 2t, 8o + 2t + 1) as
+// the bfloat16 numbers 128 + q, the pairs `vdpbf16ps` multiplies by a broadcast pair of activations: 32
+// multiply-adds for 2 integer operations and no horizontal sums (GGUF's layout, one row's block per vector: 32
+// for ~8, and a reduction per output). Per block of 32 columns the 16 rows' sums are scaled by d at once, and the
+// offset term (m - 128 d) * sum(x) added.
+
+struct Q4P {
+  const uint8_t* q;
+  const uint16_t* d;
+  const uint16_t* m;
+  int64_t k;
+};
+
+constexpr int64_t GROUP = 16;
+
+inline __m512i broadcast_pair(const uint16_t* x) {  // x[0], x[1] (bfloat16) in every 32-bit lane
+  int32_t v;
+  std::memcpy(&v, x, sizeof v);
+  return _mm512_set1_epi32(v);
 }
 
-template <int MB, int NBV>
-void tile_q4_few(const Q4& w, const uint16_t* xb, const float* xs, int64_t n0, float* y, int64_t ldy) {
+// Rows [0, MB) of x times weight group g: y[i, 16 g + lane]. ``ahead``: a later group's bytes, fetched
+// along the way (nullptr: none).
+template <int MB>
+void tile_q4p(const Q4P& w, int64_t g, const uint16_t* xb, const float* xs, float* y, int64_t ldy, int64_t n,
+              const uint8_t* ahead) {
   const int64_t k = w.k, blocks = k / BLOCK;
-  __m512 acc[MB][NBV], off[MB][NBV];  // off: the (m - 128 d) * sum(x) terms, 16 blocks a vector
-  for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NBV; ++j) acc[i][j] = off[i][j] = _mm512_setzero_ps();
-  alignas(64) float d[NBV][16], c[NBV][16];
-  for (int64_t b0 = 0; b0 < blocks; b0 += 16) {
-    const int count = static_cast<int>(std::min<int64_t>(16, blocks - b0));
-    const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
-    for (int j = 0; j < NBV; ++j) {
-      block_scales(w, n0 + j, b0, count, d[j], c[j]);
-      const __m512 cv = _mm512_fnmadd_ps(_mm512_load_ps(d[j]), _mm512_set1_ps(128.f), _mm512_load_ps(c[j]));
-      for (int i = 0; i < MB; ++i)
-        off[i][j] = _mm512_fmadd_ps(cv, _mm512_maskz_loadu_ps(mask, xs + i * blocks + b0), off[i][j]);
-    }
-    for (int bi = 0; bi < count; ++bi) {
-      const int64_t b = b0 + bi;
-      __m512i wv[NBV];
-      for (int j = 0; j < NBV; ++j) wv[j] = codes_bf16(w.q + (n0 + j) * (k / 2) + b * (BLOCK / 2));
-      for (int i = 0; i < MB; ++i) {
-        const __m512i xv = _mm512_loadu_si512(xb + i * k + b * BLOCK);
-        for (int j = 0; j < NBV; ++j)
-          acc[i][j] = _mm512_fmadd_ps(dot_bf16(_mm512_setzero_ps(), xv, wv[j]), _mm512_set1_ps(d[j][bi]), acc[i][j]);
+  const uint8_t* q = w.q + g * (k / 8) * 64;
+  const uint16_t* dg = w.d + g * blocks * GROUP;
+  const uint16_t* mg = w.m + g * blocks * GROUP;
+  const __m512i nibble = _mm512_set1_epi16(0xf), base = _mm512_set1_epi16(0x4300);
+  __m512 acc[MB], off[MB];
+  for (int i = 0; i < MB; ++i) acc[i] = off[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (ahead != nullptr) prefetch(ahead + b * 256, 256);
+    __m512 part[MB];
+    for (int i = 0; i < MB; ++i) part[i] = _mm512_setzero_ps();
+    for (int o = 0; o < 4; ++o) {
+      const __m512i z = _mm512_loadu_si512(q + (b * 4 + o) * 64);
+      const int64_t col = b * BLOCK + o * 8;
+      for (int t = 0; t < 4; ++t) {
+        const __m512i shifted = t == 0 ? z : _mm512_srli_epi16(z, 4 * t);
+        const __m512i codes = _mm512_ternarylogic_epi32(shifted, nibble, base, 0xea);  // (s & 0xf) | 0x4300
+        for (int i = 0; i < MB; ++i) part[i] = dot_bf16(part[i], broadcast_pair(xb + i * k + col + 2 * t), codes);
       }
     }
-  }
-  for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NBV; ++j) y[i * ldy + n0 + j] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][j], off[i][j]));
-}
-
-template <int MB, int NBV>
-void tile_q4_many(const Q4& w, const uint16_t* xb, int64_t n0, float* y, int64_t ldy) {
-  const int64_t k = w.k, blocks = k / BLOCK;
-  __m512 acc[MB][NBV];
-  for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NBV; ++j) acc[i][j] = _mm512_setzero_ps();
-  alignas(64) float d[NBV][16], m[NBV][16];
-  for (int64_t b0 = 0; b0 < blocks; b0 += 16) {
-    const int count = static_cast<int>(std::min<int64_t>(16, blocks - b0));
-    for (int j = 0; j < NBV; ++j) block_scales(w, n0 + j, b0, count, d[j], m[j]);
-    for (int bi = 0; bi < count; ++bi) {
-      const int64_t b = b0 + bi;
-      __m512i wv[NBV];
-      for (int j = 0; j < NBV; ++j) wv[j] = dequant_bf16(w.q + (n0 + j) * (k / 2) + b * (BLOCK / 2), d[j][bi], m[j][bi]);
-      for (int i = 0; i < MB; ++i) {
-        const __m512i xv = _mm512_loadu_si512(xb + i * k + b * BLOCK);
-        for (int j = 0; j < NBV; ++j) acc[i][j] = dot_bf16(acc[i][j], xv, wv[j]);
-      }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dg + b * GROUP)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mg + b * GROUP)));
+    const __m512 c = _mm512_fnmadd_ps(d, _mm512_set1_ps(128.f), m);
+    for (int i = 0; i < MB; ++i) {
+      acc[i] = _mm512_fmadd_ps(part[i], d, acc[i]);
+      off[i] = _mm512_fmadd_ps(c, _mm512_set1_ps(xs[i * blocks + b]), off[i]);
     }
   }
-  for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NBV; ++j) y[i * ldy + n0 + j] = _mm512_reduce_add_ps(acc[i][j]);
+  const int64_t left = std::min<int64_t>(GROUP, n - g * GROUP);
+  const __mmask16 mask = static_cast<__mmask16>((1u << left) - 1);
+  for (int i = 0; i < MB; ++i) _mm512_mask_storeu_ps(y + i * ldy + g * GROUP, mask, _mm512_add_ps(acc[i], off[i]));
 }
 
-template <int MB, int NBV>
-void rows_q4_few(const Q4& w, const uint16_t* xb, const float* xs, int64_t rows, int64_t n0, float* y, int64_t ldy) {
+constexpr int MB_Q4P = 4;
+
+template <int MB>
+void rows_q4p(const Q4P& w, int64_t g, const uint16_t* xb, const float* xs, int64_t rows, float* y, int64_t ldy,
+              int64_t n, const uint8_t* ahead) {
   const int64_t k = w.k, blocks = k / BLOCK;
   int64_t i = 0;
-  for (; i + MB <= rows; i += MB) tile_q4_few<MB, NBV>(w, xb + i * k, xs + i * blocks, n0, y + i * ldy, ldy);
+  for (; i + MB <= rows; i += MB, ahead = nullptr)
+    tile_q4p<MB>(w, g, xb + i * k, xs + i * blocks, y + i * ldy, ldy, n, ahead);
   if constexpr (MB > 1) {
-    if (i < rows) rows_q4_few<MB / 2, NBV>(w, xb + i * k, xs + i * blocks, rows - i, n0, y + i * ldy, ldy);
+    if (i < rows) rows_q4p<MB / 2>(w, g, xb + i * k, xs + i * blocks, rows - i, y + i * ldy, ldy, n, ahead);
   }
 }
 
-template <int MB, int NBV>
-void rows_q4_many(const Q4& w, const uint16_t* xb, int64_t rows, int64_t n0, float* y, int64_t ldy) {
-  int64_t i = 0;
-  for (; i + MB <= rows; i += MB) tile_q4_many<MB, NBV>(w, xb + i * w.k, n0, y + i * ldy, ldy);
-  if constexpr (MB > 1) {
-    if (i < rows) rows_q4_many<MB / 2, NBV>(w, xb + i * w.k, rows - i, n0, y + i * ldy, ldy);
-  }
-}
+constexpr int64_t AHEAD_Q4P = 4;  // groups
 
-constexpr int64_t FEW_ROWS = 4;  // below: tile_q4_few
-
-torch::Tensor linear_q4_bf16(const Q4& w, const torch::Tensor& x, int64_t n) {
+torch::Tensor linear_q4p(const Q4P& w, const torch::Tensor& x, int64_t n) {
   const int64_t k = w.k;
   TORCH_CHECK(x.size(-1) == k, "the input has ", x.size(-1), " columns, the weight ", k);
   const torch::Tensor xf = x.reshape({-1, k}).to(torch::kFloat32).contiguous();
-  const int64_t rows = xf.size(0);
+  const int64_t rows = xf.size(0), groups = (n + GROUP - 1) / GROUP;
   Bf16Rows br = bf16_rows(xf);
   torch::Tensor y = torch::empty({rows, n}, xf.options());
   const uint16_t* xb = reinterpret_cast<const uint16_t*>(br.xb.data_ptr<at::BFloat16>());
   const float* xs = br.xs.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  constexpr int NBV = 4;  // weight rows per tile (the many-row kernel takes them two at a time)
-  const int64_t tiles = n / NBV;
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      if (t + AHEAD < end) prefetch_rows(w, (t + AHEAD) * NBV, NBV);
-      if (rows < FEW_ROWS) {
-        rows_q4_few<2, NBV>(w, xb, xs, rows, t * NBV, yp, n);
-      } else {
-        rows_q4_many<8, 2>(w, xb, rows, t * NBV, yp, n);
-        rows_q4_many<8, 2>(w, xb, rows, t * NBV + 2, yp, n);
-      }
+  auto run = [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const uint8_t* ahead = g + AHEAD_Q4P < end ? w.q + (g + AHEAD_Q4P) * (k / 8) * 64 : nullptr;
+      rows_q4p<MB_Q4P>(w, g, xb, xs, rows, yp, n, n, ahead);
     }
-  });
-  for (int64_t c = tiles * NBV; c < n; ++c) rows_q4_few<1, 1>(w, xb, xs, rows, c, yp, n);
+  };
+  at::parallel_for(0, groups, 1, run);
   return as_output(y, x, n);
 }
 #else
@@ -565,11 +538,26 @@ torch::Tensor q8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor s, bool 
 
 bool q8_int8_activations() { return SWITCHBOARD_VNNI; }
 
+// GGUF's layout (CPUs without AVX-512 BF16; with it the layers are packed for q4p_linear)
 torch::Tensor q4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor m) {
-#if SWITCHBOARD_BF16
-  return linear_q4_bf16(q4_of(q, d, m), x, q.size(0));
-#endif
   return linear(q4_of(q, d, m), x, q.size(0));
+}
+
+// The kernel's own layout for q4 (see linear_q4p): where the CPU has AVX-512 BF16.
+bool q4_packed() { return SWITCHBOARD_BF16; }
+
+torch::Tensor q4p_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor m, int64_t n) {
+#if SWITCHBOARD_BF16
+  TORCH_CHECK(q.scalar_type() == torch::kUInt8 && q.is_contiguous() && d.is_contiguous() && m.is_contiguous() &&
+              d.scalar_type() == torch::kHalf && m.scalar_type() == torch::kHalf, "q4p: packed uint8 q, float16 d and m");
+  const int64_t k = x.size(-1), groups = (n + GROUP - 1) / GROUP;
+  TORCH_CHECK(k % BLOCK == 0 && q.numel() == groups * GROUP * k / 2 && d.numel() == groups * GROUP * (k / BLOCK) &&
+              m.numel() == d.numel(), "q4p: the packed weight is not [", n, ", ", k, "]");
+  return linear_q4p(Q4P{q.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()),
+                        reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>()), k}, x, n);
+#else
+  TORCH_CHECK(false, "q4p: this CPU has no AVX-512 BF16");
+#endif
 }
 
 torch::Tensor q8_dequant(torch::Tensor q, torch::Tensor s, torch::ScalarType dtype) {
@@ -580,14 +568,13 @@ torch::Tensor q4_dequant(torch::Tensor q, torch::Tensor d, torch::Tensor m, torc
   return dequant(q4_of(q, d, m), q.size(0), dtype);
 }
 
-// The activations and the weight as q4_linear multiplies them for this x (for tests): with the bfloat16 kernels
-// the activations rounded to bfloat16, and for FEW_ROWS rows or more the dequantized weight too.
+// The activations and the weight as an int4 layer's kernel multiplies them (for tests): the weight dequantized
+// exactly, the activations rounded to bfloat16 where the CPU has AVX-512 BF16 (q4p_linear).
 std::vector<torch::Tensor> q4_operands(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor m) {
   torch::Tensor w = q4_dequant(q, d, m, torch::kFloat32);
   torch::Tensor xf = x.to(torch::kFloat32);
 #if SWITCHBOARD_BF16
   xf = xf.to(torch::kBFloat16).to(torch::kFloat32);
-  if (xf.numel() / xf.size(-1) >= FEW_ROWS) w = w.to(torch::kBFloat16).to(torch::kFloat32);
 #endif
   return {xf, w};
 }
