@@ -33,6 +33,8 @@ class PackedLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2:  # the engine's rows
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         rows = x.reshape(-1, self.in_features)
         out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
         return out.reshape(*x.shape[:-1], self.out_features)

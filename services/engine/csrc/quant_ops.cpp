@@ -22,8 +22,10 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 
 namespace {
 
@@ -65,6 +67,46 @@ struct Q4 {
 // Distances in tiles (measured best of 0-64 on an AVX-512 EPYC): the float and bfloat16 kernels' tiles, the
 // W8A8 kernel's (4 rows of int8 each).
 constexpr int64_t AHEAD = 4, AHEAD8 = 2;
+
+// Items [0, n) over the threads: each takes its own contiguous share front to back (so the weights it asks the
+// memory for ahead are the ones it will use next), and a thread done with its share takes what is left of the
+// others', an item at a time. A thread the OS takes off its core for a while (a small machine also runs the
+// gateway, NATS and the clients) then holds back one item, not the rest of its share: the others do it.
+// f(item, end of the share it belongs to). Items should take microseconds: each costs an atomic increment.
+template <typename F>
+void balanced_for(int64_t n, const F& f) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  if (threads <= 1 || at::in_parallel_region()) {
+    for (int64_t i = 0; i < n; ++i) f(i, n);
+    return;
+  }
+  std::unique_ptr<std::atomic<int64_t>[]> next(new std::atomic<int64_t>[threads]);
+  std::vector<int64_t> ends(threads);
+  for (int64_t t = 0; t < threads; ++t) {
+    next[t].store(t * n / threads, std::memory_order_relaxed);
+    ends[t] = (t + 1) * n / threads;
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t s = 0; s < threads; ++s) {
+        const int64_t share = (t + s) % threads;
+        for (int64_t i; (i = next[share].fetch_add(1, std::memory_order_relaxed)) < ends[share];) f(i, ends[share]);
+      }
+  });
+}
+
+constexpr int64_t ITEM_BYTES = 32 << 10;  // of weights (times the rows that use them) per balanced_for item
+
+// Tiles [0, tiles) of a matrix over the threads by balanced_for, in items of about ITEM_BYTES; ``tile_bytes``: one
+// tile's weight bytes times the rows multiplied by them. f(tile, end of the share it belongs to).
+template <typename F>
+void balanced_tiles(int64_t tiles, int64_t tile_bytes, const F& f) {
+  const int64_t per = std::max<int64_t>(1, ITEM_BYTES / std::max<int64_t>(1, tile_bytes));
+  balanced_for((tiles + per - 1) / per, [&](int64_t item, int64_t share_end) {
+    const int64_t end = std::min(tiles, share_end * per);
+    for (int64_t t = item * per; t < std::min(tiles, (item + 1) * per); ++t) f(t, end);
+  });
+}
 
 // ``y`` [rows, n] float32 in ``x``'s dtype and shape with its last dimension n: a kernel's result.
 inline torch::Tensor as_output(const torch::Tensor& y, const torch::Tensor& x, int64_t n) {
@@ -217,11 +259,9 @@ torch::Tensor linear(const Fmt& w, const torch::Tensor& x, int64_t n) {
   const float* xp = xf.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t tiles = n / NB;
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      if (t + AHEAD < end) prefetch_rows(w, (t + AHEAD) * NB, NB);
-      rows_tile(w, xp, rows, k, t * NB, yp, n);
-    }
+  balanced_tiles(tiles, NB * k * rows, [&](int64_t t, int64_t end) {
+    if (t + AHEAD < end) prefetch_rows(w, (t + AHEAD) * NB, NB);
+    rows_tile(w, xp, rows, k, t * NB, yp, n);
   });
   for (int64_t c = tiles * NB; c < n; ++c)  // the columns a whole tile does not cover
     for (int64_t i = 0; i < rows; ++i) yp[i * n + c] = dot(w, xp + i * k, c);
@@ -374,11 +414,9 @@ torch::Tensor linear_w8a8(const Q8& w, const torch::Tensor& x, int64_t n) {
   float* yp = y.data_ptr<float>();
   constexpr int NBV = 4;
   const int64_t tiles = n / NBV;
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      if (t + AHEAD8 < end) prefetch_rows(w, (t + AHEAD8) * NBV, NBV);
-      rows_w8a8<4, NBV>(w, xq, dx, bias, rows, t * NBV, yp, n);
-    }
+  balanced_tiles(tiles, NBV * k * rows, [&](int64_t t, int64_t end) {
+    if (t + AHEAD8 < end) prefetch_rows(w, (t + AHEAD8) * NBV, NBV);
+    rows_w8a8<4, NBV>(w, xq, dx, bias, rows, t * NBV, yp, n);
   });
   for (int64_t c = tiles * NBV; c < n; ++c) rows_w8a8<1, 1>(w, xq, dx, bias, rows, c, yp, n);
   return as_output(y, x, n);
@@ -513,13 +551,10 @@ torch::Tensor linear_q4p(const Q4P& w, const torch::Tensor& x, int64_t n) {
   const uint16_t* xb = reinterpret_cast<const uint16_t*>(br.xb.data_ptr<at::BFloat16>());
   const float* xs = br.xs.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  auto run = [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const uint8_t* ahead = g + AHEAD_Q4P < end ? w.q + (g + AHEAD_Q4P) * (k / 8) * 64 : nullptr;
-      rows_q4p<MB_Q4P>(w, g, xb, xs, rows, yp, n, n, ahead);
-    }
-  };
-  at::parallel_for(0, groups, 1, run);
+  balanced_tiles(groups, GROUP * k / 2 * rows, [&](int64_t g, int64_t end) {
+    const uint8_t* ahead = g + AHEAD_Q4P < end ? w.q + (g + AHEAD_Q4P) * (k / 8) * 64 : nullptr;
+    rows_q4p<MB_Q4P>(w, g, xb, xs, rows, yp, n, n, ahead);
+  });
   return as_output(y, x, n);
 }
 #else
