@@ -67,24 +67,16 @@ class HostTier:
             self._free.append(self._slots.pop(victim))
             lost, self.dropped = victim, self.dropped + 1
         slot = self._free.pop()
-        span = self._span(block)
-        self.k[slot].copy_(self.kv.k[:, :, span], non_blocking=self.pinned)
-        self.v[slot].copy_(self.kv.v[:, :, span], non_blocking=self.pinned)
-        if self.kv.quantized:
-            self.k_scale[slot].copy_(self.kv.k_scale[:, :, span], non_blocking=self.pinned)
-            self.v_scale[slot].copy_(self.kv.v_scale[:, :, span], non_blocking=self.pinned)
+        for host, device in self._pairs(slot, block):
+            host.copy_(device, non_blocking=self.pinned)
         self._slots[key] = slot
         return lost
 
     def load(self, key: bytes, block: int) -> None:
         """Copy ``key``'s K/V back into device block ``block``; the key leaves this tier."""
         slot = self._slots.pop(key)
-        span = self._span(block)
-        self.kv.k[:, :, span].copy_(self.k[slot], non_blocking=self.pinned)
-        self.kv.v[:, :, span].copy_(self.v[slot], non_blocking=self.pinned)
-        if self.kv.quantized:
-            self.kv.k_scale[:, :, span].copy_(self.k_scale[slot], non_blocking=self.pinned)
-            self.kv.v_scale[:, :, span].copy_(self.v_scale[slot], non_blocking=self.pinned)
+        for host, device in self._pairs(slot, block):
+            device.copy_(host, non_blocking=self.pinned)
         self._free.append(slot)
         self.loaded += 1
 
@@ -99,8 +91,13 @@ class HostTier:
         scales = (self.k_scale[slot], self.v_scale[slot]) if self.kv.quantized else None
         return pack_block(self.k[slot], self.v[slot], scales)
 
-    def _span(self, block: int) -> slice:
-        return slice(block * self.block_size, (block + 1) * self.block_size)
+    def _pairs(self, slot: int, block: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Host slot ``slot``'s tensors with device block ``block``'s views: K, V and (int8) their scales."""
+        span = slice(block * self.block_size, (block + 1) * self.block_size)
+        pairs = [(self.k[slot], self.kv.k[:, :, span]), (self.v[slot], self.kv.v[:, :, span])]
+        if self.kv.quantized:
+            pairs += [(self.k_scale[slot], self.kv.k_scale[:, :, span]), (self.v_scale[slot], self.kv.v_scale[:, :, span])]
+        return pairs
 
     def _sync(self) -> None:
         if self.pinned:  # copies to pinned memory may still be queued on the device's stream

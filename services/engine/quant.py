@@ -109,18 +109,6 @@ class Q4Linear(QuantLinear):
         """(q, d, m) as the constructor takes them (unpacked from the kernel's layout where held in it)."""
         return unpack_q4(*self.stored, self.out_features) if self.packed else self.stored
 
-    @property
-    def q(self) -> torch.Tensor:
-        return self.canonical()[0]
-
-    @property
-    def d(self) -> torch.Tensor:
-        return self.canonical()[1]
-
-    @property
-    def m(self) -> torch.Tensor:
-        return self.canonical()[2]
-
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, kernels=None) -> Q4Linear:
         n, k = weight.shape

@@ -154,8 +154,11 @@ class Scheduler:
         piece = min(seq.num_uncomputed, size - seq.num_computed % size)
         if piece > budget:
             return 0
-        while piece < seq.num_uncomputed and piece + min(size, seq.num_uncomputed - piece) <= budget:
-            piece += min(size, seq.num_uncomputed - piece)
+        while piece < seq.num_uncomputed:
+            more = min(size, seq.num_uncomputed - piece)
+            if piece + more > budget:
+                break
+            piece += more
         return piece
 
     def _admit(self, seq: Sequence) -> bool:

@@ -11,7 +11,8 @@
 // and dequantized once per MB rows; arithmetic is float32 whatever the activations' storage type.
 // Where the CPU has AVX-512 VNNI, q8 runs as int8 x int8 instead (W8A8): each activation row is quantized
 // per block of 32 (symmetric, its own scale), and `vpdpbusd` does 64 multiply-adds per instruction. Where it
-// has AVX-512 BF16, q4 multiplies bfloat16 activations (`vdpbf16ps`, 32 per instruction; see below).
+// has AVX-512 BF16, q4 is held in a layout of the kernel's own (16 rows interleaved, see linear_q4p) and
+// multiplies bfloat16 activations (`vdpbf16ps`, 32 per instruction).
 // Every kernel asks for the weights a few tiles ahead of use (software prefetch): the matrices of a decode
 // step are small and each is read once, so the hardware prefetcher alone leaves the memory bus idle at each
 // start (measured: int8 over SmolLM2's matrices at one row 5.3 -> 3.4 ms, at 16 rows 17.8 -> 12.3 ms).
@@ -64,8 +65,8 @@ struct Q4 {
 
 // Weights a few tiles ahead are asked for before they are needed: the hardware prefetcher ramps up on each
 // matrix again, and a decode step's matrices are small (a few hundred KB), read once each from memory.
-// Distances in tiles (measured best of 0-64 on an AVX-512 EPYC): the float and bfloat16 kernels' tiles, the
-// W8A8 kernel's (4 rows of int8 each).
+// Distances in tiles (measured best of 0-64 on an AVX-512 EPYC): the float kernel's tiles, the W8A8 kernel's
+// (4 rows of int8 each); linear_q4p's in groups of 16 rows (AHEAD_Q4P).
 constexpr int64_t AHEAD = 4, AHEAD8 = 2;
 
 // Items [0, n) over the threads: each takes its own contiguous share front to back (so the weights it asks the
