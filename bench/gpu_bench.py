@@ -28,6 +28,7 @@ import json
 import os
 import random
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -208,7 +209,8 @@ def step_profile(model_dir: Path, rows_list: list[int], graphs: bool = True) -> 
     device = Device("cuda", torch.bfloat16)
     top = max(rows_list)
     runner = ModelRunner(str(model_dir), device, block_size=16, kv_budget_bytes=lambda: kv_budget_bytes(device, 0, -1),
-                         max_blocks=top * 128, batch_hint=top, graphs=GraphPlan(top, 2048) if graphs else None)
+                         max_blocks=top * 128, batch_hint=top,
+                         graphs=GraphPlan(top, 2048, max_tokens=MIX_CHUNK + top) if graphs else None)
     engine = Engine(runner, Limits(top, top, 1 << 16, 2048), set())
     results = []
     for rows in rows_list:
@@ -234,8 +236,61 @@ def step_profile(model_dir: Path, rows_list: list[int], graphs: bool = True) -> 
         for i in range(rows):
             engine.abort(f"p{rows}-{i}")
         engine.step()
+    if graphs:
+        results += mixed_profile(runner)
     del engine, runner
     torch.cuda.empty_cache()
+    return results
+
+
+MIX_CHUNK = 128  # the shipped prefillChunkSize
+
+
+def mixed_profile(runner, decodes: int = 16, prompts: int = 4, prompt_len: int = 32, steps: int = 8) -> list[dict]:
+    """A Mix step (``decodes`` decode rows beside ``prompts`` new prompts in one chunk), as step graphs
+    between the attentions and eagerly (the same runner with its step graphs set aside): wall time per
+    step and launches from the host."""
+    from services.engine.engine import Engine
+    from services.engine.scheduler import Limits
+    from shared.messages import EngineRequest, Sampling
+
+    engine = Engine(runner, Limits(64, 64, 1 << 16, 2048, mix=True, prefill_chunk_size=MIX_CHUNK), set())
+
+    def add(rid, n, tokens):
+        ids = [100 + (hash(rid) + j * 11) % 40000 for j in range(n)]
+        engine.add_request(EngineRequest(id=rid, prompt_ids=ids, reply_to="x",
+                                         sampling=Sampling(do_sample=False, max_new_tokens=tokens, ignore_eos=True)))
+
+    for i in range(decodes):
+        add(f"d{i}", 32, 4000)
+    for _ in range(4):
+        engine.step()
+    pieces, results = runner.pieces, []
+    for mode in ("graphs", "eager"):
+        runner.pieces = pieces if mode == "graphs" else None
+        times, launches = [], []
+        for k in range(steps + 1):
+            new = [f"{mode}{k}-{j}" for j in range(prompts)]
+            for rid in new:
+                add(rid, prompt_len, 1)
+            torch.cuda.synchronize()
+            if k == steps:
+                launches.append(profile_steps(engine, 1)[0])
+            else:
+                started = time.perf_counter()
+                engine.step()
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - started)
+            engine.step()  # the new prompts' one token is out: they finish
+        step_ms = 1000 * statistics.median(times)
+        results.append({"rows": f"{decodes}+{prompts}x{prompt_len}", "step_ms": step_ms, "graph": mode == "graphs",
+                        "launches_per_step": launches[0], "gpu_busy": 0.0, "mixed": True})
+        print(f"[mixed] {decodes} decodes + {prompts} prompts of {prompt_len} ({mode}): {step_ms:.2f} ms, "
+              f"{launches[0]:.0f} launches", flush=True)
+    runner.pieces = pieces
+    for i in range(decodes):
+        engine.abort(f"d{i}")
+    engine.step()
     return results
 
 
@@ -301,8 +356,9 @@ def report(figures: dict, sizes: dict, stack: list[dict], hf: list[dict], steps:
     lines.append("| rows | mode | step ms | launches per step | GPU busy |")
     lines.append("|---:|---|---:|---:|---:|")
     for s in steps:
+        busy = "-" if s.get("mixed") else f"{100 * s['gpu_busy']:.0f}%"
         lines.append(f"| {s['rows']} | {'graphs' if s['graph'] else 'eager'} | {s['step_ms']:.2f} | "
-                     f"{s['launches_per_step']:.0f} | {100 * s['gpu_busy']:.0f}% |")
+                     f"{s['launches_per_step']:.0f} | {busy} |")
     return "\n".join(lines)
 
 

@@ -31,7 +31,7 @@ def build_engine(cfg: Config) -> tuple[Engine, str]:
         max_blocks=sc.max_batch_size * blocks_per_seq,
         batch_hint=sc.max_batch_size,
         cpu_kernels=sb.cpu_kernels if device.kind == "cpu" else sb.gpu_kernels,
-        graphs=GraphPlan(sc.max_batch_size, deploy.max_seq_len) if device.kind == "cuda" and sb.cuda_graphs else None,
+        graphs=graph_plan(cfg) if device.kind == "cuda" and sb.cuda_graphs else None,
         max_loras=deploy.max_loras,
         max_lora_rank=deploy.max_lora_rank,
         quantization=sb.quantization,
@@ -44,6 +44,14 @@ def build_engine(cfg: Config) -> tuple[Engine, str]:
                     prefill_chunk_size=sc.prefill_chunk_size, mix=sc.template_type == "Mix")
     return Engine(runner, limits, eos_token_ids(runner), prefix_cache=sc.enable_prefix_cache,
                   host_blocks=host_blocks(runner, cfg)), device.kind
+
+
+def graph_plan(cfg: Config) -> GraphPlan:
+    """Decode graphs up to maxBatchSize rows; step graphs up to the most tokens a step holds (Mix: a prompt
+    chunk beside a token per decoding sequence; otherwise maxPrefillTokens)."""
+    sc = cfg.schedule
+    tokens = sc.prefill_chunk_size + sc.max_batch_size if sc.template_type == "Mix" else sc.max_prefill_tokens
+    return GraphPlan(sc.max_batch_size, cfg.deploy.max_seq_len, max_tokens=tokens)
 
 
 def host_blocks(runner: ModelRunner, cfg: Config) -> int:

@@ -12,7 +12,8 @@ captured size that holds it. A padding row reads and writes only the runner's sc
 cache block no sequence owns), with one position, so it changes nothing another row sees. Its
 logits are computed and dropped.
 
-Prefill and mixed steps run eagerly: their shapes change every step and their kernels are large.
+Prefill and mixed steps change shape every step: they run as graphs between eager attentions
+(``step_graphs.py``).
 
 The same buffers and padding run eagerly where no graph is captured (``capture=False``): on a CPU
 this is what the tests compare, token for token, with the ordinary step.
@@ -38,11 +39,13 @@ class GraphPlan:
 
     ``max_rows``: the largest batch (maxBatchSize, at most ``MAX_GRAPH_ROWS``; larger batches run
     eagerly); ``max_seq_len``: the longest sequence (sizes the block tables and rotary tables);
-    ``capture``: record CUDA graphs (cuda only), else run the padded buffers eagerly."""
+    ``capture``: record CUDA graphs (cuda only), else run the padded buffers eagerly; ``max_tokens``: prompt and
+    mixed steps of up to this many tokens run as graphs between the attentions (``step_graphs.py``; 0: eagerly)."""
 
     max_rows: int
     max_seq_len: int
     capture: bool = True
+    max_tokens: int = 0
 
 
 def sizes_for(max_rows: int) -> list[int]:

@@ -29,11 +29,12 @@ import torch.nn.functional as F
 from services.engine import gguf_weights, kernels, linears
 from services.engine.devices import Device
 from services.engine.gguf_weights import GgufLinears
+from services.engine import step_graphs
 from services.engine.graphs import DecodeGraphs, GraphPlan, reserve_bytes
 from services.engine.kv_cache import KvCache, token_bytes
 from services.engine.lora import GroupStack, LoraSet, Rows
 from services.engine.model_loading import UnsupportedModel, load_model, prequantized_config
-from services.engine.model_parts import LayerNorms, layer_norms, mrope_axes
+from services.engine.model_parts import layer_norms, mrope_axes
 from services.engine.scheduler import Scheduled
 
 log = logging.getLogger("switchboard.engine")
@@ -63,6 +64,7 @@ class Batch:
     media_embeds: torch.Tensor | None = None  # [M, hidden] their features (in place of token embeddings)
     rope_cos: torch.Tensor | None = None  # M-RoPE: [T, head_dim / 2] each row's own cos and sin (rows
     rope_sin: torch.Tensor | None = None  # then rotate by row index); None: by position, from the tables
+    prefill: object | None = None  # the prompt rows as one ``paged_prefill`` launch reads them (in place of chunks)
 
 
 class ModelRunner:
@@ -106,6 +108,7 @@ class ModelRunner:
         budget = kv_budget_bytes() if callable(kv_budget_bytes) else kv_budget_bytes
         if graphs is not None and graphs.capture:
             budget -= reserve_bytes(self.config, graphs.max_rows, self.dtype)
+            budget -= step_graphs.reserve_bytes(self.config, graphs.max_tokens, self.dtype) if graphs.max_tokens else 0
         self.num_blocks = min(max_blocks, budget // self.block_bytes)
         if self.num_blocks < 1:
             raise RuntimeError(f"KV-cache budget of {budget} bytes holds no block of {self.block_bytes} bytes")
@@ -116,8 +119,11 @@ class ModelRunner:
         self.lora = LoraSet(config, self.device, self.dtype, max_loras, max_lora_rank)
         self.mrope_axes = mrope_axes(self.model.model.rotary_emb, self.head_dim // 2, self.device)
         self.graphs = DecodeGraphs(self, graphs) if graphs is not None else None
+        self.pieces = (step_graphs.StepGraphs(self, graphs.max_tokens, graphs.capture)
+                       if graphs is not None and graphs.max_tokens else None)
         log.info("model runner ready", extra={"dtype": str(self.dtype), "fused_ops": self.ops.fused,
-                                               "decode_graphs": bool(self.graphs and self.graphs.graphs)})
+                                               "decode_graphs": bool(self.graphs and self.graphs.graphs),
+                                               "step_graphs": bool(self.pieces and self.pieces.graphs)})
 
     @property
     def k_cache(self) -> torch.Tensor:
@@ -175,6 +181,8 @@ class ModelRunner:
         chunks: list[Chunk] = []
         sample_rows: list[int] = []
         media: list[tuple[torch.Tensor, torch.Tensor]] = []
+        pieces: list[tuple] = []  # prompt pieces for one paged prefill launch (ops that have it)
+        planned = hasattr(self.ops, "paged_prefill")
         num_decode = 0
         for item in items:
             seq, start, n = item.seq, item.seq.num_computed, item.num_tokens
@@ -183,10 +191,12 @@ class ModelRunner:
             ids.extend(seq.token_ids[start:start + n])
             positions.extend(range(start, start + n))
             slots.extend(self._slot(seq.block_table, p) for p in range(start, start + n))
-            if n == 1 and start > 0 and not chunks:
+            if n == 1 and start > 0 and not chunks and not pieces:
                 num_decode += 1
                 tables.append(seq.block_table[: (start + self.block_size) // self.block_size])
                 lens.append(start + 1)
+            elif planned:
+                pieces.append((row, start, n, seq.block_table))
             else:
                 chunks.extend(self._chunks(seq, row, start, n, item.segment))
             if item.samples:
@@ -202,6 +212,8 @@ class ModelRunner:
         batch = Batch(self._long(ids), self._long(positions), self._long(slots), num_decode, decode_tables,
                       decode_lens, chunks, self._long(sample_rows),
                       self.lora.rows([(item.seq.lora, item.num_tokens) for item in items], self.device))
+        if pieces:
+            batch.prefill = self.ops.prefill_plan(pieces, self.block_size, self.device)
         if media:
             batch.media_rows = torch.cat([rows for rows, _ in media])
             batch.media_embeds = torch.cat([embeds for _, embeds in media])
@@ -272,7 +284,10 @@ class ModelRunner:
         logits the caller takes in slices (prompt logprobs), or None."""
         if self.graphs is not None and self.graphs.fits(items, hidden_rows):
             return self.graphs.run(items), None
-        return self.forward(self.prepare(items), hidden_rows)
+        batch = self.prepare(items)
+        if self.pieces is not None and self.pieces.fits(batch, hidden_rows):
+            return self.pieces.run(batch), None
+        return self.forward(batch, hidden_rows)
 
     def forward(self, batch: Batch, hidden_rows: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The model on a prepared batch (graph capture records this; it makes no host sync)."""
@@ -281,15 +296,21 @@ class ModelRunner:
         if batch.media_rows is not None:
             residual[batch.media_rows] = batch.media_embeds
         x = self.ops.rms_norm(residual, *self.norms[0].before)
-        for index, (norms, lin) in enumerate(zip(self.norms, self.linears)):
-            x = self._layer(index, norms, lin, x, residual, batch)
+        for index in range(len(self.linears)):
+            x = self._layer(index, x, residual, batch)
         hidden = x[torch.tensor(hidden_rows, device=x.device)] if hidden_rows else None
         return self.model.lm_head(x[batch.sample_rows]).float(), hidden
 
-    def _layer(self, index: int, norms: LayerNorms, lin: linears.LayerLinears, x, residual, batch: Batch) -> torch.Tensor:
+    def _layer(self, index: int, x: torch.Tensor, residual: torch.Tensor, batch: Batch) -> torch.Tensor:
         """One decoder layer on the normed input ``x``; ``residual`` is updated in place. Returns the
-        residual normed by the next layer's input norm (the final norm after the last layer). The projections'
-        ``forward`` is called directly: a module's ``__call__`` costs microseconds, 120 times a step."""
+        residual normed by the next layer's input norm (the final norm after the last layer)."""
+        return self.after_attention(index, self.attend(index, self.before_attention(index, x, batch), batch), residual,
+                                    batch)
+
+    def before_attention(self, index: int, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """Layer ``index``'s qkv for the normed input ``x``, q and k rotated, K/V written to the cache. The
+        projections' ``forward`` is called directly: a module's ``__call__`` costs microseconds, 120 times a step."""
+        norms, lin = self.norms[index], self.linears[index]
         stacks = self.lora.stacks[index] if batch.lora is not None else None
         qkv = self._lora(lin.qkv.forward(x), x, stacks, "qkv", batch)
         if norms.qk is not None:  # Qwen3: RMSNorm of each head's q and k before the rotation
@@ -298,7 +319,13 @@ class ModelRunner:
             self._store(index, qkv, self.cos, self.sin, batch.positions, batch.slots)
         else:
             self._store(index, qkv, batch.rope_cos, batch.rope_sin, self._row_index(qkv.shape[0]), batch.slots)
-        o = self._attend(index, qkv, batch)
+        return qkv
+
+    def after_attention(self, index: int, o: torch.Tensor, residual: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """The rest of layer ``index`` from its attention output ``o``: ``residual`` updated in place, returned
+        normed by the next layer's input norm."""
+        norms, lin = self.norms[index], self.linears[index]
+        stacks = self.lora.stacks[index] if batch.lora is not None else None
         x = self.ops.add_rms_norm(self._lora(lin.o.forward(o), o, stacks, "o", batch), residual, *norms.middle)
         act = lin.act_mul(self.ops, self._lora(lin.gate_up.forward(x), x, stacks, "gate_up", batch))
         return self.ops.add_rms_norm(self._lora(lin.down.forward(act), act, stacks, "down", batch), residual,
@@ -342,15 +369,20 @@ class ModelRunner:
             return self.ops.paged_decode_q8(q, layer.k, layer.v, layer.k_scale, layer.v_scale, *shape)
         return self.ops.paged_decode(q, layer.k, layer.v, *shape)
 
-    def _attend(self, index: int, qkv: torch.Tensor, batch: Batch) -> torch.Tensor:
-        """[T, heads * head_dim]: each row's attention output."""
+    def attend(self, index: int, qkv: torch.Tensor, batch: Batch, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[T, heads * head_dim]: each row's attention output (into ``out`` when given)."""
         width = self.num_heads * self.head_dim
         q = qkv[:, :width]
-        if not batch.chunks:
+        if out is None and not batch.chunks and batch.prefill is None:
             return self._decode(index, q, batch)
-        out = torch.empty(qkv.shape[0], width, dtype=qkv.dtype, device=qkv.device)
+        if out is None:
+            out = torch.empty(qkv.shape[0], width, dtype=qkv.dtype, device=qkv.device)
         if batch.num_decode:
             out[: batch.num_decode] = self._decode(index, q[: batch.num_decode], batch)
+        if batch.prefill is not None:
+            layer = self.kv.layers[index]
+            self.ops.paged_prefill(q, layer.k, layer.v, batch.prefill, out, self.block_size, self.num_heads,
+                                   self.num_kv_heads, self.head_dim, self.scale)
         for chunk in batch.chunks:
             out[chunk.start:chunk.end] = self._attend_chunk(index, qkv[chunk.start:chunk.end], chunk)
         return out

@@ -19,11 +19,25 @@ through numpy: how CI checks them against ``TorchOps`` without a GPU.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from services.engine.kernels import TorchOps
+
+
+PREFILL_ROWS, PREFILL_TILE = 32, 32  # paged prefill: query rows per program, keys per iteration
+
+
+class PrefillPlan(NamedTuple):
+    """A step's prompt chunks as ``paged_prefill`` reads them, on the device."""
+
+    info: torch.Tensor  # [chunks * 3]: first row in the step, first position, rows
+    tiles: torch.Tensor  # [tiles * 2]: chunk, first row within it (PREFILL_ROWS rows each)
+    tables: torch.Tensor  # [chunks, width] block tables, zero-padded
+    num_tiles: int
 
 
 SPREAD_PROGRAMS = 256  # paged decode: fewer (row, KV head) programs than this run one per query head instead
@@ -76,6 +90,63 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr,
     out = acc / total[:, None]
     tl.store(out_ptr + row * stride_out + heads[:, None] * HEAD_DIM + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, info_ptr, tiles_ptr, out_ptr,
+                          stride_q, stride_out, stride_kv_head, stride_table, scale, block_size,
+                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P: tl.constexpr, ROWS: tl.constexpr,
+                          TILE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    # program (tile, head): rows [first, first + ROWS) of one chunk, one query head; keys from position 0 in
+    # tiles of TILE, so a row's sums run in the same order however its prompt was cut into chunks
+    chunk = tl.load(tiles_ptr + 2 * tl.program_id(0))
+    first = tl.load(tiles_ptr + 2 * tl.program_id(0) + 1)
+    head = tl.program_id(1)
+    row0 = tl.load(info_ptr + 3 * chunk)
+    pos0 = tl.load(info_ptr + 3 * chunk + 1)
+    n = tl.load(info_ptr + 3 * chunk + 2)
+    m = first + tl.arange(0, ROWS)
+    d = tl.arange(0, DIM_P)
+    m_ok = m < n
+    d_ok = d < HEAD_DIM
+    rows = (row0 + m).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * stride_q + head * HEAD_DIM + d[None, :], mask=m_ok[:, None] & d_ok[None, :],
+                other=0.0)
+    if UPCAST:  # (Triton's CPU interpreter multiplies bfloat16 matrices wrongly: it gets float32 ones)
+        q = q.to(tl.float32)
+    seen = pos0 + m  # each row's own position: it sees keys [0, seen]
+    limit = pos0 + tl.minimum(first + ROWS, n)
+    best = tl.full([ROWS], float("-inf"), tl.float32)
+    total = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, DIM_P], tl.float32)
+    k_base = k_ptr + (head // GROUP) * stride_kv_head
+    v_base = v_ptr + (head // GROUP) * stride_kv_head
+    start = 0
+    while start < limit:  # (the first tile holds position 0, which every row sees: ``best`` is finite after it)
+        pos = start + tl.arange(0, TILE)
+        p_ok = pos < limit
+        block = tl.load(tables_ptr + chunk * stride_table + pos // block_size, mask=p_ok, other=0)
+        slot = block.to(tl.int64) * block_size + pos % block_size
+        kv_ok = p_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + slot[:, None] * HEAD_DIM + d[None, :], mask=kv_ok, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [ROWS, TILE] float32
+        scores = tl.where((pos[None, :] <= seen[:, None]) & p_ok[None, :], scores, float("-inf"))
+        new_best = tl.maximum(best, tl.max(scores, axis=1))
+        alpha = tl.exp(best - new_best)
+        weights = tl.exp(scores - new_best[:, None])
+        total = total * alpha + tl.sum(weights, axis=1)
+        v = tl.load(v_base + slot[:, None] * HEAD_DIM + d[None, :], mask=kv_ok, other=0.0)
+        p = weights.to(v.dtype)  # (rounded to bfloat16 for the tensor cores, as flash attention does)
+        if UPCAST:
+            p, v = p.to(tl.float32), v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+        best = new_best
+        start += TILE
+    out = acc / total[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_out + head * HEAD_DIM + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
@@ -180,6 +251,36 @@ class TritonOps(TorchOps):
         _rope_store_kernel[(qkv.shape[0], num_heads + 2 * num_kv_heads)](
             qkv, cos, sin, positions, slots, k_cache, v_cache, qkv.stride(0), cos.stride(0), k_cache.stride(0),
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, HALF_P=_pow2(half))
+
+    @staticmethod
+    def prefill_plan(chunks, block_size: int, device) -> PrefillPlan:
+        """One launch's description of a step's prompt chunks: ``chunks`` is (first row, first position, rows,
+        the sequence's block table) each."""
+        width = max(-(-(pos + n) // block_size) for _, pos, n, _ in chunks)
+        tables = [table[:width] + [0] * (width - len(table[:width])) for *_, table in chunks]
+        tiles = [(c, first) for c, (_, _, n, _) in enumerate(chunks) for first in range(0, n, PREFILL_ROWS)]
+        info = torch.tensor([(row, pos, n) for row, pos, n, _ in chunks], dtype=torch.long)
+        stage = torch.cat([info.flatten(), torch.tensor(tiles, dtype=torch.long).flatten(),
+                           torch.tensor(tables, dtype=torch.long).flatten()])
+        if device.type == "cuda":
+            stage = stage.pin_memory()
+        stage = stage.to(device, non_blocking=True)
+        c, t = len(chunks), len(tiles)
+        return PrefillPlan(stage[: 3 * c], stage[3 * c: 3 * c + 2 * t], stage[3 * c + 2 * t:].view(c, width), t)
+
+    @staticmethod
+    def paged_prefill(q, k_cache, v_cache, plan: PrefillPlan, out, block_size, num_heads, num_kv_heads, head_dim,
+                      scale) -> None:
+        """Each chunk's rows of ``out`` (rows as ``plan`` places them): attention over the positions before
+        each row and the row's own, read through the chunk's block table, for every chunk in one launch."""
+        if not plan.num_tiles:
+            return
+        _paged_prefill_kernel[(plan.num_tiles, num_heads)](
+            q, k_cache, v_cache, plan.tables, plan.info, plan.tiles, out, q.stride(0), out.stride(0),
+            k_cache.stride(0), plan.tables.stride(0), scale, block_size, GROUP=num_heads // num_kv_heads,
+            HEAD_DIM=head_dim, DIM_P=max(16, _pow2(head_dim)), ROWS=PREFILL_ROWS, TILE=PREFILL_TILE,
+            PRECISION="ieee" if q.dtype == torch.float32 or q.device.type == "cpu" else "tf32",
+            UPCAST=q.device.type == "cpu")
 
     @staticmethod
     def paged_decode(q, k_cache, v_cache, block_tables, lens, block_size, num_heads, num_kv_heads, head_dim,

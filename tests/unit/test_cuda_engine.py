@@ -43,7 +43,7 @@ def runner(model_dir, dtype=torch.float32, graphs=True):
     from services.engine.model_runner import ModelRunner
 
     return ModelRunner(str(model_dir), Device("cuda", dtype), block_size=BLOCK, kv_budget_bytes=1 << 30,
-                       max_blocks=2048, graphs=GraphPlan(16, 1024) if graphs else None)
+                       max_blocks=2048, graphs=GraphPlan(16, 1024, max_tokens=64) if graphs else None)
 
 
 def generate(r, reqs, mix=True):
@@ -80,7 +80,7 @@ def test_greedy_tokens_equal_hf_generate_float32(model_dir):
     prompts = [prompt(5), prompt(19, 300), prompt(33, 700), prompt(64, 40)]
     r = runner(model_dir)
     ours, _ = generate(r, [request(f"r{i}", p, max_new_tokens=24, ignore_eos=True) for i, p in enumerate(prompts)])
-    assert r.graphs.replays > 0
+    assert r.graphs.replays > 0 and r.pieces.replays > 0
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
     for i, p in enumerate(prompts):
         out = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=24, min_new_tokens=24, do_sample=False)
@@ -103,7 +103,7 @@ def test_graph_replay_equals_the_eager_step(model_dir, dtype):
     graphed, eager = runner(model_dir, dtype), runner(model_dir, dtype, graphs=False)
     ours, our_events = generate(graphed, reqs())
     theirs, their_events = generate(eager, reqs())
-    assert graphed.graphs.replays > 10
+    assert graphed.graphs.replays > 10 and graphed.pieces.replays > 3
     tolerance = 1e-4 if dtype == torch.float32 else 5e-2
     for rid in theirs:
         if dtype == torch.float32:
@@ -142,6 +142,19 @@ def test_triton_kernels_equal_the_pytorch_operations_on_cuda(dtype):
     assert torch.equal(r1, r2)
     gu = torch.randn(n, 2 * 14336, dtype=dtype, device="cuda")
     torch.testing.assert_close(ops.silu_mul(gu), ref.silu_mul(gu), **tol)
+    # one paged prefill for three prompt pieces: a whole prompt, one after 300 cached positions, a short one
+    pieces = [(5, 0, 40, tables[0].tolist()), (45, 300, 70, tables[2].tolist()), (115, 900, 3, tables[4].tolist())]
+    qp = torch.randn(118, heads * dim, dtype=dtype, device="cuda")
+    got = torch.zeros(118, heads * dim, dtype=dtype, device="cuda")
+    ops.paged_prefill(qp, k_cache, v_cache, ops.prefill_plan(pieces, BLOCK, qp.device), got, BLOCK, heads, kv_heads,
+                      dim, dim ** -0.5)
+    for row, pos, n_rows, table in pieces:
+        slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(pos + n_rows)], device="cuda")
+        mask = torch.arange(pos + n_rows, device="cuda")[None, :] <= (pos + torch.arange(n_rows, device="cuda"))[:, None]
+        q3 = qp[row:row + n_rows].view(n_rows, heads, dim).transpose(0, 1)[None]
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q3, k_cache[:, slots][None], v_cache[:, slots][None], attn_mask=mask, scale=dim ** -0.5, enable_gqa=True)
+        torch.testing.assert_close(got[row:row + n_rows], want[0].transpose(0, 1).reshape(n_rows, heads * dim), **tol)
 
 
 def test_prompt_logprobs_on_cuda(model_dir):

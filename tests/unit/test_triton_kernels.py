@@ -66,3 +66,75 @@ def test_paged_decode_matches_gathered_attention(dtype, heads, kv_heads, dim):
     torch.testing.assert_close(grouped, want, **TOLERANCE[dtype])
     only = REF.paged_decode(q[1:2], k_cache, v_cache, tables[1:2], lens[1:2], *args[2:])
     torch.testing.assert_close(got[1:2], only, **TOLERANCE[dtype])  # rows do not see each other's cache
+
+
+def reference_prefill(q, k_cache, v_cache, pieces, block, heads, kv_heads, dim):
+    """Each piece's rows attend to positions [0, own position], gathered through the block table (float32)."""
+    out = torch.zeros(q.shape[0], heads * dim)
+    for row, pos, n, table in pieces:
+        slots = torch.tensor([table[p // block] * block + p % block for p in range(pos + n)])
+        k = k_cache[:, slots].float().repeat_interleave(heads // kv_heads, 0)  # [heads, P, dim]
+        v = v_cache[:, slots].float().repeat_interleave(heads // kv_heads, 0)
+        qs = q[row:row + n].float().view(n, heads, dim).transpose(0, 1)  # [heads, n, dim]
+        scores = qs @ k.transpose(1, 2) * dim ** -0.5
+        visible = torch.arange(pos + n)[None, :] <= (pos + torch.arange(n))[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out[row:row + n] = (scores.softmax(-1) @ v).transpose(0, 1).reshape(n, heads * dim)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(HEADS, KV_HEADS, DIM), (4, 4, 12), (8, 1, 16)])
+def test_paged_prefill_matches_masked_attention_and_ignores_how_a_prompt_was_cut(dtype, heads, kv_heads, dim):
+    """Chunks of one step in one launch: a whole prompt, a chunk after a cached prefix, a chunk longer
+    than one program's rows; rows the plan does not name (decode rows here) are left alone. A row's
+    result is the same when its prompt is cut differently: keys run from position 0 in fixed tiles."""
+    torch.manual_seed(3)
+    num_blocks = 40
+    k_cache = torch.randn(kv_heads, num_blocks * BLOCK, dim, dtype=dtype)
+    v_cache = torch.randn(kv_heads, num_blocks * BLOCK, dim, dtype=dtype)
+    table_a = [5, 9, 2, 30, 31, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
+    table_b = [7, 1, 3, 4, 6, 8, 10, 21, 22, 23, 24, 25]
+    pieces = [(2, 0, 7, table_a[:2]), (9, 13, 35, table_b), (44, 50, 3, table_a)]  # rows 0-1: decode rows
+    q = torch.randn(47, heads * dim + 3, dtype=dtype)[:, : heads * dim]
+    out = torch.full((47, heads * dim), 7.0, dtype=dtype)
+    plan = OPS.prefill_plan(pieces, BLOCK, q.device)
+    OPS.paged_prefill(q, k_cache, v_cache, plan, out, BLOCK, heads, kv_heads, dim, dim ** -0.5)
+    want = reference_prefill(q, k_cache, v_cache, pieces, BLOCK, heads, kv_heads, dim)
+    assert torch.all(out[:2] == 7.0)
+    torch.testing.assert_close(out[2:].float(), want[2:], **TOLERANCE[dtype])
+    # rows 9-43 again, cut into three pieces at other boundaries (positions 13-47 of the same sequence)
+    cut = [(9, 13, 4, table_b), (13, 17, 20, table_b), (33, 37, 11, table_b)]
+    again = torch.zeros_like(out)
+    OPS.paged_prefill(q, k_cache, v_cache, OPS.prefill_plan(cut, BLOCK, q.device), again, BLOCK, heads, kv_heads, dim,
+                      dim ** -0.5)
+    if dtype == torch.bfloat16:  # (in float32 the interpreter's numpy matmul rounds by a row's place in its tile)
+        assert torch.equal(again[9:44], out[9:44])
+    torch.testing.assert_close(again[9:44], out[9:44], rtol=1e-6, atol=1e-6)
+
+
+def test_a_runner_on_the_triton_kernels_gives_the_pytorch_operations_tokens(tiny_model_dir):
+    """The runner as cuda runs it (every small operation a Triton kernel, a step's prompt chunks in one
+    paged prefill, Mix steps from the step graphs' buffers), through the interpreter: the tokens and
+    logprobs of the PyTorch operations' runner."""
+    from services.engine.engine import Engine
+    from services.engine.graphs import GraphPlan
+    from services.engine.model_runner import ModelRunner
+    from tests.unit.engine_helpers import BLOCK as CACHE_BLOCK, CPU, LOGPROB_ATOL, limits, outputs, prompt, request
+    from tests.unit.engine_helpers import run_until_idle
+
+    def tokens(ops, graphs):
+        r = ModelRunner(str(tiny_model_dir), CPU, block_size=CACHE_BLOCK, kv_budget_bytes=1 << 24, max_blocks=64,
+                        cpu_kernels=False, graphs=graphs)
+        r.ops = ops
+        engine = Engine(r, limits(mix=True, prefill_chunk_size=16), {2})
+        for i, n in enumerate((5, 23, 40)):
+            engine.add_request(request(f"r{i}", prompt(n, start=100 * i), max_new_tokens=6, ignore_eos=True, logprobs=2))
+        return outputs(run_until_idle(engine)), r
+
+    theirs, _ = tokens(REF, None)
+    ours, r = tokens(OPS, GraphPlan(max_rows=4, max_seq_len=256, capture=False, max_tokens=32))
+    assert r.pieces.steps >= 3 and r.graphs.steps >= 3
+    for rid in theirs:
+        assert [t for t, _, _ in ours[rid]] == [t for t, _, _ in theirs[rid]], rid
+        assert [lp for _, lp, _ in ours[rid]] == pytest.approx([lp for _, lp, _ in theirs[rid]], abs=LOGPROB_ATOL)
