@@ -156,7 +156,8 @@ def deploy(work_dir: Path, model_dir: Path, args, name: str, engines: int, kv_mb
     threads = max(1, args.cores // engines)
     cluster = Cluster(folder, model_dir, engines=engines, tokenizers=1,
                       args={f"engine-{i}": ["--torch-threads", str(threads)] for i in range(engines)},
-                      Switchboard={"kvCacheMemoryMb": kv_mb, "dtype": args.dtype, "routing": routing},
+                      Switchboard={"kvCacheMemoryMb": kv_mb, "dtype": args.dtype, "routing": routing,
+                                   "prefillOrder": args.prefill_order},
                       **{"BackendConfig.ScheduleConfig": {"enablePrefixCache": True, "cacheBlockSize": 16}})
     cluster.wait_ready(900)
     for i in range(engines):
@@ -212,6 +213,8 @@ def main() -> int:
     parser.add_argument("--answer-tokens", type=int, default=24)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--policies", default="load,cache,mix")
+    parser.add_argument("--prefill-order", default="shortest", choices=["arrival", "shortest"],
+                        help="Switchboard.prefillOrder of every engine")
     args = parser.parse_args()
 
     from tests.conftest import SMOL_DIR, make_tiny_model

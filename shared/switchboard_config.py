@@ -61,7 +61,14 @@ class SwitchboardConfig(msgspec.Struct, rename="camel", kw_only=True, forbid_unk
     SiLU * up); false runs the same operations as PyTorch calls."""
     cuda_graphs: bool = True
     """on cuda, decode steps replay CUDA graphs captured at start for batch sizes 1, 2, 4, 8, 16, 24, 32,
-    48, 64, ... up to maxBatchSize (at most 256; larger batches run eagerly); false runs every step eagerly."""
+    48, 64, ... up to maxBatchSize (at most 256; larger batches run eagerly), and prompt and Mix steps replay
+    graphs between their attentions for token counts 16, 32, 64, 96, 128, 192, ... up to the most a step holds
+    (at most 2,048); false runs every step eagerly."""
+    prefill_order: Literal["arrival", "shortest"] = "shortest"
+    """Mix: which prompts get a step's prefillChunkSize tokens first, within a priority level: ``arrival``
+    (prompts already being computed, then new ones, each in arrival order) or ``shortest`` (the fewest tokens
+    left to compute after the prefix cache first, so a conversation's next turn, mostly cached, does not wait
+    behind another's long document; a prompt passed over 8 steps in a row goes first)."""
     torch_threads: Annotated[int, Meta(ge=0, le=1024)] = 0
     """intra-op threads of the engine's torch; 0 = torch's default (one per core)."""
     engine_role: Literal["both", "prefill", "decode"] = "both"

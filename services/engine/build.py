@@ -41,7 +41,8 @@ def build_engine(cfg: Config) -> tuple[Engine, str]:
     limits = Limits(sc.max_batch_size, sc.prefill_batch_size, sc.max_prefill_tokens, deploy.max_seq_len,
                     token_timeout_s=float(cfg.server.token_timeout), max_preempt_count=sc.max_preempt_count,
                     max_queue_delay_s=sc.max_queue_delay_microseconds / 1e6,
-                    prefill_chunk_size=sc.prefill_chunk_size, mix=sc.template_type == "Mix")
+                    prefill_chunk_size=sc.prefill_chunk_size, mix=sc.template_type == "Mix",
+                    prefill_order=sb.prefill_order)
     return Engine(runner, limits, eos_token_ids(runner), prefix_cache=sc.enable_prefix_cache,
                   host_blocks=host_blocks(runner, cfg)), device.kind
 

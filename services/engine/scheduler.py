@@ -17,6 +17,10 @@ from services.engine.sequence import Sequence, Status
 from shared.messages import FinishReason
 
 
+LOOKAHEAD = 32  # prefillOrder "shortest": waiting prompts looked at per step
+STARVING_STEPS = 8  # prefillOrder "shortest": a prompt passed over this many steps in a row goes first
+
+
 @dataclass(frozen=True)
 class Limits:
     max_batch_size: int
@@ -28,6 +32,7 @@ class Limits:
     max_queue_delay_s: float = 0.0  # an idle engine waits this long for a fuller first prefill batch
     prefill_chunk_size: int = 512  # Mix: prompt tokens per step, next to one token per decoding sequence
     mix: bool = False  # templateType Mix: prefill in chunks inside decode steps; else Standard
+    prefill_order: str = "arrival"  # Mix: "arrival" or "shortest" (Switchboard.prefillOrder; config's default "shortest")
 
 
 @dataclass(frozen=True)
@@ -118,6 +123,8 @@ class Scheduler:
         nothing: the blocks it freed are for the sequences already running."""
         preemptions = self.num_preemptions
         decode = self._schedule_decode()
+        if self.limits.prefill_order == "shortest":
+            return decode + self._prefill_shortest(self.num_preemptions == preemptions)
         budget = self.limits.prefill_chunk_size
         prefill: list[Scheduled] = []
 
@@ -143,6 +150,35 @@ class Scheduler:
             budget -= piece
         return decode + prefill
 
+    def _prefill_shortest(self, may_admit: bool) -> list[Scheduled]:
+        """Mix's prompt pieces, the prompts with the fewest tokens left to compute first (after what the prefix
+        cache holds; the first ``LOOKAHEAD`` waiting ones are looked at), within a priority level; one passed
+        over ``STARVING_STEPS`` steps in a row goes first, so a long prompt still advances under a stream of
+        short ones. New prompts are admitted in this order until one cannot be (slots or blocks)."""
+        budget = self.limits.prefill_chunk_size
+        prefill: list[Scheduled] = []
+        waiting = self.waiting[:LOOKAHEAD] if may_admit else []
+        left = {id(s): s.num_uncomputed for s in self.running if s.is_prefilling}
+        left.update({id(s): len(s) - self.blocks.cached_tokens(s) for s in waiting})
+        candidates = [s for s in self.running if s.is_prefilling] + waiting
+        candidates.sort(key=lambda s: (s.priority, s.passed_over < STARVING_STEPS, left[id(s)], s.order))
+        admitting = True
+        for seq in candidates:
+            if budget <= 0 or len(prefill) >= self.limits.max_prefill_batch_size:
+                break
+            if seq.status is Status.WAITING:
+                if not admitting or not self._admit(seq):
+                    admitting = False
+                    continue
+            piece = self._piece(seq, budget)
+            if piece:
+                prefill.append(Scheduled(seq, piece, self.limits.prefill_chunk_size))
+                budget -= piece
+        chosen = {id(item.seq) for item in prefill}
+        for seq in candidates:
+            seq.passed_over = 0 if id(seq) in chosen else seq.passed_over + 1
+        return prefill
+
     def _piece(self, seq: Sequence, budget: int) -> int:
         """The sequence's next prompt piece within ``budget`` tokens (0: none fits): whole segments between
         multiples of prefillChunkSize from position 0 (the first from where its computed or cached part
@@ -162,13 +198,13 @@ class Scheduler:
         return piece
 
     def _admit(self, seq: Sequence) -> bool:
-        """Move the first waiting sequence to running with its blocks, if a slot and blocks allow."""
+        """Move a waiting sequence to running with its blocks, if a slot and blocks allow."""
         if len(self.running) >= self.limits.max_batch_size:
             return False
         reserve = self._tokens_to_reserve(seq)
         if not self.blocks.can_allocate(seq, reserve):
             return False
-        self.waiting.pop(0)
+        self.waiting.remove(seq)
         self.blocks.allocate(seq, reserve)
         self.on_admit(seq)
         seq.status = Status.RUNNING

@@ -47,6 +47,7 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list, repr=False)  # prefix-cache keys of its first full blocks
     status: Status = Status.WAITING
     num_preemptions: int = 0
+    passed_over: int = 0  # Mix steps in a row it could have prefilled in but others went first (prefillOrder)
     order: int = field(default_factory=lambda: next(_counter))
     lora: Slot | None = None  # the LoRA adapter's Slot it runs with (held until it finishes); None = base model
     media: MediaInputs | None = None  # MediaInputs until encoded, then dropped: ``media_rows`` keeps the features

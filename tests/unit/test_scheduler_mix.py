@@ -202,3 +202,37 @@ def test_mix_preempts_a_half_prefilled_prompt_for_a_decoding_one():
     assert rows(step(sched)) == [("a", 1), ("c", 4)]
     assert rows(step(sched)) == [("a", 1)]  # position 32 needs a 3rd block: c, the newest, gives its own
     assert c.status is Status.WAITING and c.num_computed == 0 and not c.block_table
+
+
+def test_shortest_order_lets_a_mostly_cached_turn_pass_a_long_prompt():
+    """prefillOrder "shortest": a conversation's next turn (its history cached, a few new tokens) goes ahead of
+    another's long first prompt instead of waiting for all of its pieces; "arrival" keeps the order."""
+    for order, want in (("arrival", ["long", "long", "long", "long", "turn"]),
+                        ("shortest", ["long", "turn", "long", "long", "long"])):
+        sched = scheduler(prefix_cache=True, mix=True, prefill_chunk_size=64, prefill_order=order)
+        history = seq("history", 96, max_new_tokens=1)
+        sched.add(history)
+        while sched.seqs:
+            step(sched)  # its blocks are cached now
+        long = seq("long", 250, start=5000)
+        sched.add(long)
+        first = step(sched)
+        turn = Sequence("turn", history.token_ids[:96] + [3, 4, 5, 6, 7], Sampling(max_new_tokens=3))
+        sched.add(turn)
+        prefilling = [first[0].seq.id]
+        for _ in range(4):
+            prefilling += [item.seq.id for item in step(sched) if item.num_tokens > 1]
+        assert [name for name in prefilling if name in ("long", "turn")][:5] == want, order
+        assert turn.cached_tokens == 96
+
+
+def test_shortest_order_still_advances_a_long_prompt_under_a_stream_of_short_ones():
+    sched = scheduler(mix=True, prefill_chunk_size=64, prefill_order="shortest", max_batch_size=64)
+    long = seq("long", 200, start=5000)
+    sched.add(long)
+    for i in range(40):  # a new 60-token prompt every step: each fills most of a step's budget
+        sched.add(seq(f"s{i}", 60, max_new_tokens=1, start=10000 + 100 * i))
+        step(sched)
+        if long.num_generated:
+            break
+    assert long.num_generated == 1  # passed over at most STARVING_STEPS steps a piece
