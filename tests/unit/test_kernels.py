@@ -81,6 +81,23 @@ def test_paged_decode_matches_gathered_attention(cpu_ops, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128), (3, 3, 32), (24, 3, 64)])
+def test_paged_decode_at_model_shapes(cpu_ops, dtype, heads, kv_heads, dim):
+    """Head sizes of real models (where bfloat16 scores take the vdpbf16ps path on CPUs that have it: 16
+    positions at a time, a last partial group, one position), and a KV group past that path's largest."""
+    torch.manual_seed(4)
+    block = 16
+    k_cache = torch.randn(kv_heads, 40 * block, dim, dtype=dtype)
+    v_cache = torch.randn(kv_heads, 40 * block, dim, dtype=dtype)
+    lens = torch.tensor([1, 16, 17, 130, 300])
+    tables = torch.stack([torch.randperm(40)[:19] for _ in range(5)])
+    q = torch.randn(5, heads * dim, dtype=dtype)
+    args = (tables, lens, block, heads, kv_heads, dim, dim ** -0.5)
+    got = cpu_ops.paged_decode(q, k_cache, v_cache, *args)
+    torch.testing.assert_close(got, kernels.TorchOps().paged_decode(q, k_cache, v_cache, *args), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_int8_cache_write_and_read_match_pytorchs(cpu_ops, dtype):
     """rope_store_q8 writes the codes and float16 scales kv_cache.quantize gives (one per head and position,
     within one code where the rotation rounds differently), and paged_decode_q8 attends over them like the

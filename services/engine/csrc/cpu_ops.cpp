@@ -17,6 +17,10 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 template <typename T>
@@ -290,12 +294,117 @@ void rope_store_q8(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Te
 
 namespace {
 
+#if defined(__AVX512BF16__)
+constexpr int64_t SCORE_MAX_GROUP = 8, SCORE_MAX_DIM = 128;
+
+// Lane i of the result: the sum of v[i]'s 16 lanes (16 horizontal sums in 15 shuffle-and-add steps).
+inline __m512 sum_lanes16(__m512* v) {
+  __m512 w[8], x[4], y[2];
+  for (int i = 0; i < 8; ++i)  // within 128-bit quarters: v[2i]'s and v[2i+1]'s lanes 0+2 and 1+3
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // each quarter: one sum each of v[4i .. 4i+3]
+    x[i] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * i], w[2 * i + 1], 0x44), _mm512_shuffle_ps(w[2 * i], w[2 * i + 1], 0xEE));
+  for (int i = 0; i < 2; ++i)  // quarters 0+2 and 1+3
+    y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xDD));
+}
+
+// scores[g * L + j] = scale * <q_g, k_j> for a KV group's query heads g over positions [0, L) of one KV head's
+// cache rows `k` [S, d] through `table`, 16 positions at a time: each product pair is summed by vdpbf16ps
+// (bfloat16 products are exact in float32), the 16 positions' lanes across in one tree. Needs d a multiple of
+// 32 up to SCORE_MAX_DIM and group up to SCORE_MAX_GROUP.
+void bf16_scores(const c10::BFloat16* q, const c10::BFloat16* k, const int64_t* table, int64_t block_size, int64_t L,
+                 int64_t d, int64_t group, float scale, float* scores) {
+  __m512bh qv[SCORE_MAX_GROUP][SCORE_MAX_DIM / 32];
+  const int64_t parts = d / 32;
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t c = 0; c < parts; ++c) qv[g][c] = (__m512bh)_mm512_loadu_si512(q + g * d + c * 32);
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t j0 = 0; j0 < L; j0 += 16) {
+    const int64_t m = std::min<int64_t>(16, L - j0);
+    const c10::BFloat16* rows[16];
+    for (int64_t r = 0; r < 16; ++r) {
+      const int64_t pos = j0 + std::min(r, m - 1);  // past the end: the last row again, its lanes not stored
+      rows[r] = k + (table[pos / block_size] * block_size + pos % block_size) * d;
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 acc[16];
+      for (int r = 0; r < 16; ++r) {
+        acc[r] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < parts; ++c)
+          acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(rows[r] + c * 32), qv[g][c]);
+      }
+      _mm512_mask_storeu_ps(scores + g * L + j0, static_cast<__mmask16>((1u << m) - 1),
+                            _mm512_mul_ps(sum_lanes16(acc), vscale));
+    }
+  }
+}
+
+
+// acc[g * d + i] = sum over j of weights[g * L + j] * v_j[i], for the group's query heads over positions [0, L) of
+// one KV head's cache rows `v` [S, d] through `table`: each value row converted once, the accumulators of up to
+// 16 vectors in registers (query heads in chunks of that many).
+void bf16_values(const float* weights, const c10::BFloat16* v, const int64_t* table, int64_t block_size, int64_t L,
+                 int64_t d, int64_t group, float* acc) {
+  const int64_t parts = d / 16, chunk = std::max<int64_t>(1, 16 / parts);
+  for (int64_t g0 = 0; g0 < group; g0 += chunk) {
+    const int64_t heads = std::min(chunk, group - g0);
+    __m512 a[16];
+    for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < L; ++j) {
+      const c10::BFloat16* row = v + (table[j / block_size] * block_size + j % block_size) * d;
+      for (int64_t c = 0; c < parts; ++c) {
+        const __m512 x = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 16))), 16));
+        for (int64_t g = 0; g < heads; ++g)
+          a[g * parts + c] = _mm512_fmadd_ps(_mm512_set1_ps(weights[(g0 + g) * L + j]), x, a[g * parts + c]);
+      }
+    }
+    for (int64_t g = 0; g < heads; ++g)
+      for (int64_t c = 0; c < parts; ++c) _mm512_storeu_ps(acc + (g0 + g) * d + c * 16, a[g * parts + c]);
+  }
+}
+#endif
+
+// Values by bf16_values where it applies (as fast_scores); false: the caller's loop.
+template <typename T>
+bool fast_values(const float* weights, const T* v, const int64_t* table, int64_t block_size, int64_t L, int64_t d,
+                 int64_t group, float* acc) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (d % 32 == 0 && d <= SCORE_MAX_DIM) {
+      bf16_values(weights, v, table, block_size, L, d, group, acc);
+      return true;
+    }
+  }
+#endif
+  return false;
+}
+
+// Scores by bf16_scores where it applies (a bfloat16 cache, AVX-512 BF16, its shapes); false: the caller's loop.
+template <typename T>
+bool fast_scores(const T* q, const T* k, const int64_t* table, int64_t block_size, int64_t L, int64_t d, int64_t group,
+                 float scale, float* scores) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (d % 32 == 0 && d <= SCORE_MAX_DIM && group <= SCORE_MAX_GROUP) {
+      bf16_scores(q, k, table, block_size, L, d, group, scale, scores);
+      return true;
+    }
+  }
+#endif
+  return false;
+}
+
 // One new token per sequence attends to its cached positions [0, lens[b]) through its block table.
-// read_k(index, buffer) / read_v: cache row `index` (kv head * slots + slot) as float32.
+// read_k(index, buffer) / read_v: cache row `index` (kv head * slots + slot) as float32; k_rows / v_rows: the
+// caches' rows as stored (a bfloat16 cache read straight from them, ``fast_scores`` / ``fast_values``), or null.
 template <typename T, typename ReadK, typename ReadV>
 torch::Tensor decode(const torch::Tensor& q, int64_t num_slots, const torch::Tensor& block_tables,
                      const torch::Tensor& lens, int64_t block_size, int64_t num_heads, int64_t num_kv_heads,
-                     int64_t head_dim, double scale, ReadK read_k, ReadV read_v) {
+                     int64_t head_dim, double scale, ReadK read_k, ReadV read_v, const T* k_rows = nullptr,
+                     const T* v_rows = nullptr) {
   TORCH_CHECK(q.dim() == 2 && q.stride(1) == 1, "paged_decode: q [N, Hq*D] with unit column stride");
   TORCH_CHECK(block_tables.is_contiguous() && lens.is_contiguous(), "paged_decode: tables and lens contiguous");
   const int64_t n = q.size(0), nb = block_tables.size(1), group = num_heads / num_kv_heads, d = head_dim;
@@ -310,11 +419,14 @@ torch::Tensor decode(const torch::Tensor& q, int64_t num_slots, const torch::Ten
       const int64_t b = w / num_kv_heads, kh = w % num_kv_heads, L = len[b];
       const int64_t* table = tables + b * nb;
       const T* qrow = pq + b * q_stride + kh * group * d;
-      for (int64_t i = 0; i < group * d; ++i) qf[i] = f32(qrow[i]) * static_cast<float>(scale);
       scores.assign(group * L, 0.f);
-      for (int64_t j = 0; j < L; ++j) {
-        const float* kf = read_k(kh * num_slots + table[j / block_size] * block_size + j % block_size, row.data());
-        for (int64_t g = 0; g < group; ++g) scores[g * L + j] = dot(qf.data() + g * d, kf, d);
+      if (k_rows == nullptr || !fast_scores(qrow, k_rows + kh * num_slots * d, table, block_size, L, d, group,
+                                            static_cast<float>(scale), scores.data())) {
+        for (int64_t i = 0; i < group * d; ++i) qf[i] = f32(qrow[i]) * static_cast<float>(scale);
+        for (int64_t j = 0; j < L; ++j) {
+          const float* kf = read_k(kh * num_slots + table[j / block_size] * block_size + j % block_size, row.data());
+          for (int64_t g = 0; g < group; ++g) scores[g * L + j] = dot(qf.data() + g * d, kf, d);
+        }
       }
       std::vector<float> total(group, 0.f);
       for (int64_t g = 0; g < group; ++g) {
@@ -323,10 +435,13 @@ torch::Tensor decode(const torch::Tensor& q, int64_t num_slots, const torch::Ten
         for (int64_t j = 0; j < L; ++j) peak = std::max(peak, sg[j]);
         total[g] = exp_sum(sg, L, peak);
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j = 0; j < L; ++j) {
-        const float* vf = read_v(kh * num_slots + table[j / block_size] * block_size + j % block_size, row.data());
-        for (int64_t g = 0; g < group; ++g) axpy(scores[g * L + j], vf, acc.data() + g * d, d);
+      if (v_rows == nullptr || !fast_values(scores.data(), v_rows + kh * num_slots * d, table, block_size, L, d, group,
+                                            acc.data())) {
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t j = 0; j < L; ++j) {
+          const float* vf = read_v(kh * num_slots + table[j / block_size] * block_size + j % block_size, row.data());
+          for (int64_t g = 0; g < group; ++g) axpy(scores[g * L + j], vf, acc.data() + g * d, d);
+        }
       }
       T* orow = po + b * num_heads * d + kh * group * d;
       for (int64_t g = 0; g < group; ++g)
@@ -349,7 +464,7 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache,
     const auto *kc = k_cache.data_ptr<scalar_t>(), *vc = v_cache.data_ptr<scalar_t>();
     out = decode<scalar_t>(q, k_cache.size(1), block_tables, lens, block_size, num_heads, num_kv_heads, head_dim,
                            scale, [&](int64_t at, float* buf) { return as_float(kc + at * d, buf, d); },
-                           [&](int64_t at, float* buf) { return as_float(vc + at * d, buf, d); });
+                           [&](int64_t at, float* buf) { return as_float(vc + at * d, buf, d); }, kc, vc);
   });
   return out;
 }
