@@ -257,7 +257,7 @@ class TritonOps(TorchOps):
         """One launch's description of a step's prompt chunks: ``chunks`` is (first row, first position, rows,
         the sequence's block table) each."""
         width = max(-(-(pos + n) // block_size) for _, pos, n, _ in chunks)
-        tables = [table[:width] + [0] * (width - len(table[:width])) for *_, table in chunks]
+        tables = [(table + [0] * width)[:width] for *_, table in chunks]
         tiles = [(c, first) for c, (_, _, n, _) in enumerate(chunks) for first in range(0, n, PREFILL_ROWS)]
         info = torch.tensor([(row, pos, n) for row, pos, n, _ in chunks], dtype=torch.long)
         stage = torch.cat([info.flatten(), torch.tensor(tiles, dtype=torch.long).flatten(),
