@@ -25,7 +25,7 @@ from services.engine import kv_cache
 
 log = logging.getLogger("switchboard.engine")
 
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("cpu_ops.cpp", "quant_ops.cpp")]
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("cpu_ops.cpp", "quant_ops.cpp", "layer_loop.cpp")]
 # -fopenmp: at::parallel_for is OpenMP inlined from the header. The extension's libgomp.so.1 is resolved
 # to the one torch already loaded (same soname), so kernels and torch share one thread team.
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]

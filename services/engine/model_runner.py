@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from services.engine import gguf_weights, kernels, linears
+from services.engine import gguf_weights, kernels, layer_loop, linears
 from services.engine.devices import Device
 from services.engine.gguf_weights import GgufLinears
 from services.engine import step_graphs
@@ -121,7 +121,9 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self, graphs) if graphs is not None else None
         self.pieces = (step_graphs.StepGraphs(self, graphs.max_tokens, graphs.capture)
                        if graphs is not None and graphs.max_tokens else None)
+        self.loop = layer_loop.build(self)  # decode steps' layers in one C++ call (cpu)
         log.info("model runner ready", extra={"dtype": str(self.dtype), "fused_ops": self.ops.fused,
+                                               "layer_loop": self.loop is not None,
                                                "decode_graphs": bool(self.graphs and self.graphs.graphs),
                                                "step_graphs": bool(self.pieces and self.pieces.graphs)})
 
@@ -296,8 +298,12 @@ class ModelRunner:
         if batch.media_rows is not None:
             residual[batch.media_rows] = batch.media_embeds
         x = self.ops.rms_norm(residual, *self.norms[0].before)
-        for index in range(len(self.linears)):
-            x = self._layer(index, x, residual, batch)
+        if self.loop is not None and layer_loop.runs(batch):
+            x = self.loop.run(x, residual, self.cos, self.sin, batch.positions, batch.slots, batch.decode_tables,
+                              batch.decode_lens)
+        else:
+            for index in range(len(self.linears)):
+                x = self._layer(index, x, residual, batch)
         hidden = x[torch.tensor(hidden_rows, device=x.device)] if hidden_rows else None
         return self.model.lm_head(x[batch.sample_rows]).float(), hidden
 

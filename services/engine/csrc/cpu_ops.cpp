@@ -577,6 +577,8 @@ torch::Tensor q8_dequant(torch::Tensor q, torch::Tensor s, torch::ScalarType dty
 torch::Tensor q4_dequant(torch::Tensor q, torch::Tensor d, torch::Tensor m, torch::ScalarType dtype);
 bool q4_packed();
 torch::Tensor q4p_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor m, int64_t n);
+// layer_loop.cpp
+void register_layer_loop(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm);
@@ -596,4 +598,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_dequant", &q4_dequant);
   m.def("q4_packed", &q4_packed);
   m.def("q4p_linear", &q4p_linear);
+  register_layer_loop(m);
 }
