@@ -48,11 +48,15 @@ VARIANTS = {  # name -> the Switchboard keys it sets
     "int8": {"dtype": "float32", "quantization": "int8"},
     "int4": {"dtype": "float32", "quantization": "int4"},
     "gguf Q4_1": {"dtype": "float32", "quantization": "gguf"},  # the default model's own file
+    # one engine thread: at one stream an int4 step is bound by memory, and the other core is left to the gateway,
+    # the tokenizer, NATS and the client (two threads stall at each barrier when either is preempted)
+    "int4 1 thread": {"dtype": "float32", "quantization": "int4", "torchThreads": 1},
+    "gguf Q4_1 1 thread": {"dtype": "float32", "quantization": "gguf", "torchThreads": 1},
     "bfloat16 + int8 KV": {"dtype": "bfloat16", "kvCacheDtype": "int8"},
     "int8 + int8 KV": {"dtype": "float32", "quantization": "int8", "kvCacheDtype": "int8"},
 }
 SAME_BITS = [("int8", "llama.cpp Q8_0"), ("int8 + int8 KV", "llama.cpp Q8_0"), ("int4", "llama.cpp Q4_1"),
-             ("gguf Q4_1", "llama.cpp Q4_1")]
+             ("gguf Q4_1", "llama.cpp Q4_1"), ("int4 1 thread", "llama.cpp Q4_1"), ("gguf Q4_1 1 thread", "llama.cpp Q4_1")]
 TEXT = """The lighthouse stood at the end of a narrow spit of rock, and for most of the year the only people who
 saw it up close were the keeper and the men who brought his supplies. The keeper had lived there for eleven
 years. He kept a log of the weather, the ships that passed, and the birds that rested on the gallery rail
