@@ -17,7 +17,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -294,7 +294,7 @@ void rope_store_q8(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Te
 
 namespace {
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 constexpr int64_t SCORE_MAX_GROUP = 8, SCORE_MAX_DIM = 128;
 
 // Lane i of the result: the sum of v[i]'s 16 lanes (16 horizontal sums in 15 shuffle-and-add steps).
@@ -310,20 +310,48 @@ inline __m512 sum_lanes16(__m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xDD));
 }
 
+// How a cache row's numbers meet a query in `lane_scores`: float32 rows 16 at a time by vfmadd; bfloat16 rows
+// 32 at a time by vdpbf16ps (each pair's products exact in float32, summed).
+struct F32Lanes {
+  using Q = __m512;
+  static constexpr int64_t width = 16;
+  static Q load_q(const float* p) { return _mm512_loadu_ps(p); }
+  static __m512 dot(__m512 acc, const float* row, Q q) { return _mm512_fmadd_ps(_mm512_loadu_ps(row), q, acc); }
+};
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+#if defined(__AVX512BF16__)
+struct Bf16Lanes {
+  using Q = __m512bh;
+  static constexpr int64_t width = 32;
+  static Q load_q(const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static __m512 dot(__m512 acc, const c10::BFloat16* row, Q q) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(row), q);
+  }
+};
+#endif
+
+inline __m512 load16(const c10::BFloat16* p) {  // 16 bfloat16 numbers as float32
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
 // scores[g * L + j] = scale * <q_g, k_j> for a KV group's query heads g over positions [0, L) of one KV head's
-// cache rows `k` [S, d] through `table`, 16 positions at a time: each product pair is summed by vdpbf16ps
-// (bfloat16 products are exact in float32), the 16 positions' lanes across in one tree. Needs d a multiple of
-// 32 up to SCORE_MAX_DIM and group up to SCORE_MAX_GROUP.
-void bf16_scores(const c10::BFloat16* q, const c10::BFloat16* k, const int64_t* table, int64_t block_size, int64_t L,
-                 int64_t d, int64_t group, float scale, float* scores) {
-  __m512bh qv[SCORE_MAX_GROUP][SCORE_MAX_DIM / 32];
-  const int64_t parts = d / 32;
+// cache rows `k` [S, d] through `table`, 16 positions at a time: each position's products summed in a vector
+// (`Lanes`), the 16 positions' lanes across in one tree. Needs d a multiple of Lanes::width up to SCORE_MAX_DIM and
+// group up to SCORE_MAX_GROUP.
+template <typename T, typename Lanes>
+void lane_scores(const T* q, const T* k, const int64_t* table, int64_t block_size, int64_t L, int64_t d,
+                 int64_t group, float scale, float* scores) {
+  typename Lanes::Q qv[SCORE_MAX_GROUP][SCORE_MAX_DIM / 16];
+  const int64_t parts = d / Lanes::width;
   for (int64_t g = 0; g < group; ++g)
-    for (int64_t c = 0; c < parts; ++c) qv[g][c] = (__m512bh)_mm512_loadu_si512(q + g * d + c * 32);
+    for (int64_t c = 0; c < parts; ++c) qv[g][c] = Lanes::load_q(q + g * d + c * Lanes::width);
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int64_t j0 = 0; j0 < L; j0 += 16) {
     const int64_t m = std::min<int64_t>(16, L - j0);
-    const c10::BFloat16* rows[16];
+    const T* rows[16];
     for (int64_t r = 0; r < 16; ++r) {
       const int64_t pos = j0 + std::min(r, m - 1);  // past the end: the last row again, its lanes not stored
       rows[r] = k + (table[pos / block_size] * block_size + pos % block_size) * d;
@@ -332,8 +360,7 @@ void bf16_scores(const c10::BFloat16* q, const c10::BFloat16* k, const int64_t* 
       __m512 acc[16];
       for (int r = 0; r < 16; ++r) {
         acc[r] = _mm512_setzero_ps();
-        for (int64_t c = 0; c < parts; ++c)
-          acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(rows[r] + c * 32), qv[g][c]);
+        for (int64_t c = 0; c < parts; ++c) acc[r] = Lanes::dot(acc[r], rows[r] + c * Lanes::width, qv[g][c]);
       }
       _mm512_mask_storeu_ps(scores + g * L + j0, static_cast<__mmask16>((1u << m) - 1),
                             _mm512_mul_ps(sum_lanes16(acc), vscale));
@@ -341,22 +368,21 @@ void bf16_scores(const c10::BFloat16* q, const c10::BFloat16* k, const int64_t* 
   }
 }
 
-
 // acc[g * d + i] = sum over j of weights[g * L + j] * v_j[i], for the group's query heads over positions [0, L) of
 // one KV head's cache rows `v` [S, d] through `table`: each value row converted once, the accumulators of up to
-// 16 vectors in registers (query heads in chunks of that many).
-void bf16_values(const float* weights, const c10::BFloat16* v, const int64_t* table, int64_t block_size, int64_t L,
-                 int64_t d, int64_t group, float* acc) {
+// 16 vectors in registers (query heads in chunks of that many). Needs d a multiple of 16 up to SCORE_MAX_DIM.
+template <typename T>
+void lane_values(const float* weights, const T* v, const int64_t* table, int64_t block_size, int64_t L, int64_t d,
+                 int64_t group, float* acc) {
   const int64_t parts = d / 16, chunk = std::max<int64_t>(1, 16 / parts);
   for (int64_t g0 = 0; g0 < group; g0 += chunk) {
     const int64_t heads = std::min(chunk, group - g0);
     __m512 a[16];
     for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
     for (int64_t j = 0; j < L; ++j) {
-      const c10::BFloat16* row = v + (table[j / block_size] * block_size + j % block_size) * d;
+      const T* row = v + (table[j / block_size] * block_size + j % block_size) * d;
       for (int64_t c = 0; c < parts; ++c) {
-        const __m512 x = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 16))), 16));
+        const __m512 x = load16(row + c * 16);
         for (int64_t g = 0; g < heads; ++g)
           a[g * parts + c] = _mm512_fmadd_ps(_mm512_set1_ps(weights[(g0 + g) * L + j]), x, a[g * parts + c]);
       }
@@ -367,14 +393,26 @@ void bf16_values(const float* weights, const c10::BFloat16* v, const int64_t* ta
 }
 #endif
 
-// Values by bf16_values where it applies (as fast_scores); false: the caller's loop.
+// Whether lane_scores / lane_values run a T cache on this CPU: float32 with AVX-512, bfloat16 with AVX-512 BF16.
+template <typename T>
+constexpr bool has_lanes() {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) return true;
+#endif
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) return true;
+#endif
+  return false;
+}
+
+// Values by lane_values where it applies (as fast_scores); false: the caller's loop.
 template <typename T>
 bool fast_values(const float* weights, const T* v, const int64_t* table, int64_t block_size, int64_t L, int64_t d,
                  int64_t group, float* acc) {
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+#if defined(__AVX512F__)
+  if constexpr (has_lanes<T>()) {
     if (d % 32 == 0 && d <= SCORE_MAX_DIM) {
-      bf16_values(weights, v, table, block_size, L, d, group, acc);
+      lane_values(weights, v, table, block_size, L, d, group, acc);
       return true;
     }
   }
@@ -382,15 +420,24 @@ bool fast_values(const float* weights, const T* v, const int64_t* table, int64_t
   return false;
 }
 
-// Scores by bf16_scores where it applies (a bfloat16 cache, AVX-512 BF16, its shapes); false: the caller's loop.
+// Scores by lane_scores where it applies (a float32 or bfloat16 cache the CPU has lanes for, its shapes); false:
+// the caller's loop.
 template <typename T>
 bool fast_scores(const T* q, const T* k, const int64_t* table, int64_t block_size, int64_t L, int64_t d, int64_t group,
                  float scale, float* scores) {
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+#if defined(__AVX512F__)
+  if constexpr (has_lanes<T>()) {
     if (d % 32 == 0 && d <= SCORE_MAX_DIM && group <= SCORE_MAX_GROUP) {
-      bf16_scores(q, k, table, block_size, L, d, group, scale, scores);
-      return true;
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        lane_scores<T, Bf16Lanes>(q, k, table, block_size, L, d, group, scale, scores);
+        return true;
+      }
+#endif
+      if constexpr (std::is_same_v<T, float>) {
+        lane_scores<T, F32Lanes>(q, k, table, block_size, L, d, group, scale, scores);
+        return true;
+      }
     }
   }
 #endif
@@ -399,7 +446,8 @@ bool fast_scores(const T* q, const T* k, const int64_t* table, int64_t block_siz
 
 // One new token per sequence attends to its cached positions [0, lens[b]) through its block table.
 // read_k(index, buffer) / read_v: cache row `index` (kv head * slots + slot) as float32; k_rows / v_rows: the
-// caches' rows as stored (a bfloat16 cache read straight from them, ``fast_scores`` / ``fast_values``), or null.
+// caches' rows as stored (a float32 or bfloat16 cache read straight from them, ``fast_scores`` / ``fast_values``),
+// or null.
 template <typename T, typename ReadK, typename ReadV>
 torch::Tensor decode(const torch::Tensor& q, int64_t num_slots, const torch::Tensor& block_tables,
                      const torch::Tensor& lens, int64_t block_size, int64_t num_heads, int64_t num_kv_heads,
