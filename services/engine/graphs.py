@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from services.engine.batch import Batch
+
 log = logging.getLogger("switchboard.engine")
 
 LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
@@ -101,8 +103,6 @@ class DecodeBuffers:
 
     def batch(self, bucket: int):
         """The runner's ``Batch`` over rows [0, bucket) of the buffers."""
-        from services.engine.model_runner import Batch  # (the runner imports this module)
-
         return Batch(self.scalars[0, :bucket], self.scalars[1, :bucket], self.scalars[2, :bucket], bucket,
                           self.tables[:bucket], self.scalars[3, :bucket], [], self.sample_rows[:bucket])
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from torch import nn
 
 from services.engine import quant
+from services.engine.batch import Batch
 from services.engine.linears import PackedLinear
 
 Q8, Q4, Q4P, ONEDNN = 0, 1, 2, 3  # as csrc/layer_loop.cpp's Kind
@@ -44,6 +45,6 @@ def build(runner) -> object | None:
                             runner.scale)
 
 
-def runs(batch) -> bool:
+def runs(batch: Batch) -> bool:
     """Whether the loop runs this step: decode rows only, none with an adapter, rotated by position."""
     return not batch.chunks and batch.prefill is None and batch.lora is None and batch.rope_cos is None

@@ -20,52 +20,24 @@ same math in PyTorch on cuda and npu.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from services.engine import gguf_weights, kernels, layer_loop, linears
+from services.engine.batch import Batch, Chunk
 from services.engine.devices import Device
 from services.engine.gguf_weights import GgufLinears
 from services.engine import step_graphs
 from services.engine.graphs import DecodeGraphs, GraphPlan, reserve_bytes
 from services.engine.kv_cache import KvCache, token_bytes
-from services.engine.lora import GroupStack, LoraSet, Rows
+from services.engine.lora import GroupStack, LoraSet
 from services.engine.model_loading import UnsupportedModel, load_model, prequantized_config
 from services.engine.model_parts import layer_norms, mrope_axes
 from services.engine.scheduler import Scheduled
 
 log = logging.getLogger("switchboard.engine")
-
-@dataclass
-class Chunk:
-    """A prefill item's rows [start, end) in the step, and where its positions are."""
-
-    start: int
-    end: int
-    slots: torch.Tensor  # cache slots of positions [0, context + n): earlier ones and its own
-    mask: torch.Tensor  # [n, context + n]: row i sees positions up to context + i
-
-
-@dataclass
-class Batch:
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    slots: torch.Tensor  # [T] cache slot each token's K/V is written to
-    num_decode: int  # rows [0, num_decode) are decode rows, one per sequence
-    decode_tables: torch.Tensor | None  # [num_decode, max blocks] block tables, zero-padded
-    decode_lens: torch.Tensor | None  # [num_decode] positions each decode row attends to
-    chunks: list[Chunk]
-    sample_rows: torch.Tensor  # [S] rows whose logits are sampled, in item order
-    lora: Rows | None = None  # each row's adapter; None when no row has one
-    media_rows: torch.Tensor | None = None  # [M] rows that are media tokens; None when the step has none
-    media_embeds: torch.Tensor | None = None  # [M, hidden] their features (in place of token embeddings)
-    rope_cos: torch.Tensor | None = None  # M-RoPE: [T, head_dim / 2] each row's own cos and sin (rows
-    rope_sin: torch.Tensor | None = None  # then rotate by row index); None: by position, from the tables
-    prefill: object | None = None  # the prompt rows as one ``paged_prefill`` launch reads them (in place of chunks)
-
 
 class ModelRunner:
     def __init__(self, path: str, device: Device, block_size: int, kv_budget_bytes, max_blocks: int,

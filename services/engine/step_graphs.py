@@ -27,6 +27,8 @@ import time
 
 import torch
 
+from services.engine.batch import Batch
+
 log = logging.getLogger("switchboard.engine")
 
 TOKEN_LADDER = (16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
@@ -76,8 +78,6 @@ class StepBuffers:
 
     def batch(self, size: int):
         """The ``Batch`` the pieces read: rows [0, size) of the buffers (no attention metadata: that stays the step's)."""
-        from services.engine.model_runner import Batch  # (the runner imports this module)
-
         empty = self.scalars[0, :0]
         return Batch(self.scalars[0, :size], self.scalars[1, :size], self.scalars[2, :size], 0, None, None, [], empty)
 

@@ -38,13 +38,16 @@ def generate(model: ModelRunner) -> dict[str, tuple]:
     """Three requests decoding together (12 tokens each, the raw logprob of each), started one step apart."""
     engine = Engine(model, limits(), set())
     out: dict[str, list] = {}
+
+    def step() -> None:
+        for event in engine.step():
+            out.setdefault(event.id, []).append((event.token_ids, [(p.logprob, p.top_ids) for p in event.logprobs]))
+
     for i, ids in enumerate(PROMPTS):
         engine.add_request(request(f"r{i}", ids, max_new_tokens=12, logprobs=2))
-        for event in engine.step():
-            out.setdefault(event.id, []).append((event.token_ids, [(p.logprob, p.top_ids) for p in event.logprobs]))
+        step()
     while engine.has_work:
-        for event in engine.step():
-            out.setdefault(event.id, []).append((event.token_ids, [(p.logprob, p.top_ids) for p in event.logprobs]))
+        step()
     return {rid: tuple(map(repr, parts)) for rid, parts in out.items()}
 
 
