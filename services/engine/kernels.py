@@ -17,6 +17,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +26,7 @@ from services.engine import kv_cache
 
 log = logging.getLogger("switchboard.engine")
 
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("cpu_ops.cpp", "quant_ops.cpp", "layer_loop.cpp")]
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("cpu_ops.cpp", "quant_ops.cpp", "layer_loop.cpp", "prefill.cpp")]
 # -fopenmp: at::parallel_for is OpenMP inlined from the header. The extension's libgomp.so.1 is resolved
 # to the one torch already loaded (same soname), so kernels and torch share one thread team.
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
@@ -35,6 +36,11 @@ class TorchOps:
     """Reference implementations: what the C++ kernels compute, in PyTorch operations."""
 
     fused = False
+
+    def prefills(self, dtype: torch.dtype, head_dim: int, kv_quantized: bool) -> bool:
+        """Whether ``prefill_plan`` and ``paged_prefill`` attend a step's prompt pieces for this model; when
+        not, each piece is attended by SDPA over the keys read from the cache."""
+        return False
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -146,6 +152,28 @@ class CpuOps(TorchOps):
 
     def lora_apply(self, y, x, a_parts, bts, rows) -> None:
         self.module.lora_apply(y, x, a_parts, bts, rows.off, rows.rank)
+
+    def prefills(self, dtype: torch.dtype, head_dim: int, kv_quantized: bool) -> bool:
+        return not kv_quantized and self.module.prefill_supported(dtype, head_dim)
+
+    @staticmethod
+    def prefill_plan(chunks, block_size: int, device) -> CpuPrefillPlan:
+        """``chunks``: (first row, first position, rows, the sequence's block table) each."""
+        width = max(-(-(pos + n) // block_size) for _, pos, n, _ in chunks)
+        return CpuPrefillPlan(torch.tensor([(row, pos, n) for row, pos, n, _ in chunks], dtype=torch.long),
+                              torch.tensor([(table + [0] * width)[:width] for *_, table in chunks], dtype=torch.long))
+
+    def paged_prefill(self, q, k_cache, v_cache, plan: CpuPrefillPlan, out, block_size, num_heads, num_kv_heads,
+                      head_dim, scale) -> None:
+        """Each piece's rows of ``out``: attention over the positions before each row and its own, read
+        through the piece's block table (``csrc/prefill.cpp``)."""
+        self.module.paged_prefill(q, k_cache, v_cache, plan.info, plan.tables, out, block_size, num_heads,
+                                  num_kv_heads, head_dim, scale)
+
+
+class CpuPrefillPlan(NamedTuple):
+    info: torch.Tensor  # [pieces, 3]: first row in the step, first position, rows
+    tables: torch.Tensor  # [pieces, width] block tables, zero-padded
 
 
 def cpu_flags() -> str:

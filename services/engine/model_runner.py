@@ -86,6 +86,7 @@ class ModelRunner:
             raise RuntimeError(f"KV-cache budget of {budget} bytes holds no block of {self.block_bytes} bytes")
         self.scratch_block = self.num_blocks  # one more block, owned by no sequence: padding rows write there
         self.kv = self._allocate_cache(kv_cache_dtype)
+        self.paged_prefill = self.ops.prefills(self.dtype, self.head_dim, self.kv.quantized)  # else SDPA per chunk
         self.cos = self.sin = torch.empty(0, self.head_dim // 2)
         self._rope_tables(1024)
         self.lora = LoraSet(config, self.device, self.dtype, max_loras, max_lora_rank)
@@ -156,7 +157,7 @@ class ModelRunner:
         sample_rows: list[int] = []
         media: list[tuple[torch.Tensor, torch.Tensor]] = []
         pieces: list[tuple] = []  # prompt pieces for one paged prefill launch (ops that have it)
-        planned = hasattr(self.ops, "paged_prefill")
+        planned = self.paged_prefill
         num_decode = 0
         for item in items:
             seq, start, n = item.seq, item.seq.num_computed, item.num_tokens

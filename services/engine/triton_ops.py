@@ -215,6 +215,9 @@ class TritonOps(TorchOps):
 
     fused = True
 
+    def prefills(self, dtype: torch.dtype, head_dim: int, kv_quantized: bool) -> bool:
+        return True
+
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])

@@ -97,6 +97,60 @@ def test_paged_decode_at_model_shapes(cpu_ops, dtype, heads, kv_heads, dim):
     torch.testing.assert_close(got, kernels.TorchOps().paged_decode(q, k_cache, v_cache, *args), **TOLERANCE[dtype])
 
 
+def reference_prefill(q, k_cache, v_cache, pieces, block, heads, kv_heads, dim):
+    """Each piece's rows attend to positions [0, own position], gathered through the block table (float32)."""
+    out = torch.zeros(q.shape[0], heads * dim)
+    for row, pos, n, table in pieces:
+        slots = torch.tensor([table[p // block] * block + p % block for p in range(pos + n)])
+        k = k_cache[:, slots].float().repeat_interleave(heads // kv_heads, 0)  # [heads, P, dim]
+        v = v_cache[:, slots].float().repeat_interleave(heads // kv_heads, 0)
+        qs = q[row:row + n].float().view(n, heads, dim).transpose(0, 1)  # [heads, n, dim]
+        scores = qs @ k.transpose(1, 2) * dim ** -0.5
+        visible = torch.arange(pos + n)[None, :] <= (pos + torch.arange(n))[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out[row:row + n] = (scores.softmax(-1) @ v).transpose(0, 1).reshape(n, heads * dim)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128), (5, 5, 80), (10, 2, 32), (2, 1, 16)])
+def test_paged_prefill_matches_masked_attention_and_ignores_how_a_prompt_was_cut(cpu_ops, dtype, heads, kv_heads,
+                                                                                  dim):
+    """Pieces of one step in one call: a whole prompt, a piece after a cached prefix longer than a unit's rows,
+    a short piece late in a long sequence; rows the plan does not name (decode rows) are left alone. Model head
+    sizes, and query heads per KV head of 3, 4 and 5 (taken 4 at a time). A row's result is the same, bit for
+    bit, when its prompt is cut differently: keys run from position 0 in fixed tiles, each row on its own."""
+    if not cpu_ops.module.prefill_supported(dtype, dim):
+        pytest.skip(f"this CPU's build attends {dtype} prompts with SDPA")
+    torch.manual_seed(3)
+    block, num_blocks = 16, 40
+    k_cache = torch.randn(kv_heads, num_blocks * block, dim, dtype=dtype)
+    v_cache = torch.randn(kv_heads, num_blocks * block, dim, dtype=dtype)
+    table_a = torch.randperm(num_blocks)[:30].tolist()
+    table_b = torch.randperm(num_blocks)[:12].tolist()
+    pieces = [(2, 0, 7, table_a[:1]), (9, 13, 75, table_b), (84, 450, 3, table_a)]  # rows 0-1: decode rows
+    q = torch.randn(87, heads * dim + 3, dtype=dtype)[:, : heads * dim]
+    out = torch.full((87, heads * dim), 7.0, dtype=dtype)
+    cpu_ops.paged_prefill(q, k_cache, v_cache, cpu_ops.prefill_plan(pieces, block, q.device), out, block, heads,
+                          kv_heads, dim, dim ** -0.5)
+    want = reference_prefill(q, k_cache, v_cache, pieces, block, heads, kv_heads, dim)
+    assert torch.all(out[:2] == 7.0)
+    torch.testing.assert_close(out[2:].float(), want[2:], **TOLERANCE[dtype])
+    cut = [(9, 13, 4, table_b), (13, 17, 33, table_b), (46, 50, 38, table_b)]  # rows 9-83 again, cut elsewhere
+    again = torch.zeros_like(out)
+    cpu_ops.paged_prefill(q, k_cache, v_cache, cpu_ops.prefill_plan(cut, block, q.device), again, block, heads,
+                          kv_heads, dim, dim ** -0.5)
+    assert torch.equal(again[9:84], out[9:84])
+
+
+def test_the_engine_attends_prompts_with_the_kernel_where_it_runs_them(cpu_ops):
+    """The int8 cache and head sizes off the 16-lane grid take SDPA per chunk; PyTorch's operations always do."""
+    assert cpu_ops.prefills(torch.float32, 64, False) == cpu_ops.module.prefill_supported(torch.float32, 64)
+    assert not cpu_ops.prefills(torch.float32, 64, True)
+    assert not cpu_ops.prefills(torch.float32, 24, False)
+    assert not kernels.TorchOps().prefills(torch.float32, 64, False)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_int8_cache_write_and_read_match_pytorchs(cpu_ops, dtype):
     """rope_store_q8 writes the codes and float16 scales kv_cache.quantize gives (one per head and position,

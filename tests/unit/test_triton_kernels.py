@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from services.engine import kernels
-from tests.unit.test_kernels import check_rope_store
+from tests.unit.test_kernels import check_rope_store, reference_prefill
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
@@ -66,21 +66,6 @@ def test_paged_decode_matches_gathered_attention(dtype, heads, kv_heads, dim):
     torch.testing.assert_close(grouped, want, **TOLERANCE[dtype])
     only = REF.paged_decode(q[1:2], k_cache, v_cache, tables[1:2], lens[1:2], *args[2:])
     torch.testing.assert_close(got[1:2], only, **TOLERANCE[dtype])  # rows do not see each other's cache
-
-
-def reference_prefill(q, k_cache, v_cache, pieces, block, heads, kv_heads, dim):
-    """Each piece's rows attend to positions [0, own position], gathered through the block table (float32)."""
-    out = torch.zeros(q.shape[0], heads * dim)
-    for row, pos, n, table in pieces:
-        slots = torch.tensor([table[p // block] * block + p % block for p in range(pos + n)])
-        k = k_cache[:, slots].float().repeat_interleave(heads // kv_heads, 0)  # [heads, P, dim]
-        v = v_cache[:, slots].float().repeat_interleave(heads // kv_heads, 0)
-        qs = q[row:row + n].float().view(n, heads, dim).transpose(0, 1)  # [heads, n, dim]
-        scores = qs @ k.transpose(1, 2) * dim ** -0.5
-        visible = torch.arange(pos + n)[None, :] <= (pos + torch.arange(n))[:, None]
-        scores = scores.masked_fill(~visible, float("-inf"))
-        out[row:row + n] = (scores.softmax(-1) @ v).transpose(0, 1).reshape(n, heads * dim)
-    return out
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

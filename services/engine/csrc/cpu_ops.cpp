@@ -627,6 +627,8 @@ bool q4_packed();
 torch::Tensor q4p_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor m, int64_t n);
 // layer_loop.cpp
 void register_layer_loop(pybind11::module& m);
+// prefill.cpp
+void register_prefill(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm);
@@ -647,4 +649,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_packed", &q4_packed);
   m.def("q4p_linear", &q4p_linear);
   register_layer_loop(m);
+  register_prefill(m);
 }
