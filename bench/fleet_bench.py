@@ -213,6 +213,8 @@ def main() -> int:
     parser.add_argument("--answer-tokens", type=int, default=24)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--policies", default="load,cache,mix")
+    parser.add_argument("--routing", type=json.loads, default={},
+                        help='other Switchboard.routing keys of the 2-engine deployments, e.g. \'{"pullMinTokens": 64}\'')
     parser.add_argument("--prefill-order", default="shortest", choices=["arrival", "shortest"],
                         help="Switchboard.prefillOrder of every engine")
     args = parser.parse_args()
@@ -230,7 +232,7 @@ def main() -> int:
     all_mb = max(16, math.ceil(1.5 * args.conversations * final_tokens * per_token / 2**20))
     print(f"KV per engine: {half_mb} MiB (about half of {args.conversations} conversations of ~{final_tokens} "
           f"tokens at {per_token} B/token); one engine holding everything: {all_mb} MiB", flush=True)
-    deployments = [(f"{args.engines} engines, {policy}", args.engines, half_mb, {"policy": policy})
+    deployments = [(f"{args.engines} engines, {policy}", args.engines, half_mb, {**args.routing, "policy": policy})
                    for policy in args.policies.split(",")]
     deployments.append(("1 engine holding everything", 1, all_mb, {"policy": "load"}))
     runs: dict[str, Run] = {}
@@ -276,7 +278,8 @@ def report(args, runs: dict[str, Run], half_mb: int, all_mb: int) -> None:
              f"Workload: {args.conversations} conversations x {args.turns} turns, Poisson starts at {args.rate:g}/s, "
              f"think time {args.think:g} s mean, document {args.document_words} words, user turns {args.user_words} "
              f"words, answers {args.answer_tokens} tokens; {args.dtype}; KV {half_mb} MiB per engine (about half the "
-             f"conversations), {all_mb} MiB for the one engine holding everything; {args.cores} torch threads shared.",
+             f"conversations), {all_mb} MiB for the one engine holding everything; {args.cores} torch threads shared"
+             f"{'; routing ' + json.dumps(args.routing) if args.routing else ''}.",
              "", "| deployment | prefix hit rate | TTFT mean (turns 2+) | p50 | p90 | tokens/s | requests per engine "
              "(max / mean) | pulls (tokens) |", "|---|---|---|---|---|---|---|---|"]
     for label, run in runs.items():

@@ -26,10 +26,12 @@ class RoutingConfig(msgspec.Struct, rename="camel", kw_only=True, forbid_unknown
     max_load_gap: Annotated[int, Meta(ge=0, le=100000)] = 4
     """an engine with this many more requests (running, waiting, just sent) than the least loaded one gets
     no request for its cache's sake: a shared prefix cannot pile every request onto one engine."""
-    pull_min_tokens: Annotated[int, Meta(ge=0, le=1048576)] = 256
+    pull_min_tokens: Annotated[int, Meta(ge=0, le=1048576)] = 64
     """when the chosen engine lacks at least this many prompt tokens that another engine holds, it pulls
     them from there over the bus (if its measured pull rate beats its prefill rate) instead of computing
-    them; 0 = never pull."""
+    them; 0 = never pull. On CPUs a pull costs ~0.14 ms a token against ~1 ms to compute one on a core, so
+    even a few blocks are worth pulling (bench/fleet_bench.py: 256 left the turns a busy holder passed on
+    with 150-250 history tokens to recompute, a tenth of its mean TTFT)."""
 
 
 class SwitchboardConfig(msgspec.Struct, rename="camel", kw_only=True, forbid_unknown_fields=True):

@@ -3,7 +3,8 @@
 On a CPU, a decoder layer written as PyTorch operations is ~45 small operations, each paying dispatch
 and an OpenMP barrier; at one token per sequence those cost more than the arithmetic. `csrc/cpu_ops.cpp`
 fuses them (RMSNorm, residual + RMSNorm, SiLU * up, rotary embedding + cache write) and attends one new
-token per sequence directly over its paged cache, with no gather. It is compiled for this machine's
+token per sequence directly over its paged cache, with no gather; `csrc/prefill.cpp` does the same for a
+step's prompt pieces. It is compiled for this machine's
 CPU on first use (`switchboard prepare-model` does it ahead of time) into a per-source cache folder;
 when no compiler is at hand the PyTorch versions below run instead, with a warning.
 
