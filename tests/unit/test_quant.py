@@ -26,11 +26,11 @@ def weight(n: int = 72, k: int = 96, seed: int = 0) -> torch.Tensor:
 
 
 def operands(layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` and the dequantized weight as the layer's kernel multiplies them: the activations quantized per
-    block of 32 by the int8 kernel on VNNI (for a width of whole pairs of blocks); rounded to bfloat16 by the
-    int4 kernel on AVX-512 BF16; as they are otherwise."""
-    if isinstance(layer, Q8Linear) and layer.int8_activations and x.shape[-1] % 64 == 0:
-        return KERNELS.q8_activations(x.float()), layer.dequantized()
+    """``x`` and the dequantized weight as the layer's kernel multiplies them: on VNNI the int8 kernel's activations
+    quantized per block of 32 (W8A8, for a width of whole pairs of blocks) or per row to int16 (W8A16, the
+    lm_head); rounded to bfloat16 by the int4 kernel on AVX-512 BF16; as they are otherwise."""
+    if isinstance(layer, Q8Linear) and KERNELS is not None and (x.shape[-1] % 64 == 0 or not layer.int8_activations):
+        return KERNELS.q8_activations(x.float(), layer.int8_activations), layer.dequantized()
     if isinstance(layer, Q4Linear) and layer.kernels is not None:
         return tuple(KERNELS.q4_operands(x, *layer.canonical()))
     return x.float(), layer.dequantized()
@@ -106,10 +106,23 @@ def test_int4_is_gguf_q4_1():
 @pytest.mark.skipif(KERNELS is None or not KERNELS.int8_activations, reason="W8A8 needs AVX-512 VNNI")
 def test_int8_activations_are_quantized_per_block_of_32():
     x = torch.randn(3, 128) * torch.tensor([0.01] * 32 + [10.0] * 32 + [1.0] * 64)  # blocks of very different range
-    got = KERNELS.q8_activations(x)
+    got = KERNELS.q8_activations(x, True)
     blocks = x.reshape(3, 4, 32)
     scale = blocks.abs().amax(-1, keepdim=True) / 127
     assert torch.allclose(got.reshape(3, 4, 32), torch.round(blocks / scale) * scale, rtol=0, atol=1e-6)
+
+
+@pytest.mark.skipif(KERNELS is None or not KERNELS.int8_activations, reason="W8A16 in int16 needs AVX-512 VNNI")
+def test_the_lm_head_takes_its_activations_in_int16_per_row():
+    """Int16 with one scale a row: a row's small values keep ~4 digits next to a large one (int8 per block kept 2)."""
+    x = torch.randn(3, 128) * torch.tensor([0.01] * 32 + [10.0] * 32 + [1.0] * 64)
+    got = KERNELS.q8_activations(x, False)
+    scale = x.abs().amax(-1, keepdim=True) / 32767
+    assert torch.allclose(got, torch.round(x / scale) * scale, rtol=0, atol=1e-6)
+    assert (got - x).abs().max() <= scale.max() / 2 + 1e-7
+    head = Q8Linear.from_float(weight(n=40, k=128), kernels=KERNELS, int8_activations=False)
+    want = x @ head.dequantized().T
+    assert torch.allclose(head(x), want, rtol=0, atol=2e-3), (head(x) - want).abs().max()
 
 
 def test_a_width_that_is_no_whole_number_of_blocks_stays_float():

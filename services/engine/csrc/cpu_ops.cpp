@@ -618,7 +618,7 @@ void lora_apply(torch::Tensor& y, const torch::Tensor& x, const std::vector<torc
 // quant_ops.cpp
 torch::Tensor q8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor s, bool int8_activations);
 bool q8_int8_activations();
-torch::Tensor q8_activations(torch::Tensor x);
+torch::Tensor q8_activations(torch::Tensor x, bool int8_activations);
 torch::Tensor q4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor m);
 std::vector<torch::Tensor> q4_operands(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor m);
 torch::Tensor q8_dequant(torch::Tensor q, torch::Tensor s, torch::ScalarType dtype);
