@@ -214,7 +214,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--policies", default="load,cache,mix")
     parser.add_argument("--routing", type=json.loads, default={},
-                        help='other Switchboard.routing keys of the 2-engine deployments, e.g. \'{"pullMinTokens": 64}\'')
+                        help='other Switchboard.routing keys of the --engines deployments, e.g. \'{"pullMinTokens": 64}\'')
     parser.add_argument("--prefill-order", default="shortest", choices=["arrival", "shortest"],
                         help="Switchboard.prefillOrder of every engine")
     args = parser.parse_args()

@@ -92,7 +92,7 @@ def hit_turns(threads: int) -> list[str]:
     means = {True: [], False: []}
     for rnd in range(4):
         kernel = rnd % 2 == 0
-        runner.paged_prefill = kernel and runner.ops.prefills(runner.dtype, runner.head_dim, runner.kv.quantized)
+        runner.plans_prefill = kernel and runner.ops.prefills(runner.dtype, runner.head_dim, runner.kv.quantized)
         history = [100 + (i * 7 + rnd * 31) % 5000 for i in range(550)]  # a new conversation each round
         request(history)
         turns = []

@@ -86,7 +86,7 @@ class ModelRunner:
             raise RuntimeError(f"KV-cache budget of {budget} bytes holds no block of {self.block_bytes} bytes")
         self.scratch_block = self.num_blocks  # one more block, owned by no sequence: padding rows write there
         self.kv = self._allocate_cache(kv_cache_dtype)
-        self.paged_prefill = self.ops.prefills(self.dtype, self.head_dim, self.kv.quantized)  # else SDPA per chunk
+        self.plans_prefill = self.ops.prefills(self.dtype, self.head_dim, self.kv.quantized)  # else SDPA per chunk
         self.cos = self.sin = torch.empty(0, self.head_dim // 2)
         self._rope_tables(1024)
         self.lora = LoraSet(config, self.device, self.dtype, max_loras, max_lora_rank)
@@ -157,7 +157,6 @@ class ModelRunner:
         sample_rows: list[int] = []
         media: list[tuple[torch.Tensor, torch.Tensor]] = []
         pieces: list[tuple] = []  # prompt pieces for one paged prefill launch (ops that have it)
-        planned = self.paged_prefill
         num_decode = 0
         for item in items:
             seq, start, n = item.seq, item.seq.num_computed, item.num_tokens
@@ -170,7 +169,7 @@ class ModelRunner:
                 num_decode += 1
                 tables.append(seq.block_table[: (start + self.block_size) // self.block_size])
                 lens.append(start + 1)
-            elif planned:
+            elif self.plans_prefill:
                 pieces.append((row, start, n, seq.block_table))
             else:
                 chunks.extend(self._chunks(seq, row, start, n, item.segment))

@@ -65,6 +65,9 @@ inline float softmax_weights(float* s, int64_t len) {
   return _mm512_reduce_add_ps(sum);
 }
 
+// Key tiles covering positions [0, n): an even count (the score loop takes two at a time).
+inline int64_t even_tiles(int64_t n) { return (n + 2 * TILE - 1) / (2 * TILE) * 2; }
+
 // Where position j of a sequence sits in a [Hkv, S, D] cache's head.
 struct Pages {
   const int64_t* table;
@@ -72,15 +75,27 @@ struct Pages {
   int64_t slot(int64_t j) const { return table[j / block_size] * block_size + j % block_size; }
 };
 
+// Positions [0, L) of one KV head's cache rows (`words` 32-bit words each: a float32 number or a pair of
+// bfloat16 ones) as tiles [t][word][16] (lane i: position 16t + i), the last tiles padded with position L - 1.
+void pack_keys(const uint32_t* k, Pages pg, int64_t L, int64_t words, std::vector<uint32_t>& kt) {
+  const int64_t tiles = even_tiles(L);
+  kt.resize(tiles * words * TILE);
+  for (int64_t t = 0; t < tiles; ++t)
+    for (int64_t lane = 0; lane < TILE; ++lane) {
+      const uint32_t* row = k + pg.slot(std::min(t * TILE + lane, L - 1)) * words;
+      uint32_t* dst = kt.data() + t * words * TILE + lane;
+      for (int64_t w = 0; w < words; ++w) dst[w * TILE] = row[w];
+    }
+}
+
 // How a path's numbers meet: a score step multiplies one vector of a key tile (16 positions) by one broadcast
 // piece of the query; a value step multiplies `N` vectors of values (16 dimensions each) by one broadcast piece
 // of the weights. Keys are packed in tiles of 16 positions, padded to an even number of tiles.
 //
-// float32: key tiles [t][d][16], a step one dimension; values read from the cache as they are, a step one
+// float32: a key step one dimension; values read from the cache as they are, a step one
 // position.
 struct F32Path {
   using T = float;
-  using K = float;
   using W = float;
   using Vec = __m512;
   struct Values {
@@ -89,17 +104,8 @@ struct F32Path {
     int64_t D;
   };
   static int64_t key_steps(int64_t D) { return D; }
-  static void pack_keys(const T* k, Pages pg, int64_t L, int64_t D, std::vector<K>& kt) {
-    const int64_t tiles = (L + 2 * TILE - 1) / (2 * TILE) * 2;
-    kt.resize(tiles * D * TILE);
-    for (int64_t t = 0; t < tiles; ++t)
-      for (int64_t lane = 0; lane < TILE; ++lane) {
-        const float* row = k + pg.slot(std::min(t * TILE + lane, L - 1)) * D;
-        float* dst = kt.data() + t * D * TILE + lane;
-        for (int64_t d = 0; d < D; ++d) dst[d * TILE] = row[d];
-      }
-  }
-  static Vec load(const K* p) { return _mm512_loadu_ps(p); }
+  static Vec load(const uint32_t* p) { return _mm512_loadu_ps(reinterpret_cast<const float*>(p)); }
+  static Vec load(const float* p) { return _mm512_loadu_ps(p); }
   static Vec query(const T* q, int64_t step) { return _mm512_set1_ps(q[step]); }
   static __m512 fma(__m512 acc, Vec a, Vec b) { return _mm512_fmadd_ps(a, b, acc); }
   static Values pack_values(const T* v, Pages pg, int64_t, int64_t D, std::vector<uint32_t>&) { return {v, pg, D}; }
@@ -119,13 +125,12 @@ inline uint32_t bf16_bits(float f) {  // round to nearest even
   return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
 }
 
-// bfloat16 by vdpbf16ps: key tiles [t][pair][16], a lane two dimensions' numbers, a step one pair of dimensions;
+// bfloat16 by vdpbf16ps: a key lane holds two dimensions' numbers, a step is one pair of dimensions;
 // values as pairs of positions [pair][c][16] (lane i: v_{2pair}[16c+i] and v_{2pair+1}[16c+i]), a step one pair
 // of positions, whose weights are rounded to bfloat16 (as flash attention on a GPU rounds them before its second
 // product).
 struct Bf16Path {
   using T = c10::BFloat16;
-  using K = uint32_t;
   using W = uint32_t;
   using Vec = __m512bh;
   struct Values {
@@ -133,16 +138,6 @@ struct Bf16Path {
     int64_t blocks;  // D / 16
   };
   static int64_t key_steps(int64_t D) { return D / 2; }
-  static void pack_keys(const T* k, Pages pg, int64_t L, int64_t D, std::vector<K>& kt) {
-    const int64_t tiles = (L + 2 * TILE - 1) / (2 * TILE) * 2, pairs = D / 2;
-    kt.resize(tiles * pairs * TILE);
-    for (int64_t t = 0; t < tiles; ++t)
-      for (int64_t lane = 0; lane < TILE; ++lane) {
-        const uint32_t* row = reinterpret_cast<const uint32_t*>(k + pg.slot(std::min(t * TILE + lane, L - 1)) * D);
-        uint32_t* dst = kt.data() + t * pairs * TILE + lane;
-        for (int64_t p = 0; p < pairs; ++p) dst[p * TILE] = row[p];
-      }
-  }
   static Vec load(const uint32_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
   static Vec query(const T* q, int64_t step) {
     uint32_t pair;
@@ -191,7 +186,7 @@ constexpr int MAX_HEADS = 4;  // query heads of one KV head a row takes at once 
 // A thread's buffers, kept across units.
 template <typename P>
 struct Scratch {
-  std::vector<typename P::K> keys;
+  std::vector<uint32_t> keys;
   std::vector<uint32_t> values;
   std::vector<float> scores;  // [MAX_HEADS][stride]
   std::vector<typename P::W> weights[MAX_HEADS];
@@ -200,13 +195,13 @@ struct Scratch {
 
 // s[h][16t ..] = scale * q_h . k over key tiles [0, tiles) (an even count), two tiles at a time.
 template <typename P, int GC>
-void scores(const typename P::T* const* q, const typename P::K* kt, int64_t tiles, int64_t D, float scale,
+void scores(const typename P::T* const* q, const uint32_t* kt, int64_t tiles, int64_t D, float scale,
             float* const* s) {
   const int64_t steps = P::key_steps(D), size = steps * TILE;
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int64_t t = 0; t < tiles; t += 2) {
-    const typename P::K* a = kt + t * size;
-    const typename P::K* b = a + size;
+    const uint32_t* a = kt + t * size;
+    const uint32_t* b = a + size;
     __m512 acc[2][GC];
     for (int h = 0; h < GC; ++h) acc[0][h] = acc[1][h] = _mm512_setzero_ps();
     for (int64_t p = 0; p < steps; ++p) {
@@ -246,9 +241,9 @@ void weigh(const typename P::Values& vals, const typename P::W* const* w, int64_
 
 // GC query heads of one row (one KV head's): their outputs over positions [0, len).
 template <typename P, int GC>
-void attend_heads(const typename P::T* const* q, const typename P::K* kt, const typename P::Values& vals,
+void attend_heads(const typename P::T* const* q, const uint32_t* kt, const typename P::Values& vals,
                   int64_t len, int64_t D, float scale, Scratch<P>& s, typename P::T* const* out) {
-  const int64_t tiles = (len + 2 * TILE - 1) / (2 * TILE) * 2;
+  const int64_t tiles = even_tiles(len);
   float* rows[GC];
   const typename P::W* w[GC];
   float inv[GC];
@@ -286,14 +281,14 @@ void prefill(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::
   const int64_t* tb = tables.data_ptr<int64_t>();
   at::parallel_for(0, static_cast<int64_t>(units.size() / 3), 1, [&](int64_t begin, int64_t end) {
     Scratch<P> s;
-    s.stride = (in_max + 2 * TILE - 1) / (2 * TILE) * 2 * TILE;
+    s.stride = even_tiles(in_max) * TILE;
     s.scores.resize(MAX_HEADS * s.stride);
     for (int64_t u = begin; u < end; ++u) {
       const int64_t c = units[3 * u], kh = units[3 * u + 1], r0 = units[3 * u + 2];
       const int64_t row0 = in[3 * c], pos0 = in[3 * c + 1], rows = std::min(ROWS, in[3 * c + 2] - r0);
       const Pages pg{tb + c * width, block_size};
       const int64_t L = pos0 + r0 + rows;  // positions the unit's last row sees
-      P::pack_keys(K + kh * S * D, pg, L, D, s.keys);
+      pack_keys(reinterpret_cast<const uint32_t*>(K + kh * S * D), pg, L, P::key_steps(D), s.keys);
       const typename P::Values vals = P::pack_values(V + kh * S * D, pg, L, D, s.values);
       for (int64_t r = r0; r < r0 + rows; ++r)
         for (int64_t g = 0; g < G; g += MAX_HEADS) {
