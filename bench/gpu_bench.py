@@ -14,7 +14,9 @@ Run on a machine with an NVIDIA GPU (see ../shared/reference/gpu-machine.md for 
    25-45 tokens) at each concurrency level: output tokens/s and TTFT p50.
 4. HF ``generate`` with ``cache_implementation="static"`` (transformers compiles the decode step into
    CUDA graphs) on the same weights, at batch 1 (and ``--hf-batches``): tokens/s after a warm-up.
-5. The engine's step in process (no NATS, no HTTP) on the 8B shape at 1, 16 and 64 decode rows: step
+5. With ``--quantizations int4,fp8``: the 8B shape served again in each weight format
+   (``Switchboard.quantization``), with its tokens/s against bfloat16's at the same concurrency.
+6. The engine's step in process (no NATS, no HTTP) on the 8B shape at 1, 16 and 64 decode rows: step
    time, kernel launches from Python per step, and the GPU's busy fraction (kernel time / step time).
 
 Prints the table with ratios and writes every number to ``--out`` (JSON).
@@ -121,7 +123,7 @@ def make_prompts(n: int, seed: int) -> list[str]:
 # ---- Switchboard over HTTP -------------------------------------------------------------------
 
 
-def write_config(folder: Path, model: Path, max_batch: int) -> tuple[Path, str]:
+def write_config(folder: Path, model: Path, max_batch: int, quantization: str = "none") -> tuple[Path, str]:
     cfg = json.loads((ROOT / "config" / "config.json").read_text())
     srv = cfg["ServerConfig"]
     srv["port"], srv["managementPort"], srv["metricsPort"] = (free_port() for _ in range(3))
@@ -132,7 +134,7 @@ def write_config(folder: Path, model: Path, max_batch: int) -> tuple[Path, str]:
     sched = cfg["BackendConfig"]["ScheduleConfig"]
     sched["maxBatchSize"], sched["maxPrefillBatchSize"] = max_batch, max_batch
     sched["maxQueueDelayMicroseconds"] = 500
-    cfg.setdefault("Switchboard", {}).update({"device": "cuda", "dtype": "bfloat16"})
+    cfg.setdefault("Switchboard", {}).update({"device": "cuda", "dtype": "bfloat16", "quantization": quantization})
     path = folder / "config.json"
     path.write_text(json.dumps(cfg, indent=2))
     return path, f"http://127.0.0.1:{srv['port']}"
@@ -143,23 +145,25 @@ def completion_body(prompt: str, tokens: int) -> dict:
             "ignore_eos": True}
 
 
-def bench_stack(shape: str, model: Path, levels: list[int], tokens: int, log_dir: Path) -> list[dict]:
-    """``switchboard serve`` on cuda; per level: 2 x level requests (at least 4), closed loop."""
+def bench_stack(shape: str, model: Path, levels: list[int], tokens: int, log_dir: Path,
+                quantization: str = "none") -> list[dict]:
+    """``switchboard serve`` on cuda (``quantization``: its weight format); per level: 2 x level requests (at
+    least 4), closed loop."""
     api = Api("/v1/completions", completion_body, openai_tokens)
-    results = []
+    results, name = [], shape if quantization == "none" else f"{shape} {quantization}"
     with tempfile.TemporaryDirectory(prefix="sb-gpu-") as tmp:
-        config, url = write_config(Path(tmp), model, max(levels))
-        log = log_dir / f"switchboard-{shape}.log"
+        config, url = write_config(Path(tmp), model, max(levels), quantization)
+        log = log_dir / f"switchboard-{name.replace(' ', '-')}.log"
         cmd = [sys.executable, "-m", "switchboard.cli", "serve", "--config", str(config)]
-        with server(f"switchboard {shape}", cmd, log, lambda: SWITCHBOARD_READY in log_tail(log, 200), cwd=ROOT,
+        with server(f"switchboard {name}", cmd, log, lambda: SWITCHBOARD_READY in log_tail(log, 200), cwd=ROOT,
                     env={"PYTHONPATH": os.environ.get("PYTHONPATH", "") + os.pathsep + str(ROOT)}, start_timeout=400):
             asyncio.run(run_batch(url, api, make_prompts(max(levels), 99), 16, max(levels)))  # warm-up
             for level in levels:
                 wall, samples = asyncio.run(run_batch(url, api, make_prompts(max(4, 2 * level), level), tokens, level))
                 run = Run(f"switchboard {shape}", level, wall, samples)
-                results.append({"shape": shape, "concurrency": level, "tok_s": run.tok_s, "ttft_p50_s": run.ttft(50),
-                                "tokens": run.tokens, "ttfts_s": [s.ttft for s in samples]})
-                print(f"[switchboard {shape}] c{level}: {run.tok_s:.1f} tok/s, TTFT p50 {run.ttft(50) * 1000:.0f} ms "
+                results.append({"shape": shape, "quantization": quantization, "concurrency": level, "tok_s": run.tok_s,
+                                "ttft_p50_s": run.ttft(50), "tokens": run.tokens, "ttfts_s": [s.ttft for s in samples]})
+                print(f"[switchboard {name}] c{level}: {run.tok_s:.1f} tok/s, TTFT p50 {run.ttft(50) * 1000:.0f} ms "
                       f"(each: {' '.join(f'{s.ttft * 1000:.0f}' for s in samples[:16])})", flush=True)
     return results
 
@@ -206,14 +210,19 @@ def report(figures: dict, sizes: dict, stack: list[dict], hf: list[dict], steps:
         lines.append(f"{shape}: {size / 1e9:.2f} GB of weights; bandwidth roofline {roof:.0f} tok/s at 1 row, "
                      f"{16 * roof:.0f} at 16, {64 * roof:.0f} at 64")
     hf_by_batch = {r["batch"]: r["tok_s"] for r in hf}
-    lines.append("| shape | concurrency | Switchboard tok/s | TTFT p50 | HF static tok/s | ratio | of roofline |")
-    lines.append("|---|---:|---:|---:|---:|---:|---:|")
+    plain = {(r["shape"], r["concurrency"]): r["tok_s"] for r in stack if r["quantization"] == "none"}
+    lines.append("| shape | weights | concurrency | Switchboard tok/s | vs bf16 | TTFT p50 | HF static tok/s | ratio | "
+                 "of bf16 roofline |")
+    lines.append("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in stack:
-        theirs = hf_by_batch.get(r["concurrency"]) if r["shape"] == "8b" else None
+        theirs = hf_by_batch.get(r["concurrency"]) if r["shape"] == "8b" and r["quantization"] == "none" else None
         roof = figures["bandwidth_gb_s"] * 1e9 / sizes[r["shape"]] * r["concurrency"]
         hf_cell, ratio = (f"{theirs:.1f}", f"{r['tok_s'] / theirs:.2f}x") if theirs else ("-", "-")
-        lines.append(f"| {r['shape']} | {r['concurrency']} | {r['tok_s']:.1f} | {r['ttft_p50_s'] * 1000:.0f} ms | "
-                     f"{hf_cell} | {ratio} | {100 * r['tok_s'] / roof:.0f}% |")
+        base = plain.get((r["shape"], r["concurrency"]))
+        vs = f"{r['tok_s'] / base:.2f}x" if base else "-"
+        weights = "bfloat16" if r["quantization"] == "none" else r["quantization"]
+        lines.append(f"| {r['shape']} | {weights} | {r['concurrency']} | {r['tok_s']:.1f} | {vs} | "
+                     f"{r['ttft_p50_s'] * 1000:.0f} ms | {hf_cell} | {ratio} | {100 * r['tok_s'] / roof:.0f}% |")
     lines.append("| rows | mode | step ms | launches per step | GPU busy |")
     lines.append("|---:|---|---:|---:|---:|")
     for s in steps:
@@ -229,6 +238,9 @@ def parse_args(argv):
     p.add_argument("--shapes", default="8b,135m")
     p.add_argument("--levels", default="1,16,64", help="concurrency levels for the 8B shape")
     p.add_argument("--small-levels", default="1", help="concurrency levels for the 135M shape")
+    p.add_argument("--quantizations", default="", help="also serve the 8B shape in these weight formats "
+                   "(Switchboard.quantization on cuda: int4,fp8), each at --quant-levels")
+    p.add_argument("--quant-levels", default="1,16", help="concurrency levels for --quantizations")
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--hf-batches", default="1", help="HF static batches ('' = skip; 16 compiles for ~2 min)")
     p.add_argument("--step-rows", default="1,16,64", help="in-process step profile ('' = skip)")
@@ -266,6 +278,9 @@ def main(argv=None) -> int:
     for shape in models:
         levels = ints(args.levels if shape == "8b" else args.small_levels)
         stack += attempt(f"switchboard {shape}", bench_stack, shape, models[shape], levels, args.tokens, args.work)
+    for fmt in filter(None, args.quantizations.split(",")):
+        stack += attempt(f"switchboard {big} {fmt}", bench_stack, big, models[big], ints(args.quant_levels),
+                         args.tokens, args.work, fmt)
     if args.hf_batches:
         hf = attempt("HF static", bench_hf_static, models[big], ints(args.hf_batches), args.tokens)
     if args.step_rows:

@@ -264,7 +264,7 @@ class EngineInfo(msgspec.Struct, omit_defaults=True):
     modalities: list[str] = []  # media kinds the model takes besides text (image, video, audio); [] = text-only
     role: str = "both"  # prefill/decode disaggregation: both | prefill | decode
     device_index: int = -1  # the logical device it runs on (Switchboard.deviceIndex); -1 = none
-    quantization: str = "none"  # its linear layers' weight format: none (dtype's) | int8 | int4 | gguf | awq | gptq
+    quantization: str = "none"  # its linear layers' weight format: none (dtype's) | int8 | int4 | fp8 | gguf | awq | gptq
     kv_dtype: str = ""  # its KV cache's element type; "" = dtype's
     block_size: int = 0  # its KV blocks' tokens (the prefix keys' unit)
     pid: int = 0  # its process (operators, fault tests)

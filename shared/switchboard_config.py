@@ -43,14 +43,17 @@ class SwitchboardConfig(msgspec.Struct, rename="camel", kw_only=True, forbid_unk
     device: Literal["cpu", "cuda", "npu", "auto"] = "cpu"
     """torch device of the engine; npu imports torch_npu only when chosen."""
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "float32"
-    quantization: Literal["none", "int8", "int4", "gguf"] = "none"
-    """the linear layers' weights, quantized at load from the model folder's float weights (cpu only):
+    quantization: Literal["none", "int8", "int4", "gguf", "fp8"] = "none"
+    """the linear layers' weights, quantized at load from the model folder's float weights. On cpu:
     ``int8`` with a scale per output channel (half of bfloat16's bytes; W8A8 on CPUs with AVX-512 VNNI),
     ``int4`` in blocks of 32 with a scale and an offset (GGUF's Q4_1 layout, about a third); the lm_head is
     int8 in all of them, the embeddings stay float. ``gguf`` takes the layers from the model folder's one
     ``*.gguf`` file as it stores them (Q4_0, Q4_1 exactly; other types converted to int4 or int8; the default
     model's folder holds its own Q4_1 file). ``none`` keeps ``dtype``'s weights, or an AWQ / GPTQ folder's
-    own packed 4-bit layers (services/engine/prequantized.py)."""
+    own packed 4-bit layers (services/engine/prequantized.py). On cuda: ``int4`` (the same blocks, on PyTorch's
+    tensor-core int4 kernel, sm80+) and ``fp8`` (float8 e4m3 weights with a scale per output channel, each
+    row of activations quantized on the fly; sm89+), the lm_head in the model's dtype
+    (services/engine/quant_cuda.py)."""
     kv_cache_dtype: Literal["auto", "int8"] = "auto"
     """the KV cache's element type: ``auto`` = ``dtype``'s; ``int8`` (cpu only) stores each head's K and V of a
     position as int8 codes with one float16 scale, so ``kvCacheMemoryMb`` holds about twice the tokens of a

@@ -53,5 +53,6 @@ def kv_budget_bytes(device: Device, cpu_budget_mb: int, npu_mem_size_gb: int) ->
     if npu_mem_size_gb > 0:
         return npu_mem_size_gb * 1024**3
     module = torch.cuda if device.kind == "cuda" else getattr(torch, "npu")
+    module.empty_cache()  # what the load freed (float weights replaced by quantized ones) counts as free
     free, _total = module.mem_get_info()
     return int(free * 0.8)

@@ -18,7 +18,7 @@ from typing import Callable, Protocol
 import torch
 from torch import nn
 
-from services.engine import quant
+from services.engine import quant, quant_cuda
 
 log = logging.getLogger("switchboard.engine")
 
@@ -90,9 +90,11 @@ class LayerSource(Protocol):
 
 
 def layer_linears(layer: nn.Module, pack: bool, batch_hint: int, quantization: str = "none",
-                  kernels=None, source: LayerSource | None = None, index: int = 0) -> LayerLinears:
+                  kernels=None, source: LayerSource | None = None, index: int = 0,
+                  gpu_formats: bool = False) -> LayerLinears:
     """Merge a transformers decoder layer's projections (and drop the originals to free memory); then pack
-    them for oneDNN, or quantize them (``quant.py``), or take them from ``source`` (with the float model's biases)."""
+    them for oneDNN, or quantize them (``quant.py``; ``quant_cuda.py`` with ``gpu_formats``), or take them
+    from ``source`` (with the float model's biases)."""
     attn, mlp = layer.self_attn, layer.mlp
     q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
     sizes, intermediate = (q.out_features, k.out_features, v.out_features), mlp.gate_proj.out_features
@@ -111,7 +113,9 @@ def layer_linears(layer: nn.Module, pack: bool, batch_hint: int, quantization: s
         for name in names:
             delattr(module, name)
     for name in ("qkv", "o", "gate_up", "down"):
-        if quantization != "none":
+        if quantization != "none" and gpu_formats:
+            setattr(out, name, quant_cuda.quantize(getattr(out, name), quantization))
+        elif quantization != "none":
             setattr(out, name, quant.quantize(getattr(out, name), quantization, kernels))
         elif pack and source is None:
             setattr(out, name, PackedLinear(getattr(out, name), batch_hint))
@@ -139,15 +143,18 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def build(model: nn.Module, device: torch.device, dtype: torch.dtype, batch_hint: int, quantization: str = "none",
-          kernels=None, source: LayerSource | None = None) -> list[LayerLinears]:
+          kernels=None, source: LayerSource | None = None, gpu_formats: bool | None = None) -> list[LayerLinears]:
     """Every layer's merged projections; on cpu (float32, bfloat16) these and the lm_head are packed, or with
     ``quantization`` (int8, int4) quantized, or (gguf, awq, gptq) taken from ``source``: the layers in its
     format, the lm_head in int8 (the logits are where 4 bits cost the most quality). ``kernels``: the CPU
-    kernels the quantized layers run on."""
+    kernels the quantized layers run on. On a GPU (``gpu_formats``, by default off the cpu) the layers are
+    quantized on PyTorch's kernels (``quant_cuda.py``: int4, fp8) and the lm_head keeps the model's dtype."""
+    gpu_formats = device.type != "cpu" if gpu_formats is None else gpu_formats
     pack = can_pack(device, dtype) and quantization == "none"
     own = quantization if source is None else "none"
-    layers = [layer_linears(layer, pack, batch_hint, own, kernels, source, i) for i, layer in enumerate(model.model.layers)]
-    if quantization != "none":
+    layers = [layer_linears(layer, pack, batch_hint, own, kernels, source, i, gpu_formats)
+              for i, layer in enumerate(model.model.layers)]
+    if quantization != "none" and not gpu_formats:
         model.lm_head = quant.quantize_head(model.lm_head, kernels)
     elif pack:
         model.lm_head = PackedLinear(model.lm_head, batch_hint)

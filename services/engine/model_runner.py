@@ -29,7 +29,7 @@ from services.engine import gguf_weights, kernels, layer_loop, linears
 from services.engine.batch import Batch, Chunk
 from services.engine.devices import Device
 from services.engine.gguf_weights import GgufLinears
-from services.engine import step_graphs
+from services.engine import quant_cuda, step_graphs
 from services.engine.graphs import DecodeGraphs, GraphPlan, reserve_bytes
 from services.engine.kv_cache import KvCache, token_bytes
 from services.engine.lora import GroupStack, LoraSet
@@ -39,6 +39,20 @@ from services.engine.scheduler import Scheduled
 
 log = logging.getLogger("switchboard.engine")
 
+def check_format(quantization: str, device: torch.device) -> None:
+    """Refuse a weight format the device has no kernel for, naming the key and what it takes there."""
+    if quantization == "none":
+        return
+    if device.type == "cpu":
+        if quantization == "fp8":
+            raise ValueError(f"Switchboard.quantization {quantization!r} runs on cuda only (a GPU of compute "
+                             f"capability 8.9 or newer); on cpu: int8, int4 or gguf")
+        return
+    why = quant_cuda.unsupported(quantization, device)
+    if why is not None:
+        raise ValueError(f"Switchboard.quantization {quantization!r} {why}")
+
+
 class ModelRunner:
     def __init__(self, path: str, device: Device, block_size: int, kv_budget_bytes, max_blocks: int,
                  batch_hint: int = 16, cpu_kernels: bool = True, max_loras: int = 0, max_lora_rank: int = 64,
@@ -46,7 +60,7 @@ class ModelRunner:
         """``kv_budget_bytes``: bytes, or a function giving them once the model is loaded (an
         accelerator's free memory); ``graphs``: run pure-decode steps from static buffers (as CUDA
         graphs when ``graphs.capture``), their memory set aside before the KV cache is sized;
-        ``quantization``: the linear layers' weight format (``quant.py``; cpu only); ``kv_cache_dtype``: "auto"
+        ``quantization``: the linear layers' weight format (``quant.py`` on cpu, ``quant_cuda.py`` on cuda); ``kv_cache_dtype``: "auto"
         (the model's dtype) or "int8" (``kv_cache.py``; cpu only)."""
         self.path = path  # the model folder (its tokenizer builds structured output's grammars)
         self.device = device.torch_device
@@ -59,9 +73,7 @@ class ModelRunner:
                 raise ValueError(f"Switchboard.quantization {quantization!r}: the model folder's weights are already "
                                  f"{checkpoint['quant_method'].upper()}; leave it \"none\"")
             quantization = str(checkpoint["quant_method"]).lower()
-        if quantization != "none" and device.torch_device.type != "cpu":
-            raise ValueError(f"Switchboard.quantization {quantization!r} runs on cpu only; the engine's device "
-                             f"is {device.torch_device.type}")
+        check_format(quantization, device.torch_device)
         self.model, self.encoder, source = load_model(path, self.device, self.dtype, checkpoint, quant_kernels)
         self.config = config = self.model.config
         if quantization == "gguf":

@@ -1,5 +1,5 @@
 """The engine on cuda: greedy tokens equal HF ``generate``; graph replay equals the eager step; the Triton
-kernels equal the PyTorch operations; prompt logprobs work. Skipped without a CUDA device (CI has none):
+kernels equal the PyTorch operations; prompt logprobs work; int4 and fp8 weights give the dequantized model's tokens. Skipped without a CUDA device (CI has none):
 run on a GPU machine with ``SWITCHBOARD_GPU_TOKENIZER`` naming a folder with SmolLM2's config.json and
 tokenizer files (a random-weight model of its shape is built from them):
 
@@ -37,13 +37,14 @@ def model_dir(tmp_path_factory) -> Path:
     return out
 
 
-def runner(model_dir, dtype=torch.float32, graphs=True):
+def runner(model_dir, dtype=torch.float32, graphs=True, quantization="none"):
     from services.engine.devices import Device
     from services.engine.graphs import GraphPlan
     from services.engine.model_runner import ModelRunner
 
     return ModelRunner(str(model_dir), Device("cuda", dtype), block_size=BLOCK, kv_budget_bytes=1 << 30,
-                       max_blocks=2048, graphs=GraphPlan(16, 1024, max_tokens=64) if graphs else None)
+                       max_blocks=2048, graphs=GraphPlan(16, 1024, max_tokens=64) if graphs else None,
+                       quantization=quantization)
 
 
 def generate(r, reqs, mix=True):
@@ -201,3 +202,57 @@ def test_the_host_tier_brings_evicted_prefixes_back_with_the_same_tokens(model_d
         results.append((tokens, engine.blocks.prefix_hit_tokens))
     (plain, plain_hits), (tiered, tiered_hits) = results
     assert tiered == plain and plain_hits == 0 and tiered_hits == 3 * BLOCK
+
+
+class Dequantized(torch.nn.Module):
+    """A GPU-format layer's reference: its dequantized weight in float32 times the activations it multiplies
+    (fp8: each row rounded to e4m3 with its scale, as the layer does)."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer, self.weight = layer, layer.dequantized(torch.float32)
+        self.in_features, self.out_features = layer.in_features, layer.out_features
+
+    def forward(self, x):
+        from services.engine.quant_cuda import Fp8Linear, quantize_rows
+
+        a = x.float()
+        if isinstance(self.layer, Fp8Linear):
+            q, scale = quantize_rows(x)
+            a = q.float() * scale
+        return (a @ self.weight.T).to(x.dtype)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "fp8"])
+def test_quantized_weights_give_the_dequantized_models_tokens_on_cuda(model_dir, fmt):
+    """``Switchboard.quantization`` on cuda (``quant_cuda.py``): every projection in the format, decode and step
+    graphs replayed, the lm_head bfloat16; greedy tokens equal the same runner's with each projection replaced
+    by its dequantized float32 product, run eagerly, up to the first near tie; the layers hold the format's bytes."""
+    from services.engine.quant_cuda import Fp8Linear, Int4Linear
+
+    if fmt == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs compute capability 8.9")
+    quantized = runner(model_dir, torch.bfloat16, quantization=fmt)
+    reference = runner(model_dir, torch.bfloat16, graphs=False, quantization=fmt)
+    cls = Int4Linear if fmt == "int4" else Fp8Linear
+    names = ("qkv", "o", "gate_up", "down")
+    assert all(isinstance(getattr(lin, name), cls) for lin in quantized.linears for name in names)
+    assert type(quantized.model.lm_head) is torch.nn.Linear
+    weights = sum(getattr(lin, name).nbytes for lin in quantized.linears for name in names)
+    params = sum(getattr(lin, name).in_features * getattr(lin, name).out_features
+                 for lin in quantized.linears for name in names)
+    assert weights <= params * (0.63 if fmt == "int4" else 1.01)
+    for mine, theirs in zip(quantized.linears, reference.linears):
+        for name in names:
+            setattr(theirs, name, Dequantized(getattr(mine, name)))
+    def reqs():
+        return [request("a", prompt(7), max_new_tokens=24, ignore_eos=True),
+                request("b", prompt(40, 900), max_new_tokens=24, ignore_eos=True),
+                request("c", prompt(90, 50), max_new_tokens=12, ignore_eos=True)]
+
+    ours, _ = generate(quantized, reqs())
+    theirs, _ = generate(reference, reqs())
+    assert quantized.graphs.replays > 10
+    for rid in theirs:
+        n = next((i for i, (a, b) in enumerate(zip(ours[rid], theirs[rid])) if a != b), None)
+        assert n is None or n >= 5, (rid, ours[rid], theirs[rid])
