@@ -91,10 +91,10 @@ class LayerSource(Protocol):
 
 def layer_linears(layer: nn.Module, pack: bool, batch_hint: int, quantization: str = "none",
                   kernels=None, source: LayerSource | None = None, index: int = 0,
-                  gpu_formats: bool = False) -> LayerLinears:
+                  gpu: torch.device | None = None, dtype: torch.dtype = torch.float32) -> LayerLinears:
     """Merge a transformers decoder layer's projections (and drop the originals to free memory); then pack
-    them for oneDNN, or quantize them (``quant.py``; ``quant_cuda.py`` with ``gpu_formats``), or take them
-    from ``source`` (with the float model's biases)."""
+    them for oneDNN, or quantize them (``quant.py``; on a GPU, ``gpu``, ``quant_cuda.py``), or take them
+    from ``source`` (with the float model's biases; on a GPU in its formats there, ``dtype`` where it has none)."""
     attn, mlp = layer.self_attn, layer.mlp
     q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
     sizes, intermediate = (q.out_features, k.out_features, v.out_features), mlp.gate_proj.out_features
@@ -104,6 +104,8 @@ def layer_linears(layer: nn.Module, pack: bool, batch_hint: int, quantization: s
         for name, keys in GROUPS.items():
             if mods[name].bias is None:
                 mods[name].bias = merged_bias([parts[key] for key in keys])
+            if gpu is not None:
+                mods[name] = quant_cuda.place(mods[name], gpu, dtype)
         out = LayerLinears(mods["qkv"], mods["o"], mods["gate_up"], mods["down"], mlp.act_fn, sizes, intermediate)
         quantization = "none"  # already in their format
     else:
@@ -113,7 +115,7 @@ def layer_linears(layer: nn.Module, pack: bool, batch_hint: int, quantization: s
         for name in names:
             delattr(module, name)
     for name in ("qkv", "o", "gate_up", "down"):
-        if quantization != "none" and gpu_formats:
+        if quantization != "none" and gpu is not None:
             setattr(out, name, quant_cuda.quantize(getattr(out, name), quantization))
         elif quantization != "none":
             setattr(out, name, quant.quantize(getattr(out, name), quantization, kernels))
@@ -152,7 +154,8 @@ def build(model: nn.Module, device: torch.device, dtype: torch.dtype, batch_hint
     gpu_formats = device.type != "cpu" if gpu_formats is None else gpu_formats
     pack = can_pack(device, dtype) and quantization == "none"
     own = quantization if source is None else "none"
-    layers = [layer_linears(layer, pack, batch_hint, own, kernels, source, i, gpu_formats)
+    gpu = device if gpu_formats else None
+    layers = [layer_linears(layer, pack, batch_hint, own, kernels, source, i, gpu, dtype)
               for i, layer in enumerate(model.model.layers)]
     if quantization != "none" and not gpu_formats:
         model.lm_head = quant.quantize_head(model.lm_head, kernels)

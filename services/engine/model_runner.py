@@ -50,7 +50,9 @@ def check_format(quantization: str, device: torch.device) -> None:
         return
     why = quant_cuda.unsupported(quantization, device)
     if why is not None:
-        raise ValueError(f"Switchboard.quantization {quantization!r} {why}")
+        what = (f"the model folder's {quantization.upper()} checkpoint" if quantization in quant_cuda.CHECKPOINTS
+                else f"Switchboard.quantization {quantization!r}")
+        raise ValueError(f"{what} {why}")
 
 
 class ModelRunner:
@@ -81,6 +83,8 @@ class ModelRunner:
             source = GgufLinears(gguf_weights.find(Path(path)), heads,
                                  getattr(config, "num_key_value_heads", None) or heads, quant_kernels)
         self.linears = linears.build(self.model, self.device, self.dtype, batch_hint, quantization, quant_kernels, source)
+        if checkpoint is not None:  # its skeleton was read on the host, its packed projections now replaced
+            self.model.to(self.device)
         self.quantization = quantization
         self.block_size = block_size
         self.num_heads = config.num_attention_heads

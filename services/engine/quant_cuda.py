@@ -23,16 +23,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from services.engine.quant import BLOCK, Q4Linear, unpack4
+from services.engine.quant import BLOCK, Q4Linear, QuantLinear, unpack4
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest finite value
-FORMATS = ("int4", "fp8")
+FORMATS = ("int4", "fp8")  # Switchboard.quantization's values on cuda
+CHECKPOINTS = ("awq", "gptq")  # folders already quantized (prequantized.py), loaded as int4
 
 
 def unsupported(fmt: str, device: torch.device) -> str | None:
     """Why ``fmt`` cannot run on ``device`` (a GPU), or None when it can."""
-    if fmt not in FORMATS:
+    if fmt not in FORMATS + CHECKPOINTS:
         return f"runs on cpu only; on {device.type}: {' or '.join(FORMATS)}"
     if device.type != "cuda":
         return f"runs on cpu and cuda; the engine's device is {device.type}"
@@ -160,3 +161,15 @@ def quantize(linear: nn.Module, fmt: str) -> nn.Module:
     if not cls.fits(linear.out_features, linear.in_features, linear.weight.device):
         return linear
     return cls.from_float(linear.weight, linear.bias)
+
+
+def place(layer: QuantLinear, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """A checkpoint's layer (``prequantized.py``: int4 blocks, or int8 where GPTQ's act-order groups cross
+    blocks) on the GPU: the int4 kernel's layout where its shape fits, else its dequantized weight in ``dtype``."""
+    if isinstance(layer, Q4Linear) and Int4Linear.fits(layer.out_features, layer.in_features, device):
+        return Int4Linear.from_q4(layer, device)
+    dense = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device=device, dtype=dtype)
+    dense.weight.data = layer.dequantized(dtype).to(device)
+    if layer.bias is not None:
+        dense.bias.data = layer.bias.to(device, dtype)
+    return dense.requires_grad_(False)

@@ -90,6 +90,28 @@ def test_a_models_layers_in_the_gpu_formats_keep_its_products(tiny_model_dir, fm
     assert (got - want).abs().max() < 0.1 * want.abs().max()
 
 
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_a_checkpoints_layers_go_to_the_int4_kernels_layout_as_stored(tiny_model_dir, tmp_path, method):
+    """An AWQ or GPTQ folder on a GPU: its packed projections become the int4 kernel's layers holding the
+    checkpoint's numbers (the lm_head keeps the model's dtype); the rest of the model follows to the device."""
+    from services.engine.model_loading import load_model, prequantized_config
+    from tests.unit.test_prequantized import write_checkpoint
+
+    expected = write_checkpoint(tiny_model_dir, tmp_path / "model", method)
+    folder = str(tmp_path / "model")
+    model, _, source = load_model(folder, torch.device("cpu"), torch.float32, prequantized_config(folder))
+    layers = linears.build(model, torch.device("cpu"), torch.float32, 16, method, source=source, gpu_formats=True)
+    assert type(model.lm_head) is torch.nn.Linear and not any(p.is_meta for p in model.parameters())
+    for index, layer in enumerate(layers):
+        for name, keys in (("qkv", ("q", "k", "v")), ("o", ("o",)), ("gate_up", ("gate", "up")), ("down", ("down",))):
+            module = getattr(layer, name)
+            assert isinstance(module, Int4Linear)
+            want = torch.cat([expected[index, key] for key in keys])
+            x = torch.randn(3, want.shape[1], dtype=torch.bfloat16)
+            ref = x.float() @ want.T
+            assert (module(x).float() - ref).abs().max() < 0.01 * ref.abs().max() + 1e-3
+
+
 def test_the_formats_are_refused_where_they_have_no_kernel():
     with pytest.raises(ValueError, match="'fp8' runs on cuda only"):
         check_format("fp8", torch.device("cpu"))
@@ -99,5 +121,7 @@ def test_the_formats_are_refused_where_they_have_no_kernel():
         check_format("gguf", torch.device("cuda"))
     with pytest.raises(ValueError, match="'int4' runs on cpu and cuda; the engine's device is xpu"):
         check_format("int4", torch.device("xpu"))  # torch_npu names its devices npu; this torch has none
-    for fmt in ("none", "int8", "int4", "gguf"):
+    with pytest.raises(ValueError, match="the model folder's AWQ checkpoint runs on cpu and cuda; the engine's device is xpu"):
+        check_format("awq", torch.device("xpu"))
+    for fmt in ("none", "int8", "int4", "gguf", "awq", "gptq"):
         check_format(fmt, torch.device("cpu"))
