@@ -33,6 +33,9 @@ SOURCES = [Path(__file__).with_name("csrc") / name for name in ("cpu_ops.cpp", "
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
+FP8_MAX, FP8_TINY = 448.0, 1e-12  # e4m3's largest finite value; the smallest |x| a row's scale is taken from
+
+
 class TorchOps:
     """Reference implementations: what the C++ kernels compute, in PyTorch operations."""
 
@@ -58,6 +61,14 @@ class TorchOps:
     def silu_mul(x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    @staticmethod
+    def fp8_rows(rows: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row of ``rows`` [M, K] divided by its own scale (max |x| / 448, e4m3's largest value; an all-zero
+        row gets a tiny one), in ``out``'s dtype (by default float8 e4m3), and the scales [M, 1] float32."""
+        scale = rows.abs().amax(dim=1, keepdim=True).float().clamp(min=FP8_TINY) / FP8_MAX
+        q = rows.float() / scale
+        return (q.to(torch.float8_e4m3fn) if out is None else out.copy_(q)), scale
 
     @staticmethod
     def rotate(qkv, cos, sin, positions, num_heads, num_kv_heads, head_dim) -> torch.Tensor:

@@ -91,10 +91,11 @@ class LayerSource(Protocol):
 
 def layer_linears(layer: nn.Module, pack: bool, batch_hint: int, quantization: str = "none",
                   kernels=None, source: LayerSource | None = None, index: int = 0,
-                  gpu: torch.device | None = None, dtype: torch.dtype = torch.float32) -> LayerLinears:
+                  gpu: torch.device | None = None, dtype: torch.dtype = torch.float32, ops=None) -> LayerLinears:
     """Merge a transformers decoder layer's projections (and drop the originals to free memory); then pack
     them for oneDNN, or quantize them (``quant.py``; on a GPU, ``gpu``, ``quant_cuda.py``), or take them
-    from ``source`` (with the float model's biases; on a GPU in its formats there, ``dtype`` where it has none)."""
+    from ``source`` (with the float model's biases; on a GPU in its formats there, ``dtype`` where it has none).
+    ``ops``: the device's small operations, which the GPU formats use."""
     attn, mlp = layer.self_attn, layer.mlp
     q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
     sizes, intermediate = (q.out_features, k.out_features, v.out_features), mlp.gate_proj.out_features
@@ -116,7 +117,7 @@ def layer_linears(layer: nn.Module, pack: bool, batch_hint: int, quantization: s
             delattr(module, name)
     for name in ("qkv", "o", "gate_up", "down"):
         if quantization != "none" and gpu is not None:
-            setattr(out, name, quant_cuda.quantize(getattr(out, name), quantization))
+            setattr(out, name, quant_cuda.quantize(getattr(out, name), quantization, ops))
         elif quantization != "none":
             setattr(out, name, quant.quantize(getattr(out, name), quantization, kernels))
         elif pack and source is None:
@@ -145,17 +146,19 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def build(model: nn.Module, device: torch.device, dtype: torch.dtype, batch_hint: int, quantization: str = "none",
-          kernels=None, source: LayerSource | None = None, gpu_formats: bool | None = None) -> list[LayerLinears]:
+          kernels=None, source: LayerSource | None = None, gpu_formats: bool | None = None,
+          ops=None) -> list[LayerLinears]:
     """Every layer's merged projections; on cpu (float32, bfloat16) these and the lm_head are packed, or with
     ``quantization`` (int8, int4) quantized, or (gguf, awq, gptq) taken from ``source``: the layers in its
     format, the lm_head in int8 (the logits are where 4 bits cost the most quality). ``kernels``: the CPU
     kernels the quantized layers run on. On a GPU (``gpu_formats``, by default off the cpu) the layers are
-    quantized on PyTorch's kernels (``quant_cuda.py``: int4, fp8) and the lm_head keeps the model's dtype."""
+    quantized on PyTorch's kernels (``quant_cuda.py``: int4, fp8; ``ops``: the device's small operations) and the
+    lm_head keeps the model's dtype."""
     gpu_formats = device.type != "cpu" if gpu_formats is None else gpu_formats
     pack = can_pack(device, dtype) and quantization == "none"
     own = quantization if source is None else "none"
     gpu = device if gpu_formats else None
-    layers = [layer_linears(layer, pack, batch_hint, own, kernels, source, i, gpu, dtype)
+    layers = [layer_linears(layer, pack, batch_hint, own, kernels, source, i, gpu, dtype, ops)
               for i, layer in enumerate(model.model.layers)]
     if quantization != "none" and not gpu_formats:
         model.lm_head = quant.quantize_head(model.lm_head, kernels)

@@ -82,7 +82,8 @@ class ModelRunner:
             heads = config.num_attention_heads
             source = GgufLinears(gguf_weights.find(Path(path)), heads,
                                  getattr(config, "num_key_value_heads", None) or heads, quant_kernels)
-        self.linears = linears.build(self.model, self.device, self.dtype, batch_hint, quantization, quant_kernels, source)
+        self.linears = linears.build(self.model, self.device, self.dtype, batch_hint, quantization, quant_kernels, source,
+                                     ops=self.ops)
         if checkpoint is not None:  # its skeleton was read on the host, its packed projections now replaced
             self.model.to(self.device)
         self.quantization = quantization

@@ -23,10 +23,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from services.engine.kernels import FP8_MAX, TorchOps
 from services.engine.quant import BLOCK, Q4Linear, QuantLinear, unpack4
 
 FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0  # e4m3's largest finite value
 FORMATS = ("int4", "fp8")  # Switchboard.quantization's values on cuda
 CHECKPOINTS = ("awq", "gptq")  # folders already quantized (prequantized.py), loaded as int4
 
@@ -113,9 +113,11 @@ def int4_mm(rows: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor
 class Fp8Linear(nn.Module):
     """``y = x W^T + b`` with W in float8 e4m3 (a scale per output channel) and x quantized per row on the fly."""
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
-        """``q``: float8 e4m3 [n, k]; ``scale``: float32 [n]."""
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None, ops=None):
+        """``q``: float8 e4m3 [n, k]; ``scale``: float32 [n]; ``ops``: what quantizes the activations
+        (``fp8_rows``: the Triton kernel on cuda; by default PyTorch operations)."""
         super().__init__()
+        self.ops = ops or TorchOps()
         self.out_features, self.in_features = q.shape
         self.weight_t = q.T  # [k, n], column-major as _scaled_mm takes its second operand
         self.scale = scale.to(torch.float32).reshape(1, -1).contiguous()
@@ -127,14 +129,14 @@ class Fp8Linear(nn.Module):
         return out_features % 16 == 0 and in_features % 16 == 0
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Fp8Linear:
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, ops=None) -> Fp8Linear:
         w = weight.detach().float()
         scale = w.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX
-        return cls((w / scale[:, None]).to(FP8).contiguous(), scale, bias)
+        return cls((w / scale[:, None]).to(FP8).contiguous(), scale, bias, ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        q, scale = quantize_rows(rows)
+        q, scale = self.ops.fp8_rows(rows)
         out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
         out = torch._scaled_mm(q, self.weight_t, scale_a=scale, scale_b=self.scale, out_dtype=out_dtype).to(x.dtype)
         if self.bias is not None:
@@ -149,18 +151,14 @@ class Fp8Linear(nn.Module):
         return self.weight_t.numel() + self.scale.numel() * 4
 
 
-def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row in e4m3 with its own float32 scale (max |x| / 448; an all-zero row gets a tiny one)."""
-    scale = rows.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
-    return (rows.float() / scale).to(FP8), scale
-
-
-def quantize(linear: nn.Module, fmt: str) -> nn.Module:
-    """``linear`` (an nn.Linear on its device) in ``fmt``; a shape the kernel does not take stays float."""
-    cls = {"int4": Int4Linear, "fp8": Fp8Linear}[fmt]
-    if not cls.fits(linear.out_features, linear.in_features, linear.weight.device):
-        return linear
-    return cls.from_float(linear.weight, linear.bias)
+def quantize(linear: nn.Module, fmt: str, ops=None) -> nn.Module:
+    """``linear`` (an nn.Linear on its device) in ``fmt``; a shape the kernel does not take stays float.
+    ``ops``: the device's small operations (fp8 quantizes its activations with them)."""
+    if fmt == "fp8":
+        fits = Fp8Linear.fits(linear.out_features, linear.in_features, linear.weight.device)
+        return Fp8Linear.from_float(linear.weight, linear.bias, ops) if fits else linear
+    fits = Int4Linear.fits(linear.out_features, linear.in_features, linear.weight.device)
+    return Int4Linear.from_float(linear.weight, linear.bias) if fits else linear
 
 
 def place(layer: QuantLinear, device: torch.device, dtype: torch.dtype) -> nn.Module:

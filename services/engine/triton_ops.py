@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from services.engine.kernels import TorchOps
+from services.engine.kernels import FP8_MAX, FP8_TINY, TorchOps
 
 
 PREFILL_ROWS, PREFILL_TILE = 32, 32  # paged prefill: query rows per program, keys per iteration
@@ -168,6 +168,28 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_res, strid
 
 
 @triton.jit
+def _fp8_rows_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, width, fp8_max, tiny, BLOCK: tl.constexpr):
+    # one program per row: its largest |x|, then the row over its scale in q's dtype (e4m3 on a GPU)
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    top = tl.zeros([BLOCK], dtype=tl.float32)
+    start = 0
+    while start < width:  # (``while``, as in _paged_decode_kernel, for the interpreter)
+        ok = start + cols < width
+        x = tl.load(x_ptr + row * stride_x + start + cols, mask=ok, other=0.0).to(tl.float32)
+        top = tl.maximum(top, tl.abs(x))
+        start += BLOCK
+    scale = tl.maximum(tl.max(top, axis=0), tiny) / fp8_max
+    tl.store(scale_ptr + row, scale)
+    start = 0
+    while start < width:
+        ok = start + cols < width
+        x = tl.load(x_ptr + row * stride_x + start + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(q_ptr + row * stride_q + start + cols, (x / scale).to(q_ptr.dtype.element_ty), mask=ok)
+        start += BLOCK
+
+
+@triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, width, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -245,6 +267,17 @@ class TritonOps(TorchOps):
             _silu_mul_kernel[(x.shape[0], triton.cdiv(width, block))](x, out, x.stride(0), out.stride(0), width,
                                                                       BLOCK=block)
         return out
+
+    @staticmethod
+    def fp8_rows(rows: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """TorchOps.fp8_rows in one launch (fp8 W8A8's activations: one kernel per product, not seven)."""
+        m, k = rows.shape
+        q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=rows.device) if out is None else out
+        scale = torch.empty(m, 1, dtype=torch.float32, device=rows.device)
+        if m:
+            _fp8_rows_kernel[(m,)](rows, q, scale, rows.stride(0), q.stride(0), k, FP8_MAX, FP8_TINY,
+                                   BLOCK=min(1024, _pow2(k)))
+        return q, scale
 
     @staticmethod
     def rope_store(qkv, cos, sin, positions, k_cache, v_cache, slots, num_heads, num_kv_heads, head_dim) -> None:

@@ -143,6 +143,9 @@ def test_triton_kernels_equal_the_pytorch_operations_on_cuda(dtype):
     assert torch.equal(r1, r2)
     gu = torch.randn(n, 2 * 14336, dtype=dtype, device="cuda")
     torch.testing.assert_close(ops.silu_mul(gu), ref.silu_mul(gu), **tol)
+    if torch.cuda.get_device_capability() >= (8, 9):  # fp8 W8A8's activations: the same codes and scales
+        (q, s), (q_ref, s_ref) = ops.fp8_rows(gu[:, :14336]), ref.fp8_rows(gu[:, :14336])
+        assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
     # one paged prefill for three prompt pieces: a whole prompt, one after 300 cached positions, a short one
     pieces = [(5, 0, 40, tables[0].tolist()), (45, 300, 70, tables[2].tolist()), (115, 900, 3, tables[4].tolist())]
     qp = torch.randn(118, heads * dim, dtype=dtype, device="cuda")
@@ -214,11 +217,12 @@ class Dequantized(torch.nn.Module):
         self.in_features, self.out_features = layer.in_features, layer.out_features
 
     def forward(self, x):
-        from services.engine.quant_cuda import Fp8Linear, quantize_rows
+        from services.engine.kernels import TorchOps
+        from services.engine.quant_cuda import Fp8Linear
 
         a = x.float()
         if isinstance(self.layer, Fp8Linear):
-            q, scale = quantize_rows(x)
+            q, scale = TorchOps.fp8_rows(x)
             a = q.float() * scale
         return (a @ self.weight.T).to(x.dtype)
 

@@ -12,7 +12,8 @@ from transformers import AutoModelForCausalLM
 from services.engine import linears
 from services.engine.model_runner import check_format
 from services.engine.quant import Q4Linear
-from services.engine.quant_cuda import FP8_MAX, Fp8Linear, Int4Linear, quantize, quantize_rows
+from services.engine.kernels import FP8_MAX, TorchOps
+from services.engine.quant_cuda import Fp8Linear, Int4Linear, quantize
 
 
 def weight(n: int = 80, k: int = 192, seed: int = 0) -> torch.Tensor:
@@ -50,7 +51,7 @@ def test_fp8_is_the_product_of_rows_and_weights_in_e4m3(dtype, rows):
     w, bias = weight(n=48, k=96), torch.randn(48)
     layer = Fp8Linear.from_float(w, bias)
     x = (torch.randn(rows, 96) * torch.logspace(-2, 1, rows)[:, None]).to(dtype)  # rows of very different sizes
-    q, scale = quantize_rows(x)
+    q, scale = TorchOps.fp8_rows(x.reshape(rows, 96))
     want = (q.float() * scale) @ layer.dequantized().T + bias
     got = layer(x)
     assert got.dtype == dtype and got.shape == (rows, 48)

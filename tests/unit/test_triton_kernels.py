@@ -41,6 +41,20 @@ def test_norms_and_activation(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_rows_scale_each_row_by_its_largest_value(dtype):
+    """fp8 W8A8's activations, one launch: each row's scale and the row over it, written here as float32 (the
+    interpreter's e4m3 casts are not a GPU's; the cast itself is checked on cuda)."""
+    torch.manual_seed(0)
+    rows = (torch.randn(4, 2500) * torch.tensor([[0.01], [1.0], [300.0], [0.0]])).to(dtype)  # > 2 blocks; a zero row
+    got, got_scale = OPS.fp8_rows(rows, torch.empty(4, 2500))
+    want, want_scale = REF.fp8_rows(rows, torch.empty(4, 2500))
+    torch.testing.assert_close(got_scale, want_scale, rtol=1e-6, atol=0)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    assert torch.equal(got[3], torch.zeros(2500)) and float(got[:3].abs().amax()) == pytest.approx(448.0)
+    assert OPS.fp8_rows(rows[:0])[0].shape == (0, 2500)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_store_rotates_in_place_and_writes_the_cache(dtype):
     check_rope_store(OPS, dtype)
 
