@@ -54,10 +54,11 @@ class SwitchboardConfig(msgspec.Struct, rename="camel", kw_only=True, forbid_unk
     tensor-core int4 kernel, sm80+) and ``fp8`` (float8 e4m3 weights with a scale per output channel, each
     row of activations quantized on the fly; sm89+), the lm_head in the model's dtype
     (services/engine/quant_cuda.py)."""
-    kv_cache_dtype: Literal["auto", "int8"] = "auto"
+    kv_cache_dtype: Literal["auto", "int8", "fp8_e4m3"] = "auto"
     """the KV cache's element type: ``auto`` = ``dtype``'s; ``int8`` (cpu only) stores each head's K and V of a
     position as int8 codes with one float16 scale, so ``kvCacheMemoryMb`` holds about twice the tokens of a
-    bfloat16 cache (four times float32's)."""
+    bfloat16 cache (four times float32's); ``fp8_e4m3`` (cuda, compute capability 8.9+) stores each element as
+    float8 e4m3, twice a bfloat16 cache's tokens in the same memory."""
     cpu_kernels: bool = True
     """on cpu, the engine's fused C++ kernels (built for this CPU on first use); false runs the same
     operations as PyTorch calls."""

@@ -84,8 +84,8 @@ class TorchOps:
     @classmethod
     def rope_store(cls, qkv, cos, sin, positions, k_cache, v_cache, slots, num_heads, num_kv_heads, head_dim) -> None:
         kv = cls.rotate(qkv, cos, sin, positions, num_heads, num_kv_heads, head_dim)
-        k_cache.index_copy_(1, slots, kv[:, 0].transpose(0, 1))
-        v_cache.index_copy_(1, slots, kv[:, 1].transpose(0, 1))
+        store(k_cache, slots, kv[:, 0].transpose(0, 1))
+        store(v_cache, slots, kv[:, 1].transpose(0, 1))
 
     @classmethod
     def rope_store_q8(cls, qkv, cos, sin, positions, k_cache, v_cache, k_scale, v_scale, slots, num_heads,
@@ -100,7 +100,7 @@ class TorchOps:
     @staticmethod
     def paged_decode(q, k_cache, v_cache, block_tables, lens, block_size, num_heads, num_kv_heads, head_dim,
                      scale) -> torch.Tensor:
-        keys, values = (gather_blocks(cache, block_tables, block_size) for cache in (k_cache, v_cache))
+        keys, values = (gather_blocks(cache, block_tables, block_size).to(q.dtype) for cache in (k_cache, v_cache))
         return attend_rows(q, keys, values, lens, num_heads, head_dim, scale)
 
     @staticmethod
@@ -131,6 +131,15 @@ def attend_rows(q, keys, values, lens, num_heads, head_dim, scale) -> torch.Tens
     query = q.reshape(n, num_heads, 1, head_dim)
     out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.reshape(n, num_heads * head_dim)
+
+
+def store(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """``values`` [Hkv, len(slots), D] into ``cache`` [Hkv, S, D] at ``slots``, in the cache's dtype (an fp8 cache
+    rounds them; PyTorch has no index_copy_ for fp8, so its bytes are copied)."""
+    values = values.to(cache.dtype)
+    if cache.element_size() == 1 and cache.is_floating_point():
+        cache, values = cache.view(torch.uint8), values.view(torch.uint8)
+    cache.index_copy_(1, slots, values)
 
 
 def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -10,6 +10,10 @@ head instead of 2 * head_dim (bfloat16) or 4 * head_dim (float32): the same ``kv
 the tokens of a bfloat16 cache for SmolLM2's 64-wide heads (3.9x float32's). The decode attention reads the
 codes directly (the C++ kernel, or the PyTorch reference); a prompt chunk's attention dequantizes the
 positions it reads.
+
+``fp8_e4m3`` (cuda, compute capability 8.9 or newer): each element as float8 e4m3 with no scale (vLLM's default
+for an uncalibrated model: K and V stay well inside e4m3's ±448), 1 byte instead of bfloat16's 2. The Triton
+kernels convert as they load and store; a prompt chunk's attention reads it back in the model's dtype.
 """
 
 from __future__ import annotations
@@ -18,13 +22,17 @@ from typing import NamedTuple
 
 import torch
 
-KV_DTYPES = ("auto", "int8")
+KV_DTYPES = ("auto", "int8", "fp8_e4m3")
 SCALE_DTYPE = torch.float16
+FP8 = torch.float8_e4m3fn
 
 
 def token_bytes(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, kv_dtype: str) -> int:
     """K and V of one position in every layer."""
-    per_head = head_dim + SCALE_DTYPE.itemsize if kv_dtype == "int8" else head_dim * dtype.itemsize
+    if kv_dtype == "int8":
+        per_head = head_dim + SCALE_DTYPE.itemsize
+    else:
+        per_head = head_dim * (FP8.itemsize if kv_dtype == "fp8_e4m3" else dtype.itemsize)
     return 2 * layers * kv_heads * per_head
 
 
@@ -42,11 +50,10 @@ class KvCache:
                  device: torch.device):
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"Switchboard.kvCacheDtype {kv_dtype!r}: one of {', '.join(KV_DTYPES)}")
-        if kv_dtype == "int8" and device.type != "cpu":
-            raise ValueError(f"Switchboard.kvCacheDtype \"int8\" runs on cpu only; the engine's device is {device.type}")
+        check_dtype(kv_dtype, device)
         self.quantized = kv_dtype == "int8"
         shape = (layers, kv_heads, slots, head_dim)
-        store = torch.int8 if self.quantized else dtype
+        store = torch.int8 if self.quantized else FP8 if kv_dtype == "fp8_e4m3" else dtype
         self.k = torch.zeros(shape, dtype=store, device=device)
         self.v = torch.zeros(shape, dtype=store, device=device)
         scales = (layers, kv_heads, slots) if self.quantized else (0,)
@@ -65,7 +72,7 @@ class KvCache:
         layer = self.layers[index]
         k, v = layer.k.index_select(1, slots), layer.v.index_select(1, slots)
         if not self.quantized:
-            return k, v
+            return k.to(dtype), v.to(dtype)
         ks, vs = layer.k_scale.index_select(1, slots), layer.v_scale.index_select(1, slots)
         return dequantize(k, ks, dtype), dequantize(v, vs, dtype)
 
@@ -88,6 +95,19 @@ class KvCache:
         if self.quantized:
             scales = torch.frombuffer(bytearray(data[codes:]), dtype=SCALE_DTYPE).view(2, layers, heads, block_size)
             self.k_scale[:, :, span], self.v_scale[:, :, span] = scales[0], scales[1]
+
+
+def check_dtype(kv_dtype: str, device: torch.device) -> None:
+    """Refuse a K/V element type the device has no kernels for, naming the key."""
+    if kv_dtype == "int8" and device.type != "cpu":
+        raise ValueError(f"Switchboard.kvCacheDtype \"int8\" runs on cpu only; the engine's device is {device.type}"
+                         f" (on cuda: \"fp8_e4m3\")")
+    if kv_dtype == "fp8_e4m3":
+        if device.type != "cuda":
+            raise ValueError(f"Switchboard.kvCacheDtype \"fp8_e4m3\" runs on cuda only; the engine's device is "
+                             f"{device.type} (on cpu: \"int8\")")
+        if torch.cuda.get_device_capability(device) < (8, 9):
+            raise ValueError("Switchboard.kvCacheDtype \"fp8_e4m3\" needs a GPU of compute capability 8.9 or newer")
 
 
 def pack_block(k: torch.Tensor, v: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None) -> bytes:

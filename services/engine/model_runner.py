@@ -63,7 +63,7 @@ class ModelRunner:
         accelerator's free memory); ``graphs``: run pure-decode steps from static buffers (as CUDA
         graphs when ``graphs.capture``), their memory set aside before the KV cache is sized;
         ``quantization``: the linear layers' weight format (``quant.py`` on cpu, ``quant_cuda.py`` on cuda); ``kv_cache_dtype``: "auto"
-        (the model's dtype) or "int8" (``kv_cache.py``; cpu only)."""
+        (the model's dtype), "int8" (``kv_cache.py``; cpu only) or "fp8_e4m3" (cuda, 8.9+)."""
         self.path = path  # the model folder (its tokenizer builds structured output's grammars)
         self.device = device.torch_device
         self.dtype = device.dtype

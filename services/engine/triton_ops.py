@@ -128,9 +128,7 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, info_ptr, tiles_ptr, 
         block = tl.load(tables_ptr + chunk * stride_table + pos // block_size, mask=p_ok, other=0)
         slot = block.to(tl.int64) * block_size + pos % block_size
         kv_ok = p_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + slot[:, None] * HEAD_DIM + d[None, :], mask=kv_ok, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
+        k = tl.load(k_base + slot[:, None] * HEAD_DIM + d[None, :], mask=kv_ok, other=0.0).to(q.dtype)  # (fp8: up)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [ROWS, TILE] float32
         scores = tl.where((pos[None, :] <= seen[:, None]) & p_ok[None, :], scores, float("-inf"))
         new_best = tl.maximum(best, tl.max(scores, axis=1))
@@ -138,6 +136,7 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, info_ptr, tiles_ptr, 
         weights = tl.exp(scores - new_best[:, None])
         total = total * alpha + tl.sum(weights, axis=1)
         v = tl.load(v_base + slot[:, None] * HEAD_DIM + d[None, :], mask=kv_ok, other=0.0)
+        v = v.to(out_ptr.dtype.element_ty)  # the model's dtype (an fp8 cache's values converted up)
         p = weights.to(v.dtype)  # (rounded to bfloat16 for the tensor cores, as flash attention does)
         if UPCAST:
             p, v = p.to(tl.float32), v.to(tl.float32)
@@ -222,14 +221,14 @@ def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, k_ptr, v_p
         b = (bf * c + af * s).to(b.dtype)
         tl.store(base + i, a, mask=ok)
         tl.store(base + HALF + i, b, mask=ok)
-        if head >= NUM_HEADS:
+        if head >= NUM_HEADS:  # the cache in its own dtype (fp8 e4m3: rounded from float32)
             dest = k_ptr + (head - NUM_HEADS) * stride_kv_head + slot * (2 * HALF)
-            tl.store(dest + i, a, mask=ok)
-            tl.store(dest + HALF + i, b, mask=ok)
+            tl.store(dest + i, a.to(tl.float32).to(k_ptr.dtype.element_ty), mask=ok)
+            tl.store(dest + HALF + i, b.to(tl.float32).to(k_ptr.dtype.element_ty), mask=ok)
     else:
         dest = v_ptr + (head - NUM_HEADS - NUM_KV_HEADS) * stride_kv_head + slot * (2 * HALF)
-        tl.store(dest + i, a, mask=ok)
-        tl.store(dest + HALF + i, b, mask=ok)
+        tl.store(dest + i, a.to(tl.float32).to(v_ptr.dtype.element_ty), mask=ok)
+        tl.store(dest + HALF + i, b.to(tl.float32).to(v_ptr.dtype.element_ty), mask=ok)
 
 
 class TritonOps(TorchOps):

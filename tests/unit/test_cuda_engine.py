@@ -1,5 +1,6 @@
 """The engine on cuda: greedy tokens equal HF ``generate``; graph replay equals the eager step; the Triton
-kernels equal the PyTorch operations; prompt logprobs work; int4 and fp8 weights give the dequantized model's tokens. Skipped without a CUDA device (CI has none):
+kernels equal the PyTorch operations; prompt logprobs work; int4 and fp8 weights give the dequantized model's tokens;
+an fp8 K/V cache gives the bfloat16 cache's. Skipped without a CUDA device (CI has none):
 run on a GPU machine with ``SWITCHBOARD_GPU_TOKENIZER`` naming a folder with SmolLM2's config.json and
 tokenizer files (a random-weight model of its shape is built from them):
 
@@ -37,14 +38,14 @@ def model_dir(tmp_path_factory) -> Path:
     return out
 
 
-def runner(model_dir, dtype=torch.float32, graphs=True, quantization="none"):
+def runner(model_dir, dtype=torch.float32, graphs=True, quantization="none", kv_cache_dtype="auto"):
     from services.engine.devices import Device
     from services.engine.graphs import GraphPlan
     from services.engine.model_runner import ModelRunner
 
     return ModelRunner(str(model_dir), Device("cuda", dtype), block_size=BLOCK, kv_budget_bytes=1 << 30,
                        max_blocks=2048, graphs=GraphPlan(16, 1024, max_tokens=64) if graphs else None,
-                       quantization=quantization)
+                       quantization=quantization, kv_cache_dtype=kv_cache_dtype)
 
 
 def generate(r, reqs, mix=True):
@@ -260,3 +261,42 @@ def test_quantized_weights_give_the_dequantized_models_tokens_on_cuda(model_dir,
     for rid in theirs:
         n = next((i for i, (a, b) in enumerate(zip(ours[rid], theirs[rid])) if a != b), None)
         assert n is None or n >= 5, (rid, ours[rid], theirs[rid])
+
+
+def test_an_fp8_kv_cache_gives_the_bfloat16_caches_tokens_on_cuda(model_dir):
+    """``kvCacheDtype: fp8_e4m3``: half a bfloat16 cache's bytes per block; the Triton kernels write e4m3 as the
+    PyTorch operations round it; greedy tokens (decode and step graphs replayed, prompts chunked beside decodes)
+    equal the bfloat16 cache's up to the first near tie; a block's bytes round-trip (prefill/decode handoffs)."""
+    from services.engine.kernels import TorchOps
+    from services.engine.triton_ops import TritonOps
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs compute capability 8.9")
+    torch.manual_seed(0)
+    qkv = torch.randn(5, (32 + 16) * 128, dtype=torch.bfloat16, device="cuda")
+    cos, sin = torch.rand(64, 64, device="cuda"), torch.rand(64, 64, device="cuda")
+    positions, slots = torch.tensor([0, 3, 9, 33, 63], device="cuda"), torch.tensor([4, 17, 40, 2, 9], device="cuda")
+    written = []
+    for ops in (TritonOps(), TorchOps()):
+        k, v = (torch.zeros(8, 64, 128, dtype=torch.float8_e4m3fn, device="cuda") for _ in range(2))
+        ops.rope_store(qkv.clone(), cos, sin, positions, k, v, slots, 32, 8, 128)
+        written.append((k.view(torch.uint8), v.view(torch.uint8)))
+    assert all(torch.equal(a, b) for a, b in zip(*written))
+
+    fp8, plain = runner(model_dir, torch.bfloat16, kv_cache_dtype="fp8_e4m3"), runner(model_dir, torch.bfloat16)
+    assert fp8.kv.k.dtype == torch.float8_e4m3fn and 2 * fp8.block_bytes == plain.block_bytes
+
+    def reqs():
+        return [request("a", prompt(7), max_new_tokens=24, ignore_eos=True),
+                request("b", prompt(60, 900), max_new_tokens=24, ignore_eos=True),
+                request("c", prompt(200, 50), max_new_tokens=12, ignore_eos=True)]
+
+    ours, _ = generate(fp8, reqs())
+    theirs, _ = generate(plain, reqs())
+    for rid in theirs:
+        n = next((i for i, (a, b) in enumerate(zip(ours[rid], theirs[rid])) if a != b), None)
+        assert n is None or n >= 5, (rid, ours[rid], theirs[rid])
+    data = fp8.kv.block_bytes(3, BLOCK)
+    assert len(data) == fp8.block_bytes
+    fp8.kv.write_block(5, BLOCK, data)
+    assert fp8.kv.block_bytes(5, BLOCK) == data

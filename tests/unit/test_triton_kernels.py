@@ -112,6 +112,55 @@ def test_paged_prefill_matches_masked_attention_and_ignores_how_a_prompt_was_cut
     torch.testing.assert_close(again[9:44], out[9:44], rtol=1e-6, atol=1e-6)
 
 
+def test_the_attentions_read_an_fp8_cache_as_its_values_in_the_models_dtype():
+    """``kvCacheDtype: fp8_e4m3`` (cuda): the decode and prompt kernels convert the e4m3 codes as they load them,
+    so they give what they give on the same cache held in bfloat16. (Writing e4m3 is checked on cuda: the
+    interpreter's float32 → e4m3 casts are not a GPU's.)"""
+    torch.manual_seed(4)
+    heads, kv_heads, dim = HEADS, KV_HEADS, DIM
+    k8 = (torch.randn(kv_heads, 40 * BLOCK, dim) * 4).to(torch.float8_e4m3fn)
+    v8 = (torch.randn(kv_heads, 40 * BLOCK, dim) * 4).to(torch.float8_e4m3fn)
+    k16, v16 = k8.to(torch.bfloat16), v8.to(torch.bfloat16)
+    tables = torch.tensor([[3, 0, 0, 0], [7, 1, 9, 4]])
+    lens = torch.tensor([3, 14])
+    q = torch.randn(2, heads * dim, dtype=torch.bfloat16)
+    args = (tables, lens, BLOCK, heads, kv_heads, dim, dim ** -0.5)
+    assert torch.equal(OPS.paged_decode(q, k8, v8, *args), OPS.paged_decode(q, k16, v16, *args))
+    torch.testing.assert_close(REF.paged_decode(q, k8, v8, *args), REF.paged_decode(q, k16, v16, *args), rtol=0, atol=0)
+    pieces = [(0, 0, 7, [5, 9]), (7, 13, 20, [7, 1, 3, 4, 6, 8, 10])]
+    qp = torch.randn(27, heads * dim, dtype=torch.bfloat16)
+    got, want = (torch.zeros(27, heads * dim, dtype=torch.bfloat16) for _ in range(2))
+    for out, (k, v) in ((got, (k8, v8)), (want, (k16, v16))):
+        OPS.paged_prefill(qp, k, v, OPS.prefill_plan(pieces, BLOCK, qp.device), out, BLOCK, heads, kv_heads, dim,
+                          dim ** -0.5)
+    assert torch.equal(got, want)
+
+
+def test_pytorch_operations_store_into_an_fp8_cache_and_read_it_back():
+    """What npu (and cuda without the Triton kernels) runs: rotated K and V rounded into the cache's e4m3."""
+    torch.manual_seed(5)
+    qkv = torch.randn(3, (HEADS + 2 * KV_HEADS) * DIM, dtype=torch.bfloat16)
+    cos, sin = torch.rand(64, DIM // 2), torch.rand(64, DIM // 2)
+    positions, slots = torch.tensor([0, 9, 33]), torch.tensor([4, 17, 40])
+    caches = {dt: [torch.zeros(KV_HEADS, 12 * BLOCK, DIM, dtype=dt) for _ in range(2)]
+              for dt in (torch.bfloat16, torch.float8_e4m3fn)}
+    for dt, (k, v) in caches.items():
+        REF.rope_store(qkv.clone(), cos, sin, positions, k, v, slots, HEADS, KV_HEADS, DIM)
+    (k16, v16), (k8, v8) = caches[torch.bfloat16], caches[torch.float8_e4m3fn]
+    assert torch.equal(k8.view(torch.uint8), k16.to(torch.float8_e4m3fn).view(torch.uint8))
+    assert torch.equal(v8.view(torch.uint8), v16.to(torch.float8_e4m3fn).view(torch.uint8))
+
+
+def test_the_fp8_cache_holds_twice_bfloat16s_tokens_and_runs_where_its_kernels_do():
+    from services.engine.kv_cache import check_dtype, token_bytes
+
+    assert token_bytes(30, 3, 64, torch.bfloat16, "auto") == 2 * token_bytes(30, 3, 64, torch.bfloat16, "fp8_e4m3")
+    with pytest.raises(ValueError, match='"fp8_e4m3" runs on cuda only; the engine\'s device is cpu'):
+        check_dtype("fp8_e4m3", torch.device("cpu"))
+    with pytest.raises(ValueError, match='"int8" runs on cpu only; the engine\'s device is cuda'):
+        check_dtype("int8", torch.device("cuda"))
+
+
 def test_a_runner_on_the_triton_kernels_gives_the_pytorch_operations_tokens(tiny_model_dir):
     """The runner as cuda runs it (every small operation a Triton kernel, a step's prompt chunks in one
     paged prefill, Mix steps from the step graphs' buffers), through the interpreter: the tokens and
