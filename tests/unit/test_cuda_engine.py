@@ -250,17 +250,22 @@ def test_quantized_weights_give_the_dequantized_models_tokens_on_cuda(model_dir,
     for mine, theirs in zip(quantized.linears, reference.linears):
         for name in names:
             setattr(theirs, name, Dequantized(getattr(mine, name)))
+    assert_greedy_alike(quantized, reference)
+    assert quantized.graphs.replays > 10
+
+
+def assert_greedy_alike(ours, theirs):
+    """Greedy tokens of three requests (one prompt chunked beside decodes) equal up to the first near tie."""
     def reqs():
         return [request("a", prompt(7), max_new_tokens=24, ignore_eos=True),
-                request("b", prompt(40, 900), max_new_tokens=24, ignore_eos=True),
-                request("c", prompt(90, 50), max_new_tokens=12, ignore_eos=True)]
+                request("b", prompt(60, 900), max_new_tokens=24, ignore_eos=True),
+                request("c", prompt(200, 50), max_new_tokens=12, ignore_eos=True)]
 
-    ours, _ = generate(quantized, reqs())
-    theirs, _ = generate(reference, reqs())
-    assert quantized.graphs.replays > 10
-    for rid in theirs:
-        n = next((i for i, (a, b) in enumerate(zip(ours[rid], theirs[rid])) if a != b), None)
-        assert n is None or n >= 5, (rid, ours[rid], theirs[rid])
+    mine, _ = generate(ours, reqs())
+    other, _ = generate(theirs, reqs())
+    for rid in other:
+        n = next((i for i, (a, b) in enumerate(zip(mine[rid], other[rid])) if a != b), None)
+        assert n is None or n >= 5, (rid, mine[rid], other[rid])
 
 
 def test_an_fp8_kv_cache_gives_the_bfloat16_caches_tokens_on_cuda(model_dir):
@@ -285,17 +290,7 @@ def test_an_fp8_kv_cache_gives_the_bfloat16_caches_tokens_on_cuda(model_dir):
 
     fp8, plain = runner(model_dir, torch.bfloat16, kv_cache_dtype="fp8_e4m3"), runner(model_dir, torch.bfloat16)
     assert fp8.kv.k.dtype == torch.float8_e4m3fn and 2 * fp8.block_bytes == plain.block_bytes
-
-    def reqs():
-        return [request("a", prompt(7), max_new_tokens=24, ignore_eos=True),
-                request("b", prompt(60, 900), max_new_tokens=24, ignore_eos=True),
-                request("c", prompt(200, 50), max_new_tokens=12, ignore_eos=True)]
-
-    ours, _ = generate(fp8, reqs())
-    theirs, _ = generate(plain, reqs())
-    for rid in theirs:
-        n = next((i for i, (a, b) in enumerate(zip(ours[rid], theirs[rid])) if a != b), None)
-        assert n is None or n >= 5, (rid, ours[rid], theirs[rid])
+    assert_greedy_alike(fp8, plain)
     data = fp8.kv.block_bytes(3, BLOCK)
     assert len(data) == fp8.block_bytes
     fp8.kv.write_block(5, BLOCK, data)
