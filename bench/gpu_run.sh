@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One prepared device run (../shared/reference/gpu-machine.md): install the carried wheels, run the cuda
-# tests, then bench/gpu_bench.py. Carried (git-ignored): .whl/ (Python 3.12 wheels of what the GPU
+# tests, then bench/gpu_bench.py. Carried (git-ignored; `bash bench/gpu_prepare.sh` makes them): .whl/ (Python 3.12 wheels of what the GPU
 # machine lacks) and .gpu/smollm2/ (SmolLM2's config.json and tokenizer files). Output under $OUT.
-#   bash bench/gpu_run.sh [tests|bench|all] [gpu_bench.py arguments...]
+#   [BENCH_TIMEOUT=480] bash bench/gpu_run.sh [tests|bench|all] [gpu_bench.py arguments...]
+#   e.g. the quantized formats (issue 25): bash bench/gpu_run.sh bench --shapes 8b --levels 1,16 --hf-batches "" --step-rows "" --quantizations int4,fp8
 set -uo pipefail
 what=${1:-all}; shift || true
 OUT=${OUT:-/tmp/sb-gpu-out}; mkdir -p "$OUT"
@@ -18,7 +19,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     tests/unit/test_cuda_engine.py -o addopts="" 2>&1 | tee "$OUT/cuda_tests.txt" | tail -40
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  timeout 480 python3 bench/gpu_bench.py --tokenizer .gpu/smollm2 --out "$OUT/gpu_bench.json" "$@" 2>&1 \
+  timeout "${BENCH_TIMEOUT:-480}" python3 bench/gpu_bench.py --tokenizer .gpu/smollm2 --out "$OUT/gpu_bench.json" "$@" 2>&1 \
     | tee "$OUT/gpu_bench.txt" | grep -v "^\[.*\] starting" | tail -80
   cp /tmp/sb-gpu-bench/switchboard-*.log "$OUT/" 2>/dev/null || true
 fi
