@@ -39,6 +39,7 @@ from services.engine.scheduler import Scheduled
 
 log = logging.getLogger("switchboard.engine")
 
+
 def check_format(quantization: str, device: torch.device) -> None:
     """Refuse a weight format the device has no kernel for, naming the key and what it takes there."""
     if quantization == "none":
