@@ -48,6 +48,14 @@ def _pow2(n: int) -> int:
 
 
 @triton.jit
+def _to(x, dtype: tl.constexpr):
+    # x in dtype, through float32 where they differ (an fp8 cache: sm89 has no direct e4m3 <-> bfloat16)
+    if x.dtype != dtype:
+        x = x.to(tl.float32).to(dtype)
+    return x
+
+
+@triton.jit
 def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr,
                          stride_q, stride_out, stride_kv_head, stride_table, scale, block_size,
                          GROUP: tl.constexpr, PER_PROGRAM: tl.constexpr, PER_PROGRAM_P: tl.constexpr,
@@ -128,7 +136,7 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, info_ptr, tiles_ptr, 
         block = tl.load(tables_ptr + chunk * stride_table + pos // block_size, mask=p_ok, other=0)
         slot = block.to(tl.int64) * block_size + pos % block_size
         kv_ok = p_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + slot[:, None] * HEAD_DIM + d[None, :], mask=kv_ok, other=0.0).to(q.dtype)  # (fp8: up)
+        k = _to(tl.load(k_base + slot[:, None] * HEAD_DIM + d[None, :], mask=kv_ok, other=0.0), q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [ROWS, TILE] float32
         scores = tl.where((pos[None, :] <= seen[:, None]) & p_ok[None, :], scores, float("-inf"))
         new_best = tl.maximum(best, tl.max(scores, axis=1))
@@ -136,7 +144,7 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, info_ptr, tiles_ptr, 
         weights = tl.exp(scores - new_best[:, None])
         total = total * alpha + tl.sum(weights, axis=1)
         v = tl.load(v_base + slot[:, None] * HEAD_DIM + d[None, :], mask=kv_ok, other=0.0)
-        v = v.to(out_ptr.dtype.element_ty)  # the model's dtype (an fp8 cache's values converted up)
+        v = _to(v, out_ptr.dtype.element_ty)  # the model's dtype
         p = weights.to(v.dtype)  # (rounded to bfloat16 for the tensor cores, as flash attention does)
         if UPCAST:
             p, v = p.to(tl.float32), v.to(tl.float32)
@@ -223,12 +231,12 @@ def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, k_ptr, v_p
         tl.store(base + HALF + i, b, mask=ok)
         if head >= NUM_HEADS:  # the cache in its own dtype (fp8 e4m3: rounded from float32)
             dest = k_ptr + (head - NUM_HEADS) * stride_kv_head + slot * (2 * HALF)
-            tl.store(dest + i, a.to(tl.float32).to(k_ptr.dtype.element_ty), mask=ok)
-            tl.store(dest + HALF + i, b.to(tl.float32).to(k_ptr.dtype.element_ty), mask=ok)
+            tl.store(dest + i, _to(a, k_ptr.dtype.element_ty), mask=ok)
+            tl.store(dest + HALF + i, _to(b, k_ptr.dtype.element_ty), mask=ok)
     else:
         dest = v_ptr + (head - NUM_HEADS - NUM_KV_HEADS) * stride_kv_head + slot * (2 * HALF)
-        tl.store(dest + i, a.to(tl.float32).to(v_ptr.dtype.element_ty), mask=ok)
-        tl.store(dest + HALF + i, b.to(tl.float32).to(v_ptr.dtype.element_ty), mask=ok)
+        tl.store(dest + i, _to(a, v_ptr.dtype.element_ty), mask=ok)
+        tl.store(dest + HALF + i, _to(b, v_ptr.dtype.element_ty), mask=ok)
 
 
 class TritonOps(TorchOps):
