@@ -23,10 +23,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from services.engine.kernels import FP8_MAX, TorchOps
+from services.engine.kernels import TorchOps
 from services.engine.quant import BLOCK, Q4Linear, QuantLinear, unpack4
 
-FP8 = torch.float8_e4m3fn
 FORMATS = ("int4", "fp8")  # Switchboard.quantization's values on cuda
 CHECKPOINTS = ("awq", "gptq")  # folders already quantized (prequantized.py), loaded as int4
 
@@ -130,9 +129,8 @@ class Fp8Linear(nn.Module):
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, ops=None) -> Fp8Linear:
-        w = weight.detach().float()
-        scale = w.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX
-        return cls((w / scale[:, None]).to(FP8).contiguous(), scale, bias, ops)
+        q, scale = TorchOps.fp8_rows(weight.detach())  # each output channel as the activations' rows are
+        return cls(q, scale, bias, ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
