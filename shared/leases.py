@@ -29,6 +29,14 @@ class Leases(Generic[T]):
         entry = self._seen.get(instance)
         return entry is not None and self.clock() - entry[1] <= self.lease_s
 
+    def is_gone(self, instance: str, since: float) -> bool:
+        """Dead to a watcher relying on it since ``since`` (this table's clock): silent past its lease, or not
+        heard at all within a lease of ``since``. An instance never heard yet is not dead at once: it may be
+        new, its first heartbeat on its way (whoever named it heard it first)."""
+        entry = self._seen.get(instance)
+        last = entry[1] if entry is not None else since
+        return self.clock() - last > self.lease_s
+
     def get(self, instance: str) -> T | None:
         """The last word of a live instance."""
         return self._seen[instance][0] if self.is_live(instance) else None

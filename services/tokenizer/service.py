@@ -61,6 +61,7 @@ class Pending:
     generated: int = 0
     engine: str = ""  # the engine serving it now (a decode engine after a handoff)
     moved: bool = False  # a prefill engine handed it to ``engine``: this instance watches that engine
+    moved_at: float = 0.0  # monotonic time it heard so
     prompt_ids: list[int] = field(default_factory=list)  # kept when its prompt logprobs were asked
 
 
@@ -156,8 +157,8 @@ class TokenizerService:
         """A decode engine that took a request over died (its lease ran out): the gateway, which watches
         the engine it was told of (the prefill engine), would not notice; end the attempt here as
         retryable, so the gateway resumes the request from what its client has."""
-        live = self.router.engines.live()
-        for state in [s for s in self.pending.values() if s.moved and s.engine not in live]:
+        engines = self.router.engines
+        for state in [s for s in self.pending.values() if s.moved and engines.is_gone(s.engine, s.moved_at)]:
             req = state.request
             await self._end(req.id, f"decode engine {state.engine} died", CancelKind.ENGINE_GONE)
             error = ErrorInfo(ErrorKind.UNAVAILABLE, f"decode engine {state.engine} died")
@@ -280,7 +281,7 @@ class TokenizerService:
         for request_id, engine in batch.moved.items():
             state = self.pending.get(request_id)
             if state is not None:
-                state.engine, state.moved = engine, True
+                state.engine, state.moved, state.moved_at = engine, True, self.router.engines.clock()
         for event in batch.events:
             state = self.pending.get(event.id)
             if state is not None:

@@ -98,11 +98,15 @@ async def test_the_kv_handoff_is_a_span_of_the_request_trace(tmp_path, tiny_mode
         finally:
             stop.set()
             await asyncio.gather(*tasks, return_exceptions=True)
-    [transfer] = [s for s in exporter.get_finished_spans() if s.name == "engine.kv_transfer"]
-    request_id = transfer.attributes["switchboard.request_id"]
-    [gateway] = [s for s in exporter.get_finished_spans()
-                 if s.name == "gateway.request" and s.attributes["switchboard.request_id"] == request_id]
-    assert transfer.context.trace_id == gateway.context.trace_id
+    finished = exporter.get_finished_spans()
+    [transfer] = [s for s in finished if s.name == "engine.kv_transfer"]
+    seen = [(s.name, s.attributes.get("switchboard.request_id"), f"{s.context.trace_id:x}"[:8], s.status.description)
+            for s in finished]
+    gateways = [s for s in finished if s.name == "gateway.request" and s.context.trace_id == transfer.context.trace_id]
+    assert len(gateways) == 1, seen
+    [gateway] = gateways
+    request_id = gateway.attributes["switchboard.request_id"]
+    assert transfer.attributes["switchboard.request_id"] == request_id, seen  # its first attempt, not a resumed one
     assert transfer.attributes["switchboard.outcome"] == "moved" and transfer.attributes["switchboard.kv_bytes"] > 0
     assert transfer.attributes["switchboard.kv_tokens"] == 61  # the prompt's 60 tokens and the first token's
     assert gateway.start_time <= transfer.start_time <= transfer.end_time <= gateway.end_time

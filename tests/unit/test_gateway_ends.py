@@ -16,6 +16,7 @@ import dataclasses
 import time
 from collections import Counter
 
+import msgspec
 import pytest
 
 from services.gateway.core import Gateway
@@ -279,6 +280,21 @@ def test_the_engines_lease_running_out(world, spans):
     upstream, session, _ = run(world, spans, scenario)
     assert finished(upstream, session) is FinishReason.ERROR
     assert upstream.cancels_of(session) == [(session.id, CancelKind.CLIENT_DISCONNECTED)]
+
+
+def test_an_engine_not_heard_yet_is_not_taken_for_dead(world, spans):
+    """The tokenizer routed to an engine whose first heartbeat has not reached this gateway yet (it just
+    started): within a lease of the answer naming it, the attempt is not resumed."""
+    async def scenario(gateway, upstream, call):
+        task, req = await launch(call, upstream)
+        await upstream.answer(req, msgspec.structs.replace(started(req), engine="engine-new"))
+        await asyncio.sleep(LEASE_S * 0.75)  # three failover checks
+        await upstream.answer(req, output(req, FinishReason.LENGTH))
+        return await task
+
+    upstream, session, [end] = run(world, spans, scenario)
+    assert end.finish_reason is FinishReason.LENGTH and len(upstream.requests) == 1
+    assert upstream.cancels_of(session) == []
 
 
 def test_a_refusal_before_it_was_published(world, spans):

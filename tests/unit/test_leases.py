@@ -69,3 +69,18 @@ def test_expire_forgets_the_dead_and_names_each_once(leases, clock):
     assert leases.expire() == []
     assert leases.live() == {"b": 3}
 
+
+
+def test_an_instance_not_heard_yet_is_gone_only_a_lease_after_it_was_named(leases, clock):
+    """An engine a tokenizer routed to (or a prefill engine handed to) may be new to this watcher: its first
+    heartbeat may still be on its way, so it is given a lease from when it was named."""
+    named = clock.now
+    clock.now += 2.0
+    assert not leases.is_gone("new", named)
+    clock.now += 0.001
+    assert leases.is_gone("new", named)
+    leases.beat("new", "first")  # heard: its own lease counts from then, whenever it was named
+    clock.now += 2.0
+    assert not leases.is_gone("new", named)
+    clock.now += 0.001
+    assert leases.is_gone("new", named) and leases.is_gone("new", clock.now)

@@ -108,9 +108,11 @@ class Failover:
             await asyncio.sleep(0.05)
 
     def dead_owner(self, session: Session) -> str | None:
+        """Why the session's attempt is lost, if its tokenizer or engine is gone (one this gateway has not
+        heard yet, e.g. an engine that just started, is given a lease from when the attempt was answered)."""
         tokenizer, engine = session.owners
-        if tokenizer and not self.tokenizers.is_live(tokenizer):
+        if tokenizer and self.tokenizers.is_gone(tokenizer, session.owned_since):
             return f"tokenizer {tokenizer} died"
-        if engine and not self.engines.is_live(engine):
+        if engine and self.engines.is_gone(engine, session.owned_since):
             return f"engine {engine} died"
         return None

@@ -95,6 +95,7 @@ class Session:
         self.resume_asked = False
         self.index = 0  # the choice number within its call
         self.started: Started | None = None
+        self.owned_since = 0.0  # monotonic time the current attempt's owners (``started``) answered
         self.published = False
         self.closed = False
         self.first_token_at: float | None = None
@@ -121,7 +122,7 @@ class Session:
             event = await self._answer(deadline, lambda: failover.tokenizer_deaths != deaths
                                        and time.monotonic() - asked >= patience)
             if isinstance(event, Started):
-                self.started = event
+                self.started, self.owned_since = event, time.monotonic()
                 return event
             if event is not None:
                 raise self._error(event)
@@ -211,6 +212,7 @@ class Session:
             event = await self._publish_attempt()
             if isinstance(event, Started):
                 self.started = msgspec.structs.replace(self.started, tokenizer=event.tokenizer, engine=event.engine)
+                self.owned_since = time.monotonic()
                 self.resume_asked = False  # asks about the old owners were dropped while waiting; new ones count
                 return
             if not (isinstance(event, Failed) and event.retryable):
