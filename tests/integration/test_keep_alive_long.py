@@ -2,8 +2,9 @@
 default ``streamKeepAliveSeconds``) and complete through each family's real client.
 
 The hold is a real queue: the engine runs one sequence at a time (maxBatchSize 1) and threads keep
-priority-1 requests in its waiting queue for HOLD seconds (four threads, so one ending early leaves no gap), so every stream of the default priority waits its
-turn from admission until the holders stop. All families wait at once, so the module costs one hold."""
+priority-1 streams running or waiting for HOLD seconds, each thousands of tokens long, so every stream of
+the default priority waits its turn from admission until the holders stop and leave (closing their
+streams cancels them at once). All families wait at once, so the module costs one hold."""
 
 from __future__ import annotations
 
@@ -25,22 +26,31 @@ PING = b'event: ping\ndata: {"type": "ping"}\n\n'
 EVERY = 15.0  # the default Switchboard.streamKeepAliveSeconds, left as it is
 HOLD = 40.0
 SLACK = 3.0
-HOLDERS = 4  # priority-1 requests running or waiting: one that ends early (a random model's EOS) leaves no gap
+HOLDERS = 4  # priority-1 streams running or waiting: one that ends early (a random model's EOS) leaves no gap
+HOLD_TOKENS = 4000  # each holder's length: seconds of steps, so a holder's next request is in long before it is needed
 
 
 @pytest.fixture(scope="module")
 def queue_stack(tmp_path_factory, tiny_model_dir):
-    with running_stack(tmp_path_factory.mktemp("keep-alive-long"), tiny_model_dir,
-                       **{"BackendConfig.ScheduleConfig": {"maxBatchSize": 1, "maxPrefillBatchSize": 1}}) as stack:
+    with running_stack(tmp_path_factory.mktemp("keep-alive-long"), tiny_model_dir, **{
+            "BackendConfig.ScheduleConfig": {"maxBatchSize": 1, "maxPrefillBatchSize": 1, "maxIterTimes": HOLD_TOKENS},
+            "BackendConfig.ModelDeployConfig": {"maxSeqLen": HOLD_TOKENS + 96},
+            # a 2-core machine running this many streams may stall a service for a moment: a stall must not read
+            # as a death here (the holders' attempts resumed behind the streams' would end the hold early)
+            "Switchboard": {"leaseSeconds": 10.0}}) as stack:
         yield stack
 
 
 def hold_the_engine(stack, stop: threading.Event) -> None:
-    """Keep a priority-1 request running or waiting until ``stop``."""
-    body = {"text_input": "Once", "parameters": {"priority": 1, "max_new_tokens": 3000, "do_sample": False}}
+    """Keep a priority-1 stream running or waiting until ``stop``, then leave (its request is cancelled)."""
+    body = {"text_input": "Once", "parameters": {"priority": 1, "max_new_tokens": HOLD_TOKENS, "do_sample": False}}
     while not stop.is_set():
-        r = httpx.post(f"{stack.url}/v2/models/{stack.model}/generate", json=body, timeout=60)
-        assert r.status_code == 200, r.text
+        with httpx.stream("POST", f"{stack.url}/v2/models/{stack.model}/generate_stream", json=body,
+                          timeout=HOLD + 60) as r:
+            assert r.status_code == 200, r.read()
+            for _ in r.iter_raw():
+                if stop.is_set():
+                    break
 
 
 def holding(stack, timeout: float) -> None:
@@ -115,7 +125,8 @@ def test_streams_held_back_40_s_get_keep_alives_every_15_s_and_complete(queue_st
         marker = raw[path][1]
         wire = b"".join(chunk for _, chunk in chunks)
         pings, silences = _keep_alives(chunks, marker)
-        assert ended > HOLD - SLACK, f"{path}: the hold did not hold (the stream ended at {ended:.1f} s)"
+        assert ended > HOLD - SLACK, (f"{path}: the hold did not hold (the stream ended at {ended:.1f} s): {wire[-600:]!r}"
+                                      f"\n{chr(10).join(stack.output[-40:])}")
         assert len(pings) >= 2, f"{path}: keep-alives at {pings} in a stream that ended at {ended:.1f} s"
         assert max(silences) < EVERY + SLACK, f"{path}: silent for {max(silences):.1f} s (keep-alives at {pings})"
         assert all(EVERY - SLACK < silence for silence, _ in pings), f"{path}: keep-alives too early: {pings}"
