@@ -71,6 +71,12 @@ class TorchOps:
         return (q.to(torch.float8_e4m3fn) if out is None else out.copy_(q)), scale
 
     @staticmethod
+    def fp8_weight_mm(rows: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """``rows`` [M, K] times W^T, W given as float8 e4m3 codes ``q`` [N, K] and a float32 ``scale`` [N] per
+        output channel; the activations as they are (W8A16), the sums in float32, the result in ``rows``' dtype."""
+        return ((rows.float() @ q.float().T) * scale.reshape(1, -1)).to(rows.dtype)
+
+    @staticmethod
     def rotate(qkv, cos, sin, positions, num_heads, num_kv_heads, head_dim) -> torch.Tensor:
         """Rotates q and k in place; returns the rows' k and v [T, 2, Hkv, D]."""
         rotated = num_heads + num_kv_heads

@@ -9,9 +9,13 @@ host sync):
   (``_weight_int4pack_mm``, "tinygemm", sm80+; gpt-fast's and torchao's int4 path). Its weights are
   ``(q - 8) * scale + zero`` per group, so scale = d and zero = m + 8 d, kept in bfloat16 as the kernel
   takes them. Activations are bfloat16 (W4A16). 0.625 bytes per weight against bfloat16's 2.
-* ``fp8`` → ``Fp8Linear``: float8 e4m3 weights with one float32 scale per output channel (max |w| / 448),
-  and each row of activations quantized to e4m3 on the fly with its own scale (W8A8, as vLLM's fp8 path
-  runs on Hopper), multiplied by ``torch._scaled_mm`` (cuBLASLt's fp8 GEMM, rowwise scales, sm89+).
+* ``fp8`` → ``Fp8Linear``: float8 e4m3 weights with one float32 scale per output channel (max |w| / 448).
+  A product of more than ``FP8_WEIGHT_ONLY_ROWS`` rows (prompts) quantizes each row of activations to e4m3
+  on the fly with its own scale (W8A8, as vLLM's fp8 path runs on Hopper) for ``torch._scaled_mm``
+  (cuBLASLt's fp8 GEMM, rowwise scales, sm89+); a decode step's few rows are multiplied as they are by
+  the weights' codes converted as they load (W8A16, ``TritonOps.fp8_weight_mm``, the columns split across
+  the processors as a GEMV needs), as its time is the weights' bytes and the activations' quantization
+  would only add a launch and a rounding.
 
 The lm_head stays in the model's dtype on a GPU: it is ~3% of an 8B model's bytes and where 4 bits cost
 the most quality. The same classes run on a CPU (PyTorch's ``_for_cpu`` int4 kernel and its reference fp8
@@ -27,6 +31,7 @@ from services.engine.kernels import TorchOps
 from services.engine.quant import BLOCK, Q4Linear, QuantLinear, unpack4
 
 FORMATS = ("int4", "fp8")  # Switchboard.quantization's values on cuda
+FP8_WEIGHT_ONLY_ROWS = 16  # fp8 products of up to this many rows keep their activations (W8A16, one Triton launch)
 CHECKPOINTS = ("awq", "gptq")  # folders already quantized (prequantized.py), loaded as int4
 
 
@@ -134,12 +139,20 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        q, scale = self.ops.fp8_rows(rows)
         out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
-        out = torch._scaled_mm(q, self.weight_t, scale_a=scale, scale_b=self.scale, out_dtype=out_dtype).to(x.dtype)
+        if self._weight_only(rows):
+            out = self.ops.fp8_weight_mm(rows.to(out_dtype), self.weight_t.T, self.scale.reshape(-1)).to(x.dtype)
+        else:
+            q, scale = self.ops.fp8_rows(rows)
+            out = torch._scaled_mm(q, self.weight_t, scale_a=scale, scale_b=self.scale, out_dtype=out_dtype).to(x.dtype)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _weight_only(self, rows: torch.Tensor) -> bool:
+        """A decode step's few rows, whose time is the weights' bytes: W8A16 through the Triton kernel (or
+        PyTorch's reference on a CPU, as CI checks it; on a GPU without Triton it would convert every weight)."""
+        return rows.shape[0] <= FP8_WEIGHT_ONLY_ROWS and (self.ops.fused or rows.device.type == "cpu")
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return (self.weight_t.T.float() * self.scale.T).to(dtype)

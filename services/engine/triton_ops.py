@@ -19,6 +19,7 @@ through numpy: how CI checks them against ``TorchOps`` without a GPU.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -38,6 +39,24 @@ class PrefillPlan(NamedTuple):
     tiles: torch.Tensor  # [tiles * 2]: chunk, first row within it (PREFILL_ROWS rows each)
     tables: torch.Tensor  # [chunks, width] block tables, zero-padded
     num_tiles: int
+
+
+FP8_MM_N, FP8_MM_K = 64, 128  # fp8 weight-only product: output channels per program, columns per iteration
+
+
+def fp8_split(n: int, k: int, device: torch.device) -> tuple[int, int]:
+    """How many parts ``fp8_weight_mm`` splits the columns into (and the columns of each, whole iterations):
+    enough that the output tiles times the parts give each processor two programs, each part at least
+    four iterations long."""
+    processors = _processors(device.index or 0) if device.type == "cuda" else 2
+    tiles = triton.cdiv(n, FP8_MM_N)
+    splits = max(1, min(triton.cdiv(2 * processors, tiles), k // (4 * FP8_MM_K)))
+    return splits, triton.cdiv(triton.cdiv(k, splits), FP8_MM_K) * FP8_MM_K
+
+
+@functools.cache
+def _processors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 SPREAD_PROGRAMS = 256  # paged decode: fewer (row, KV head) programs than this run one per query head instead
@@ -197,6 +216,35 @@ def _fp8_rows_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, width, fp8_max
 
 
 @triton.jit
+def _fp8_weight_mm_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, rows, n, k, k_per_split, stride_x, stride_w, stride_out,
+                          stride_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          UPCAST: tl.constexpr):
+    # program (n tile, k split): its split's partial sums of x [rows, k] times W [n, k]^T, W's e4m3 codes
+    # converted to x's dtype as they load and its channels' scales applied at the end (W8A16)
+    cols_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    first = tl.program_id(1) * k_per_split
+    last = tl.minimum(first + k_per_split, k)
+    m = tl.arange(0, BLOCK_M)
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    start = first
+    while start < last:
+        cols_k = start + ks
+        x = tl.load(x_ptr + m[:, None] * stride_x + cols_k[None, :],
+                    mask=(m[:, None] < rows) & (cols_k[None, :] < last), other=0.0)
+        w = tl.load(w_ptr + cols_n[None, :] * stride_w + cols_k[:, None],
+                    mask=(cols_n[None, :] < n) & (cols_k[:, None] < last), other=0.0)
+        if UPCAST:  # (Triton's CPU interpreter multiplies bfloat16 matrices wrongly)
+            acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(x, _to(w, x.dtype))
+        start += BLOCK_K
+    acc *= tl.load(scale_ptr + cols_n, mask=cols_n < n, other=0.0)[None, :]
+    tl.store(out_ptr + tl.program_id(1) * stride_split + m[:, None] * stride_out + cols_n[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=(m[:, None] < rows) & (cols_n[None, :] < n))
+
+
+@triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, width, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -285,6 +333,23 @@ class TritonOps(TorchOps):
             _fp8_rows_kernel[(m,)](rows, q, scale, rows.stride(0), q.stride(0), k, FP8_MAX, FP8_TINY,
                                    BLOCK=min(1024, _pow2(k)))
         return q, scale
+
+    @staticmethod
+    def fp8_weight_mm(rows: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """TorchOps.fp8_weight_mm in one launch (two when the columns are split): a decode step's few rows
+        against every weight once, so the programs are the output tiles times enough splits of the columns
+        to give each of the device's processors two (``fp8_split``)."""
+        m, k = rows.shape
+        n = q.shape[0]
+        if m == 0:
+            return rows.new_empty(0, n)
+        splits, k_per_split = fp8_split(n, k, rows.device)
+        out = torch.empty(splits, m, n, device=rows.device, dtype=rows.dtype if splits == 1 else torch.float32)
+        grid = (triton.cdiv(n, FP8_MM_N), splits)
+        _fp8_weight_mm_kernel[grid](rows, q, scale, out, m, n, k, k_per_split, rows.stride(0), q.stride(0),
+                                    out.stride(1), out.stride(0), BLOCK_M=max(16, _pow2(m)), BLOCK_N=FP8_MM_N,
+                                    BLOCK_K=FP8_MM_K, UPCAST=rows.device.type == "cpu")
+        return out[0] if splits == 1 else out.sum(dim=0).to(rows.dtype)
 
     @staticmethod
     def rope_store(qkv, cos, sin, positions, k_cache, v_cache, slots, num_heads, num_kv_heads, head_dim) -> None:

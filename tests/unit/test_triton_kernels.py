@@ -54,6 +54,23 @@ def test_fp8_rows_scale_each_row_by_its_largest_value(dtype):
     assert OPS.fp8_rows(rows[:0])[0].shape == (0, 2500)
 
 
+@pytest.mark.parametrize("n,splits", [(100, 2), (300, 1)])  # 2 or 5 tiles of output channels (2 "processors" here)
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_fp8_weight_mm_is_the_rows_times_the_weights_codes_and_scales(n, splits, rows):
+    """fp8's decode products (W8A16): the columns split in parts whose partial sums are added, or not split;
+    edges that are no whole tile (neither 100 or 300 channels nor 1,100 columns are)."""
+    torch.manual_seed(0)
+    k = 1100
+    assert triton_ops.fp8_split(n, k, torch.device("cpu"))[0] == splits
+    codes, scale = REF.fp8_rows(torch.randn(n, k) * 0.05)  # each output channel in e4m3 with its scale
+    x = torch.randn(rows, k, dtype=torch.bfloat16)
+    got = OPS.fp8_weight_mm(x, codes, scale.reshape(-1))
+    want = REF.fp8_weight_mm(x, codes, scale.reshape(-1))
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    torch.testing.assert_close(got, want, **TOLERANCE[torch.bfloat16])
+    assert OPS.fp8_weight_mm(x[:0], codes, scale.reshape(-1)).shape == (0, n)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_store_rotates_in_place_and_writes_the_cache(dtype):
     check_rope_store(OPS, dtype)

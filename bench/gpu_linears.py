@@ -1,0 +1,107 @@
+"""The 8B shape's projections alone on a GPU, in each weight format, at a few rows: which kernel wins where.
+
+    python3 bench/gpu_linears.py [--rows 1,4,16,32,64] [--out FILE.json]
+
+A decode step's time is mostly its products, and at a few rows each product's time is its weights' bytes
+over the memory's bandwidth. Per projection of Llama-3.1-8B's layer (qkv 6144 x 4096, o 4096 x 4096,
+gate_up 28672 x 4096, down 4096 x 14336) and per row count: bfloat16 (cuBLAS), int4 (``Int4Linear``,
+PyTorch's tinygemm kernel), fp8 W8A8 (the rows quantized by ``fp8_rows``, then ``torch._scaled_mm``) and fp8
+W8A16 (``TritonOps.fp8_weight_mm``); microseconds per call (each timed as a CUDA graph of 50 calls, the
+best of 5 replays) and the weights' GB/s that makes. What ``quant_cuda.FP8_WEIGHT_ONLY_ROWS`` should be is
+where W8A16 stops beating W8A8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from services.engine.quant_cuda import Fp8Linear, Int4Linear  # noqa: E402
+from services.engine.triton_ops import TritonOps  # noqa: E402
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+CALLS, REPLAYS = 50, 5
+
+
+def timed(fn) -> float:
+    """Microseconds per call of ``fn`` (no arguments), captured as a graph of CALLS calls."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS):
+            fn()
+    best = float("inf")
+    for _ in range(REPLAYS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) * 1000 / CALLS)
+    return best
+
+
+def layers(n: int, k: int) -> dict:
+    """One projection in each format, from the same random weight."""
+    weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    ops = TritonOps()
+    fp8 = Fp8Linear.from_float(weight, None, ops)
+    dense = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
+    dense.weight.data = weight
+    return {
+        "bfloat16": (dense, weight.numel() * 2),
+        "int4": (Int4Linear.from_float(weight), None),
+        "fp8 W8A8": (lambda x: w8a8(fp8, ops, x), fp8.nbytes),
+        "fp8 W8A16": (lambda x: ops.fp8_weight_mm(x, fp8.weight_t.T, fp8.scale.reshape(-1)), fp8.nbytes),
+    }
+
+
+def w8a8(fp8: Fp8Linear, ops: TritonOps, x: torch.Tensor) -> torch.Tensor:
+    """``Fp8Linear``'s product for more than FP8_WEIGHT_ONLY_ROWS rows, at any number of rows."""
+    q, scale = ops.fp8_rows(x)
+    return torch._scaled_mm(q, fp8.weight_t, scale_a=scale, scale_b=fp8.scale, out_dtype=torch.bfloat16)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", default="1,4,16,32,64")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    rows = [int(r) for r in args.rows.split(",") if r]
+    print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    results = []
+    with torch.inference_mode():
+        for name, (n, k) in SHAPES.items():
+            for fmt, (layer, nbytes) in layers(n, k).items():
+                nbytes = nbytes or layer.nbytes
+                for m in rows:
+                    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                    us = timed(lambda: layer(x))
+                    results.append(dict(shape=name, format=fmt, rows=m, us=us, gb_s=nbytes / us / 1e3))
+                    print(f"{name:8} {fmt:10} rows {m:3}: {us:8.1f} us  {nbytes / us / 1e3:7.0f} GB/s", flush=True)
+            torch.cuda.empty_cache()
+    print("| projection | rows | " + " | ".join(f"{f} us" for f in ("bfloat16", "int4", "fp8 W8A8", "fp8 W8A16")) + " |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name in SHAPES:
+        for m in rows:
+            cells = [next(r for r in results if r["shape"] == name and r["rows"] == m and r["format"] == f)["us"]
+                     for f in ("bfloat16", "int4", "fp8 W8A8", "fp8 W8A16")]
+            print(f"| {name} | {m} | " + " | ".join(f"{c:.1f}" for c in cells) + " |")
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
