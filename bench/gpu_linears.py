@@ -5,10 +5,12 @@
 A decode step's time is mostly its products, and at a few rows each product's time is its weights' bytes
 over the memory's bandwidth. Per projection of Llama-3.1-8B's layer (qkv 6144 x 4096, o 4096 x 4096,
 gate_up 28672 x 4096, down 4096 x 14336) and per row count: bfloat16 (cuBLAS), int4 (``Int4Linear``,
-PyTorch's tinygemm kernel), fp8 W8A8 (the rows quantized by ``fp8_rows``, then ``torch._scaled_mm``) and fp8
-W8A16 (``TritonOps.fp8_weight_mm``); microseconds per call (each timed as a CUDA graph of 50 calls, the
-best of 5 replays) and the weights' GB/s that makes. What ``quant_cuda.FP8_WEIGHT_ONLY_ROWS`` should be is
-where W8A16 stops beating W8A8.
+PyTorch's tinygemm kernel), and fp8 three ways: the rows quantized by ``fp8_rows`` then ``torch._scaled_mm``
+(cuBLASLt: prompts), or then ``TritonOps.fp8_mm`` (a GEMV: decode rows), or the rows as they are through
+``fp8_mm`` (W8A16: each weight converted as it loads); microseconds per call (each timed as a CUDA graph
+of 50 calls, the best of 5 replays) and the weights' GB/s that makes. ``quant_cuda.FP8_GEMV_ROWS`` belongs
+where the GEMV stops beating cuBLASLt; W8A16 is there to say whether converting the weights costs more
+than quantizing the rows.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from services.engine.triton_ops import TritonOps  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 CALLS, REPLAYS = 50, 5
+FORMATS = ("bfloat16", "int4", "fp8 cuBLASLt", "fp8 GEMV", "fp8 W8A16")
 
 
 def timed(fn) -> float:
@@ -62,13 +65,20 @@ def layers(n: int, k: int) -> dict:
     return {
         "bfloat16": (dense, weight.numel() * 2),
         "int4": (Int4Linear.from_float(weight), None),
-        "fp8 W8A8": (lambda x: w8a8(fp8, ops, x), fp8.nbytes),
-        "fp8 W8A16": (lambda x: ops.fp8_weight_mm(x, fp8.weight_t.T, fp8.scale.reshape(-1)), fp8.nbytes),
+        "fp8 cuBLASLt": (lambda x: w8a8(fp8, ops, x), fp8.nbytes),
+        "fp8 GEMV": (lambda x: gemv(fp8, ops, x), fp8.nbytes),
+        "fp8 W8A16": (lambda x: ops.fp8_mm(x, fp8.weight_t.T, fp8.scale.reshape(-1)), fp8.nbytes),
     }
 
 
+def gemv(fp8: Fp8Linear, ops: TritonOps, x: torch.Tensor) -> torch.Tensor:
+    """``Fp8Linear``'s product for up to FP8_GEMV_ROWS rows, at any number of rows."""
+    q, scale = ops.fp8_rows(x)
+    return ops.fp8_mm(q, fp8.weight_t.T, fp8.scale.reshape(-1), scale, torch.bfloat16)
+
+
 def w8a8(fp8: Fp8Linear, ops: TritonOps, x: torch.Tensor) -> torch.Tensor:
-    """``Fp8Linear``'s product for more than FP8_WEIGHT_ONLY_ROWS rows, at any number of rows."""
+    """``Fp8Linear``'s product for more than FP8_GEMV_ROWS rows, at any number of rows."""
     q, scale = ops.fp8_rows(x)
     return torch._scaled_mm(q, fp8.weight_t, scale_a=scale, scale_b=fp8.scale, out_dtype=torch.bfloat16)
 
@@ -91,12 +101,12 @@ def main(argv=None) -> int:
                     results.append(dict(shape=name, format=fmt, rows=m, us=us, gb_s=nbytes / us / 1e3))
                     print(f"{name:8} {fmt:10} rows {m:3}: {us:8.1f} us  {nbytes / us / 1e3:7.0f} GB/s", flush=True)
             torch.cuda.empty_cache()
-    print("| projection | rows | " + " | ".join(f"{f} us" for f in ("bfloat16", "int4", "fp8 W8A8", "fp8 W8A16")) + " |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| projection | rows | " + " | ".join(f"{f} us" for f in FORMATS) + " |")
+    print("|---|---:|" + "---:|" * len(FORMATS))
     for name in SHAPES:
         for m in rows:
             cells = [next(r for r in results if r["shape"] == name and r["rows"] == m and r["format"] == f)["us"]
-                     for f in ("bfloat16", "int4", "fp8 W8A8", "fp8 W8A16")]
+                     for f in FORMATS]
             print(f"| {name} | {m} | " + " | ".join(f"{c:.1f}" for c in cells) + " |")
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))

@@ -71,10 +71,13 @@ class TorchOps:
         return (q.to(torch.float8_e4m3fn) if out is None else out.copy_(q)), scale
 
     @staticmethod
-    def fp8_weight_mm(rows: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    def fp8_mm(rows: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, row_scale: torch.Tensor | None = None,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """``rows`` [M, K] times W^T, W given as float8 e4m3 codes ``q`` [N, K] and a float32 ``scale`` [N] per
-        output channel; the activations as they are (W8A16), the sums in float32, the result in ``rows``' dtype."""
-        return ((rows.float() @ q.float().T) * scale.reshape(1, -1)).to(rows.dtype)
+        output channel; the sums in float32, the result in ``out_dtype`` (by default ``rows``'). ``rows`` are
+        either e4m3 codes with ``row_scale`` [M, 1] (W8A8, as ``fp8_rows`` makes them) or 16-bit (W8A16)."""
+        a = rows.float() if row_scale is None else rows.float() * row_scale
+        return ((a @ q.float().T) * scale.reshape(1, -1)).to(out_dtype or rows.dtype)
 
     @staticmethod
     def rotate(qkv, cos, sin, positions, num_heads, num_kv_heads, head_dim) -> torch.Tensor:

@@ -9,13 +9,12 @@ host sync):
   (``_weight_int4pack_mm``, "tinygemm", sm80+; gpt-fast's and torchao's int4 path). Its weights are
   ``(q - 8) * scale + zero`` per group, so scale = d and zero = m + 8 d, kept in bfloat16 as the kernel
   takes them. Activations are bfloat16 (W4A16). 0.625 bytes per weight against bfloat16's 2.
-* ``fp8`` → ``Fp8Linear``: float8 e4m3 weights with one float32 scale per output channel (max |w| / 448).
-  A product of more than ``FP8_WEIGHT_ONLY_ROWS`` rows (prompts) quantizes each row of activations to e4m3
-  on the fly with its own scale (W8A8, as vLLM's fp8 path runs on Hopper) for ``torch._scaled_mm``
-  (cuBLASLt's fp8 GEMM, rowwise scales, sm89+); a decode step's few rows are multiplied as they are by
-  the weights' codes converted as they load (W8A16, ``TritonOps.fp8_weight_mm``, the columns split across
-  the processors as a GEMV needs), as its time is the weights' bytes and the activations' quantization
-  would only add a launch and a rounding.
+* ``fp8`` → ``Fp8Linear``: float8 e4m3 weights with one float32 scale per output channel (max |w| / 448),
+  and each row of activations quantized to e4m3 on the fly with its own scale (``fp8_rows``; W8A8, as vLLM's
+  fp8 path runs on Hopper). Prompts are multiplied by ``torch._scaled_mm`` (cuBLASLt's fp8 GEMM, rowwise
+  scales, sm89+); a decode step's few rows (up to ``FP8_GEMV_ROWS``) by ``TritonOps.fp8_mm``, one launch
+  whose programs split the columns across the processors as a product of one row needs (a GEMM kernel made
+  for many rows leaves most of them idle), the codes going into the tensor cores as they are.
 
 The lm_head stays in the model's dtype on a GPU: it is ~3% of an 8B model's bytes and where 4 bits cost
 the most quality. The same classes run on a CPU (PyTorch's ``_for_cpu`` int4 kernel and its reference fp8
@@ -31,7 +30,7 @@ from services.engine.kernels import TorchOps
 from services.engine.quant import BLOCK, Q4Linear, QuantLinear, unpack4
 
 FORMATS = ("int4", "fp8")  # Switchboard.quantization's values on cuda
-FP8_WEIGHT_ONLY_ROWS = 16  # fp8 products of up to this many rows keep their activations (W8A16, one Triton launch)
+FP8_GEMV_ROWS = 16  # fp8 products of up to this many rows run as TritonOps.fp8_mm (a GEMV), more as _scaled_mm
 CHECKPOINTS = ("awq", "gptq")  # folders already quantized (prequantized.py), loaded as int4
 
 
@@ -140,19 +139,19 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
-        if self._weight_only(rows):
-            out = self.ops.fp8_weight_mm(rows.to(out_dtype), self.weight_t.T, self.scale.reshape(-1)).to(x.dtype)
+        q, scale = self.ops.fp8_rows(rows)
+        if self._gemv(rows):
+            out = self.ops.fp8_mm(q, self.weight_t.T, self.scale.reshape(-1), scale, out_dtype).to(x.dtype)
         else:
-            q, scale = self.ops.fp8_rows(rows)
             out = torch._scaled_mm(q, self.weight_t, scale_a=scale, scale_b=self.scale, out_dtype=out_dtype).to(x.dtype)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out.reshape(*x.shape[:-1], self.out_features)
 
-    def _weight_only(self, rows: torch.Tensor) -> bool:
-        """A decode step's few rows, whose time is the weights' bytes: W8A16 through the Triton kernel (or
-        PyTorch's reference on a CPU, as CI checks it; on a GPU without Triton it would convert every weight)."""
-        return rows.shape[0] <= FP8_WEIGHT_ONLY_ROWS and (self.ops.fused or rows.device.type == "cpu")
+    def _gemv(self, rows: torch.Tensor) -> bool:
+        """A decode step's few rows, whose time is the weights' bytes: through the Triton kernel (or PyTorch's
+        reference on a CPU, as CI checks it; on a GPU without Triton that would convert every weight)."""
+        return rows.shape[0] <= FP8_GEMV_ROWS and (self.ops.fused or rows.device.type == "cpu")
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return (self.weight_t.T.float() * self.scale.T).to(dtype)

@@ -41,11 +41,11 @@ class PrefillPlan(NamedTuple):
     num_tiles: int
 
 
-FP8_MM_N, FP8_MM_K = 64, 128  # fp8 weight-only product: output channels per program, columns per iteration
+FP8_MM_N, FP8_MM_K = 64, 128  # fp8 products of a few rows: output channels per program, columns per iteration
 
 
 def fp8_split(n: int, k: int, device: torch.device) -> tuple[int, int]:
-    """How many parts ``fp8_weight_mm`` splits the columns into (and the columns of each, whole iterations):
+    """How many parts ``fp8_mm`` splits the columns into (and the columns of each, whole iterations):
     enough that the output tiles times the parts give each processor two programs, each part at least
     four iterations long."""
     processors = _processors(device.index or 0) if device.type == "cuda" else 2
@@ -216,11 +216,12 @@ def _fp8_rows_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, width, fp8_max
 
 
 @triton.jit
-def _fp8_weight_mm_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, rows, n, k, k_per_split, stride_x, stride_w, stride_out,
-                          stride_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          UPCAST: tl.constexpr):
-    # program (n tile, k split): its split's partial sums of x [rows, k] times W [n, k]^T, W's e4m3 codes
-    # converted to x's dtype as they load and its channels' scales applied at the end (W8A16)
+def _fp8_mm_kernel(x_ptr, x_scale_ptr, w_ptr, scale_ptr, out_ptr, rows, n, k, k_per_split, stride_x, stride_w,
+                   stride_out, stride_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   ROW_SCALES: tl.constexpr, UPCAST: tl.constexpr):
+    # program (n tile, k split): its split's partial sums of x [rows, k] times W [n, k]^T, W's e4m3 codes times
+    # its channels' scales. ROW_SCALES: x is e4m3 too, with a scale per row (W8A8: the tensor cores take both
+    # as they are); else x is 16-bit and W's codes are converted as they load (W8A16)
     cols_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     first = tl.program_id(1) * k_per_split
     last = tl.minimum(first + k_per_split, k)
@@ -236,10 +237,14 @@ def _fp8_weight_mm_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, rows, n, k, k_per_sp
                     mask=(cols_n[None, :] < n) & (cols_k[:, None] < last), other=0.0)
         if UPCAST:  # (Triton's CPU interpreter multiplies bfloat16 matrices wrongly)
             acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        elif ROW_SCALES:
+            acc += tl.dot(x, w)
         else:
             acc += tl.dot(x, _to(w, x.dtype))
         start += BLOCK_K
     acc *= tl.load(scale_ptr + cols_n, mask=cols_n < n, other=0.0)[None, :]
+    if ROW_SCALES:
+        acc *= tl.load(x_scale_ptr + m, mask=m < rows, other=0.0)[:, None]
     tl.store(out_ptr + tl.program_id(1) * stride_split + m[:, None] * stride_out + cols_n[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=(m[:, None] < rows) & (cols_n[None, :] < n))
 
@@ -335,21 +340,24 @@ class TritonOps(TorchOps):
         return q, scale
 
     @staticmethod
-    def fp8_weight_mm(rows: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """TorchOps.fp8_weight_mm in one launch (two when the columns are split): a decode step's few rows
-        against every weight once, so the programs are the output tiles times enough splits of the columns
-        to give each of the device's processors two (``fp8_split``)."""
+    def fp8_mm(rows: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, row_scale: torch.Tensor | None = None,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """TorchOps.fp8_mm in one launch (two when the columns are split): a decode step's few rows against
+        every weight once, so the programs are the output tiles times enough splits of the columns to give
+        each of the device's processors two (``fp8_split``)."""
         m, k = rows.shape
         n = q.shape[0]
+        dtype = out_dtype or rows.dtype
         if m == 0:
-            return rows.new_empty(0, n)
+            return torch.empty(0, n, device=rows.device, dtype=dtype)
         splits, k_per_split = fp8_split(n, k, rows.device)
-        out = torch.empty(splits, m, n, device=rows.device, dtype=rows.dtype if splits == 1 else torch.float32)
+        out = torch.empty(splits, m, n, device=rows.device, dtype=dtype if splits == 1 else torch.float32)
         grid = (triton.cdiv(n, FP8_MM_N), splits)
-        _fp8_weight_mm_kernel[grid](rows, q, scale, out, m, n, k, k_per_split, rows.stride(0), q.stride(0),
-                                    out.stride(1), out.stride(0), BLOCK_M=max(16, _pow2(m)), BLOCK_N=FP8_MM_N,
-                                    BLOCK_K=FP8_MM_K, UPCAST=rows.device.type == "cpu")
-        return out[0] if splits == 1 else out.sum(dim=0).to(rows.dtype)
+        _fp8_mm_kernel[grid](rows, scale if row_scale is None else row_scale, q, scale, out, m, n, k, k_per_split,
+                             rows.stride(0), q.stride(0), out.stride(1), out.stride(0), BLOCK_M=max(16, _pow2(m)),
+                             BLOCK_N=FP8_MM_N, BLOCK_K=FP8_MM_K, ROW_SCALES=row_scale is not None,
+                             UPCAST=rows.device.type == "cpu")
+        return out[0] if splits == 1 else out.sum(dim=0).to(dtype)
 
     @staticmethod
     def rope_store(qkv, cos, sin, positions, k_cache, v_cache, slots, num_heads, num_kv_heads, head_dim) -> None:

@@ -13,7 +13,7 @@ from services.engine import linears
 from services.engine.model_runner import check_format
 from services.engine.quant import Q4Linear
 from services.engine.kernels import FP8_MAX, TorchOps
-from services.engine.quant_cuda import FP8_WEIGHT_ONLY_ROWS, Fp8Linear, Int4Linear, quantize
+from services.engine.quant_cuda import FP8_GEMV_ROWS, Fp8Linear, Int4Linear, quantize
 
 
 def weight(n: int = 80, k: int = 192, seed: int = 0) -> torch.Tensor:
@@ -46,16 +46,14 @@ def test_int4_keeps_the_input_dtype_and_leading_dimensions():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 7, 40])
+@pytest.mark.parametrize("rows", [1, 7, FP8_GEMV_ROWS + 24])
 def test_fp8_is_the_product_of_rows_and_weights_in_e4m3(dtype, rows):
-    """Up to FP8_WEIGHT_ONLY_ROWS rows (decode) the activations are multiplied as they are (in bfloat16 when
-    float32), more (prompts) are quantized to e4m3 per row too."""
+    """Up to FP8_GEMV_ROWS rows (decode: fp8_mm) and more (prompts: _scaled_mm), the same product."""
     w, bias = weight(n=48, k=96), torch.randn(48)
     layer = Fp8Linear.from_float(w, bias)
     x = (torch.randn(rows, 96) * torch.logspace(-2, 1, rows)[:, None]).to(dtype)  # rows of very different sizes
     q, scale = TorchOps.fp8_rows(x.reshape(rows, 96))
-    activations = x.to(torch.bfloat16).float() if rows <= FP8_WEIGHT_ONLY_ROWS else q.float() * scale
-    want = activations @ layer.dequantized().T + bias
+    want = (q.float() * scale) @ layer.dequantized().T + bias
     got = layer(x)
     assert got.dtype == dtype and got.shape == (rows, 48)
     assert torch.allclose(got.float(), want, atol=2e-2, rtol=1e-2), (got.float() - want).abs().max()

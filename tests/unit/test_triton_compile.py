@@ -43,9 +43,12 @@ for arch in (90, 89):
     build(T._fp8_rows_kernel, {"q_ptr": "fp8e4nv", "scale_ptr": "fp32"}, {"BLOCK": 1024}, arch)
     build(T._rms_norm_kernel, {}, {"ADD": True, "BLOCK": 4096}, arch)
     build(T._silu_mul_kernel, {}, {"BLOCK": 1024}, arch)
-    for out in ("bf16", "fp32"):  # the product written whole, or as one of its column splits' partial sums
-        build(T._fp8_weight_mm_kernel, {"w_ptr": "fp8e4nv", "scale_ptr": "fp32", "out_ptr": out},
-              {"BLOCK_M": 16, "BLOCK_N": T.FP8_MM_N, "BLOCK_K": T.FP8_MM_K, "UPCAST": False}, arch)
+    # fp8 GEMVs: rows in e4m3 (W8A8) or bfloat16 (W8A16); the product written whole, or its column splits' sums
+    for x, out in (("fp8e4nv", "bf16"), ("fp8e4nv", "fp32"), ("bf16", "fp32")):
+        build(T._fp8_mm_kernel, {"x_ptr": x, "x_scale_ptr": "fp32", "w_ptr": "fp8e4nv", "scale_ptr": "fp32",
+                                 "out_ptr": out},
+              {"BLOCK_M": 16, "BLOCK_N": T.FP8_MM_N, "BLOCK_K": T.FP8_MM_K, "ROW_SCALES": x != "bf16",
+               "UPCAST": False}, arch)
     for kv in ("bf16", "fp8e4nv"):
         cache = {"k_ptr": kv, "v_ptr": kv}
         tables = {"cos_ptr": "fp32", "sin_ptr": "fp32", "pos_ptr": "i64", "slots_ptr": "i64"}
@@ -66,4 +69,4 @@ def test_the_triton_kernels_compile_for_hopper_and_ada(tmp_path):
                           timeout=400)
     assert done.returncode == 0, done.stderr[-4000:]
     built = done.stdout.split()
-    assert built.count("90") == built.count("89") == 11
+    assert built.count("90") == built.count("89") == 12

@@ -56,19 +56,22 @@ def test_fp8_rows_scale_each_row_by_its_largest_value(dtype):
 
 @pytest.mark.parametrize("n,splits", [(100, 2), (300, 1)])  # 2 or 5 tiles of output channels (2 "processors" here)
 @pytest.mark.parametrize("rows", [1, 5, 16])
-def test_fp8_weight_mm_is_the_rows_times_the_weights_codes_and_scales(n, splits, rows):
-    """fp8's decode products (W8A16): the columns split in parts whose partial sums are added, or not split;
-    edges that are no whole tile (neither 100 or 300 channels nor 1,100 columns are)."""
+@pytest.mark.parametrize("activations", ["e4m3", "bfloat16"])
+def test_fp8_mm_is_the_rows_times_the_weights_codes_and_scales(n, splits, rows, activations):
+    """fp8's decode products: the columns split in parts whose partial sums are added, or not split; edges that
+    are no whole tile (neither 100 or 300 channels nor 1,100 columns are); rows in e4m3 with their scales
+    (W8A8) or as they are (W8A16). (The e4m3 codes are made by PyTorch: the interpreter's casts are not a GPU's.)"""
     torch.manual_seed(0)
     k = 1100
     assert triton_ops.fp8_split(n, k, torch.device("cpu"))[0] == splits
     codes, scale = REF.fp8_rows(torch.randn(n, k) * 0.05)  # each output channel in e4m3 with its scale
-    x = torch.randn(rows, k, dtype=torch.bfloat16)
-    got = OPS.fp8_weight_mm(x, codes, scale.reshape(-1))
-    want = REF.fp8_weight_mm(x, codes, scale.reshape(-1))
+    x = torch.randn(rows, k, dtype=torch.bfloat16) * torch.logspace(-2, 1, rows, dtype=torch.bfloat16)[:, None]
+    args = (REF.fp8_rows(x) if activations == "e4m3" else (x, None))
+    got = OPS.fp8_mm(args[0], codes, scale.reshape(-1), args[1], torch.bfloat16)
+    want = REF.fp8_mm(args[0], codes, scale.reshape(-1), args[1], torch.bfloat16)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
     torch.testing.assert_close(got, want, **TOLERANCE[torch.bfloat16])
-    assert OPS.fp8_weight_mm(x[:0], codes, scale.reshape(-1)).shape == (0, n)
+    assert OPS.fp8_mm(args[0][:0], codes, scale.reshape(-1), None, torch.bfloat16).shape == (0, n)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
