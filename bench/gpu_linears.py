@@ -65,22 +65,10 @@ def layers(n: int, k: int) -> dict:
     return {
         "bfloat16": (dense, weight.numel() * 2),
         "int4": (Int4Linear.from_float(weight), None),
-        "fp8 cuBLASLt": (lambda x: w8a8(fp8, ops, x), fp8.nbytes),
-        "fp8 GEMV": (lambda x: gemv(fp8, ops, x), fp8.nbytes),
+        "fp8 cuBLASLt": (fp8.gemm, fp8.nbytes),
+        "fp8 GEMV": (fp8.gemv, fp8.nbytes),
         "fp8 W8A16": (lambda x: ops.fp8_mm(x, fp8.weight_t.T, fp8.scale.reshape(-1)), fp8.nbytes),
     }
-
-
-def gemv(fp8: Fp8Linear, ops: TritonOps, x: torch.Tensor) -> torch.Tensor:
-    """``Fp8Linear``'s product for up to FP8_GEMV_ROWS rows, at any number of rows."""
-    q, scale = ops.fp8_rows(x)
-    return ops.fp8_mm(q, fp8.weight_t.T, fp8.scale.reshape(-1), scale, torch.bfloat16)
-
-
-def w8a8(fp8: Fp8Linear, ops: TritonOps, x: torch.Tensor) -> torch.Tensor:
-    """``Fp8Linear``'s product for more than FP8_GEMV_ROWS rows, at any number of rows."""
-    q, scale = ops.fp8_rows(x)
-    return torch._scaled_mm(q, fp8.weight_t, scale_a=scale, scale_b=fp8.scale, out_dtype=torch.bfloat16)
 
 
 def main(argv=None) -> int:

@@ -139,19 +139,25 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
-        q, scale = self.ops.fp8_rows(rows)
-        if self._gemv(rows):
-            out = self.ops.fp8_mm(q, self.weight_t.T, self.scale.reshape(-1), scale, out_dtype).to(x.dtype)
-        else:
-            out = torch._scaled_mm(q, self.weight_t, scale_a=scale, scale_b=self.scale, out_dtype=out_dtype).to(x.dtype)
+        out = (self.gemv if self._as_gemv(rows) else self.gemm)(rows, out_dtype).to(x.dtype)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out.reshape(*x.shape[:-1], self.out_features)
 
-    def _gemv(self, rows: torch.Tensor) -> bool:
+    def _as_gemv(self, rows: torch.Tensor) -> bool:
         """A decode step's few rows, whose time is the weights' bytes: through the Triton kernel (or PyTorch's
         reference on a CPU, as CI checks it; on a GPU without Triton that would convert every weight)."""
         return rows.shape[0] <= FP8_GEMV_ROWS and (self.ops.fused or rows.device.type == "cpu")
+
+    def gemv(self, rows: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """``rows`` [M, K] in e4m3 times the weights: ``ops.fp8_mm`` (a decode step's product)."""
+        q, scale = self.ops.fp8_rows(rows)
+        return self.ops.fp8_mm(q, self.weight_t.T, self.scale.reshape(-1), scale, out_dtype)
+
+    def gemm(self, rows: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """``rows`` [M, K] in e4m3 times the weights: cuBLASLt's ``_scaled_mm`` (prompts)."""
+        q, scale = self.ops.fp8_rows(rows)
+        return torch._scaled_mm(q, self.weight_t, scale_a=scale, scale_b=self.scale, out_dtype=out_dtype)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return (self.weight_t.T.float() * self.scale.T).to(dtype)

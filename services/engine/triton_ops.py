@@ -8,7 +8,8 @@ one kernel:
   table (no gather), all query heads of the KV group at once, with an online softmax in float32;
 - ``rms_norm`` and ``add_rms_norm`` (residual += x, then the norm): one program per row;
 - ``silu_mul``: SiLU(gate) * up of the merged gate/up output;
-- ``rope_store``: rotates q and k in place and writes k and v into the paged cache.
+- ``rope_store``: rotates q and k in place and writes k and v into the paged cache;
+- ``fp8_rows`` and ``fp8_mm`` (fp8 weights): ``triton_fp8.py``.
 
 Every kernel reads only device memory its arguments name (lengths and block tables included), so
 a step made of them can be captured as a CUDA graph and replayed with new inputs.
@@ -19,14 +20,15 @@ through numpy: how CI checks them against ``TorchOps`` without a GPU.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from services.engine.kernels import FP8_MAX, FP8_TINY, TorchOps
+from services.engine import triton_fp8
+from services.engine.kernels import TorchOps
+from services.engine.triton_fp8 import pow2, to_dtype
 
 
 PREFILL_ROWS, PREFILL_TILE = 32, 32  # paged prefill: query rows per program, keys per iteration
@@ -41,37 +43,7 @@ class PrefillPlan(NamedTuple):
     num_tiles: int
 
 
-FP8_MM_N, FP8_MM_K = 64, 128  # fp8 products of a few rows: output channels per program, columns per iteration
-
-
-def fp8_split(n: int, k: int, device: torch.device) -> tuple[int, int]:
-    """How many parts ``fp8_mm`` splits the columns into (and the columns of each, whole iterations):
-    enough that the output tiles times the parts give each processor two programs, each part at least
-    four iterations long."""
-    processors = _processors(device.index or 0) if device.type == "cuda" else 2
-    tiles = triton.cdiv(n, FP8_MM_N)
-    splits = max(1, min(triton.cdiv(2 * processors, tiles), k // (4 * FP8_MM_K)))
-    return splits, triton.cdiv(triton.cdiv(k, splits), FP8_MM_K) * FP8_MM_K
-
-
-@functools.cache
-def _processors(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 SPREAD_PROGRAMS = 256  # paged decode: fewer (row, KV head) programs than this run one per query head instead
-
-
-def _pow2(n: int) -> int:
-    return triton.next_power_of_2(max(1, n))
-
-
-@triton.jit
-def _to(x, dtype: tl.constexpr):
-    # x in dtype, through float32 where they differ (an fp8 cache: sm89 has no direct e4m3 <-> bfloat16)
-    if x.dtype != dtype:
-        x = x.to(tl.float32).to(dtype)
-    return x
 
 
 @triton.jit
@@ -155,7 +127,7 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, info_ptr, tiles_ptr, 
         block = tl.load(tables_ptr + chunk * stride_table + pos // block_size, mask=p_ok, other=0)
         slot = block.to(tl.int64) * block_size + pos % block_size
         kv_ok = p_ok[:, None] & d_ok[None, :]
-        k = _to(tl.load(k_base + slot[:, None] * HEAD_DIM + d[None, :], mask=kv_ok, other=0.0), q.dtype)
+        k = to_dtype(tl.load(k_base + slot[:, None] * HEAD_DIM + d[None, :], mask=kv_ok, other=0.0), q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [ROWS, TILE] float32
         scores = tl.where((pos[None, :] <= seen[:, None]) & p_ok[None, :], scores, float("-inf"))
         new_best = tl.maximum(best, tl.max(scores, axis=1))
@@ -163,7 +135,7 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, info_ptr, tiles_ptr, 
         weights = tl.exp(scores - new_best[:, None])
         total = total * alpha + tl.sum(weights, axis=1)
         v = tl.load(v_base + slot[:, None] * HEAD_DIM + d[None, :], mask=kv_ok, other=0.0)
-        v = _to(v, out_ptr.dtype.element_ty)  # the model's dtype
+        v = to_dtype(v, out_ptr.dtype.element_ty)  # the model's dtype
         p = weights.to(v.dtype)  # (rounded to bfloat16 for the tensor cores, as flash attention does)
         if UPCAST:
             p, v = p.to(tl.float32), v.to(tl.float32)
@@ -191,62 +163,6 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_res, strid
     normed = (h * inv).to(out_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def _fp8_rows_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, width, fp8_max, tiny, BLOCK: tl.constexpr):
-    # one program per row: its largest |x|, then the row over its scale in q's dtype (e4m3 on a GPU)
-    row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    top = tl.zeros([BLOCK], dtype=tl.float32)
-    start = 0
-    while start < width:  # (``while``, as in _paged_decode_kernel, for the interpreter)
-        ok = start + cols < width
-        x = tl.load(x_ptr + row * stride_x + start + cols, mask=ok, other=0.0).to(tl.float32)
-        top = tl.maximum(top, tl.abs(x))
-        start += BLOCK
-    scale = tl.maximum(tl.max(top, axis=0), tiny) / fp8_max
-    tl.store(scale_ptr + row, scale)
-    start = 0
-    while start < width:
-        ok = start + cols < width
-        x = tl.load(x_ptr + row * stride_x + start + cols, mask=ok, other=0.0).to(tl.float32)
-        tl.store(q_ptr + row * stride_q + start + cols, (x / scale).to(q_ptr.dtype.element_ty), mask=ok)
-        start += BLOCK
-
-
-@triton.jit
-def _fp8_mm_kernel(x_ptr, x_scale_ptr, w_ptr, scale_ptr, out_ptr, rows, n, k, k_per_split, stride_x, stride_w,
-                   stride_out, stride_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   ROW_SCALES: tl.constexpr, UPCAST: tl.constexpr):
-    # program (n tile, k split): its split's partial sums of x [rows, k] times W [n, k]^T, W's e4m3 codes times
-    # its channels' scales. ROW_SCALES: x is e4m3 too, with a scale per row (W8A8: the tensor cores take both
-    # as they are); else x is 16-bit and W's codes are converted as they load (W8A16)
-    cols_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    first = tl.program_id(1) * k_per_split
-    last = tl.minimum(first + k_per_split, k)
-    m = tl.arange(0, BLOCK_M)
-    ks = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    start = first
-    while start < last:
-        cols_k = start + ks
-        x = tl.load(x_ptr + m[:, None] * stride_x + cols_k[None, :],
-                    mask=(m[:, None] < rows) & (cols_k[None, :] < last), other=0.0)
-        w = tl.load(w_ptr + cols_n[None, :] * stride_w + cols_k[:, None],
-                    mask=(cols_n[None, :] < n) & (cols_k[:, None] < last), other=0.0)
-        if UPCAST:  # (Triton's CPU interpreter multiplies bfloat16 matrices wrongly)
-            acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-        elif ROW_SCALES:
-            acc += tl.dot(x, w)
-        else:
-            acc += tl.dot(x, _to(w, x.dtype))
-        start += BLOCK_K
-    acc *= tl.load(scale_ptr + cols_n, mask=cols_n < n, other=0.0)[None, :]
-    if ROW_SCALES:
-        acc *= tl.load(x_scale_ptr + m, mask=m < rows, other=0.0)[:, None]
-    tl.store(out_ptr + tl.program_id(1) * stride_split + m[:, None] * stride_out + cols_n[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=(m[:, None] < rows) & (cols_n[None, :] < n))
 
 
 @triton.jit
@@ -284,12 +200,12 @@ def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, k_ptr, v_p
         tl.store(base + HALF + i, b, mask=ok)
         if head >= NUM_HEADS:  # the cache in its own dtype (fp8 e4m3: rounded from float32)
             dest = k_ptr + (head - NUM_HEADS) * stride_kv_head + slot * (2 * HALF)
-            tl.store(dest + i, _to(a, k_ptr.dtype.element_ty), mask=ok)
-            tl.store(dest + HALF + i, _to(b, k_ptr.dtype.element_ty), mask=ok)
+            tl.store(dest + i, to_dtype(a, k_ptr.dtype.element_ty), mask=ok)
+            tl.store(dest + HALF + i, to_dtype(b, k_ptr.dtype.element_ty), mask=ok)
     else:
         dest = v_ptr + (head - NUM_HEADS - NUM_KV_HEADS) * stride_kv_head + slot * (2 * HALF)
-        tl.store(dest + i, _to(a, v_ptr.dtype.element_ty), mask=ok)
-        tl.store(dest + HALF + i, _to(b, v_ptr.dtype.element_ty), mask=ok)
+        tl.store(dest + i, to_dtype(a, v_ptr.dtype.element_ty), mask=ok)
+        tl.store(dest + HALF + i, to_dtype(b, v_ptr.dtype.element_ty), mask=ok)
 
 
 class TritonOps(TorchOps):
@@ -306,7 +222,7 @@ class TritonOps(TorchOps):
         out = torch.empty_like(rows)
         if rows.shape[0]:
             _rms_norm_kernel[(rows.shape[0],)](rows, rows, weight, out, rows.stride(0), rows.stride(0), out.stride(0),
-                                               rows.shape[1], eps, ADD=False, BLOCK=_pow2(rows.shape[1]))
+                                               rows.shape[1], eps, ADD=False, BLOCK=pow2(rows.shape[1]))
         return out.view(x.shape)
 
     @staticmethod
@@ -315,7 +231,7 @@ class TritonOps(TorchOps):
         if residual.shape[0]:
             _rms_norm_kernel[(residual.shape[0],)](x, residual, weight, out, x.stride(0), residual.stride(0),
                                                    out.stride(0), residual.shape[1], eps, ADD=True,
-                                                   BLOCK=_pow2(residual.shape[1]))
+                                                   BLOCK=pow2(residual.shape[1]))
         return out
 
     @staticmethod
@@ -323,41 +239,13 @@ class TritonOps(TorchOps):
         width = x.shape[-1] // 2
         out = torch.empty(x.shape[0], width, dtype=x.dtype, device=x.device)
         if x.shape[0]:
-            block = min(1024, _pow2(width))
+            block = min(1024, pow2(width))
             _silu_mul_kernel[(x.shape[0], triton.cdiv(width, block))](x, out, x.stride(0), out.stride(0), width,
                                                                       BLOCK=block)
         return out
 
-    @staticmethod
-    def fp8_rows(rows: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """TorchOps.fp8_rows in one launch (fp8 W8A8's activations: one kernel per product, not seven)."""
-        m, k = rows.shape
-        q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=rows.device) if out is None else out
-        scale = torch.empty(m, 1, dtype=torch.float32, device=rows.device)
-        if m:
-            _fp8_rows_kernel[(m,)](rows, q, scale, rows.stride(0), q.stride(0), k, FP8_MAX, FP8_TINY,
-                                   BLOCK=min(1024, _pow2(k)))
-        return q, scale
-
-    @staticmethod
-    def fp8_mm(rows: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, row_scale: torch.Tensor | None = None,
-               out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """TorchOps.fp8_mm in one launch (two when the columns are split): a decode step's few rows against
-        every weight once, so the programs are the output tiles times enough splits of the columns to give
-        each of the device's processors two (``fp8_split``)."""
-        m, k = rows.shape
-        n = q.shape[0]
-        dtype = out_dtype or rows.dtype
-        if m == 0:
-            return torch.empty(0, n, device=rows.device, dtype=dtype)
-        splits, k_per_split = fp8_split(n, k, rows.device)
-        out = torch.empty(splits, m, n, device=rows.device, dtype=dtype if splits == 1 else torch.float32)
-        grid = (triton.cdiv(n, FP8_MM_N), splits)
-        _fp8_mm_kernel[grid](rows, scale if row_scale is None else row_scale, q, scale, out, m, n, k, k_per_split,
-                             rows.stride(0), q.stride(0), out.stride(1), out.stride(0), BLOCK_M=max(16, _pow2(m)),
-                             BLOCK_N=FP8_MM_N, BLOCK_K=FP8_MM_K, ROW_SCALES=row_scale is not None,
-                             UPCAST=rows.device.type == "cpu")
-        return out[0] if splits == 1 else out.sum(dim=0).to(dtype)
+    fp8_rows = staticmethod(triton_fp8.fp8_rows)
+    fp8_mm = staticmethod(triton_fp8.fp8_mm)
 
     @staticmethod
     def rope_store(qkv, cos, sin, positions, k_cache, v_cache, slots, num_heads, num_kv_heads, head_dim) -> None:
@@ -366,7 +254,7 @@ class TritonOps(TorchOps):
         half = head_dim // 2
         _rope_store_kernel[(qkv.shape[0], num_heads + 2 * num_kv_heads)](
             qkv, cos, sin, positions, slots, k_cache, v_cache, qkv.stride(0), cos.stride(0), k_cache.stride(0),
-            NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, HALF_P=_pow2(half))
+            NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, HALF_P=pow2(half))
 
     @staticmethod
     def prefill_plan(chunks, block_size: int, device) -> PrefillPlan:
@@ -394,7 +282,7 @@ class TritonOps(TorchOps):
         _paged_prefill_kernel[(plan.num_tiles, num_heads)](
             q, k_cache, v_cache, plan.tables, plan.info, plan.tiles, out, q.stride(0), out.stride(0),
             k_cache.stride(0), plan.tables.stride(0), scale, block_size, GROUP=num_heads // num_kv_heads,
-            HEAD_DIM=head_dim, DIM_P=max(16, _pow2(head_dim)), ROWS=PREFILL_ROWS, TILE=PREFILL_TILE,
+            HEAD_DIM=head_dim, DIM_P=max(16, pow2(head_dim)), ROWS=PREFILL_ROWS, TILE=PREFILL_TILE,
             PRECISION="ieee" if q.dtype == torch.float32 or q.device.type == "cpu" else "tf32",
             UPCAST=q.device.type == "cpu")
 
@@ -412,6 +300,6 @@ class TritonOps(TorchOps):
             _paged_decode_kernel[(n, num_heads // per_program)](
                 q, k_cache, v_cache, block_tables, lens, out, q.stride(0), out.stride(0), k_cache.stride(0),
                 block_tables.stride(0), scale, block_size, GROUP=group, PER_PROGRAM=per_program,
-                PER_PROGRAM_P=_pow2(per_program), HEAD_DIM=head_dim, DIM_P=_pow2(head_dim),
+                PER_PROGRAM_P=pow2(per_program), HEAD_DIM=head_dim, DIM_P=pow2(head_dim),
                 TILE=32 if head_dim <= 128 else 16)
         return out

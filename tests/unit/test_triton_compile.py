@@ -21,7 +21,7 @@ import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from services.engine import triton_ops as T
+from services.engine import triton_fp8 as F, triton_ops as T
 
 SCALARS = {"scale": "fp32", "eps": "fp32", "fp8_max": "fp32", "tiny": "fp32"}
 
@@ -40,14 +40,14 @@ def build(kernel, pointers, constants, arch):
 
 
 for arch in (90, 89):
-    build(T._fp8_rows_kernel, {"q_ptr": "fp8e4nv", "scale_ptr": "fp32"}, {"BLOCK": 1024}, arch)
+    build(F._fp8_rows_kernel, {"q_ptr": "fp8e4nv", "scale_ptr": "fp32"}, {"BLOCK": 1024}, arch)
     build(T._rms_norm_kernel, {}, {"ADD": True, "BLOCK": 4096}, arch)
     build(T._silu_mul_kernel, {}, {"BLOCK": 1024}, arch)
     # fp8 GEMVs: rows in e4m3 (W8A8) or bfloat16 (W8A16); the product written whole, or its column splits' sums
     for x, out in (("fp8e4nv", "bf16"), ("fp8e4nv", "fp32"), ("bf16", "fp32")):
-        build(T._fp8_mm_kernel, {"x_ptr": x, "x_scale_ptr": "fp32", "w_ptr": "fp8e4nv", "scale_ptr": "fp32",
+        build(F._fp8_mm_kernel, {"x_ptr": x, "x_scale_ptr": "fp32", "w_ptr": "fp8e4nv", "scale_ptr": "fp32",
                                  "out_ptr": out},
-              {"BLOCK_M": 16, "BLOCK_N": T.FP8_MM_N, "BLOCK_K": T.FP8_MM_K, "ROW_SCALES": x != "bf16",
+              {"BLOCK_M": 16, "BLOCK_N": F.FP8_MM_N, "BLOCK_K": F.FP8_MM_K, "ROW_SCALES": x != "bf16",
                "UPCAST": False}, arch)
     for kv in ("bf16", "fp8e4nv"):
         cache = {"k_ptr": kv, "v_ptr": kv}

@@ -17,7 +17,8 @@ from tests.unit.test_kernels import check_rope_store, reference_prefill
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
-triton_ops = importlib.import_module("services.engine.triton_ops")
+triton_ops = importlib.import_module("services.engine.triton_ops")  # (imports triton_fp8, interpretable now)
+triton_fp8 = importlib.import_module("services.engine.triton_fp8")
 
 HEADS, KV_HEADS, DIM, BLOCK = 6, 2, 16, 4
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
@@ -63,7 +64,7 @@ def test_fp8_mm_is_the_rows_times_the_weights_codes_and_scales(n, splits, rows, 
     (W8A8) or as they are (W8A16). (The e4m3 codes are made by PyTorch: the interpreter's casts are not a GPU's.)"""
     torch.manual_seed(0)
     k = 1100
-    assert triton_ops.fp8_split(n, k, torch.device("cpu"))[0] == splits
+    assert triton_fp8.fp8_split(n, k, torch.device("cpu"))[0] == splits
     codes, scale = REF.fp8_rows(torch.randn(n, k) * 0.05)  # each output channel in e4m3 with its scale
     x = torch.randn(rows, k, dtype=torch.bfloat16) * torch.logspace(-2, 1, rows, dtype=torch.bfloat16)[:, None]
     args = (REF.fp8_rows(x) if activations == "e4m3" else (x, None))

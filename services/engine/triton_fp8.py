@@ -1,0 +1,137 @@
+"""fp8 e4m3 as Triton kernels (``TorchOps`` signatures; ``TritonOps`` takes them as its own): a row's
+quantization to e4m3 with its scale, and the products of a decode step's few rows with e4m3 weights.
+
+``fp8_mm`` is a GEMV more than a GEMM: at a few rows a product's time is its weights' bytes, so its programs
+are the output tiles times enough splits of the columns to give each of the device's processors two (a
+GEMM kernel made for many rows leaves most of them idle at one row), the parts' float32 sums added after.
+
+``to_dtype`` and ``pow2`` are the helpers the other kernels (``triton_ops.py``) share with these.
+``TRITON_INTERPRET=1`` must be set before this module is imported, as for ``triton_ops``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from services.engine.kernels import FP8_MAX, FP8_TINY
+
+FP8_MM_N, FP8_MM_K = 64, 128  # fp8_mm: output channels per program, columns per iteration
+
+
+def fp8_split(n: int, k: int, device: torch.device) -> tuple[int, int]:
+    """How many parts ``fp8_mm`` splits the columns into (and the columns of each, whole iterations):
+    enough that the output tiles times the parts give each processor two programs, each part at least
+    four iterations long."""
+    processors = _processors(device.index or 0) if device.type == "cuda" else 2
+    tiles = triton.cdiv(n, FP8_MM_N)
+    splits = max(1, min(triton.cdiv(2 * processors, tiles), k // (4 * FP8_MM_K)))
+    return splits, triton.cdiv(triton.cdiv(k, splits), FP8_MM_K) * FP8_MM_K
+
+
+@functools.cache
+def _processors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def pow2(n: int) -> int:
+    return triton.next_power_of_2(max(1, n))
+
+
+@triton.jit
+def to_dtype(x, dtype: tl.constexpr):
+    # x in dtype, through float32 where they differ (an fp8 cache: sm89 has no direct e4m3 <-> bfloat16)
+    if x.dtype != dtype:
+        x = x.to(tl.float32).to(dtype)
+    return x
+
+
+@triton.jit
+def _fp8_rows_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, width, fp8_max, tiny, BLOCK: tl.constexpr):
+    # one program per row: its largest |x|, then the row over its scale in q's dtype (e4m3 on a GPU)
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    top = tl.zeros([BLOCK], dtype=tl.float32)
+    start = 0
+    while start < width:  # (``while``, as in _paged_decode_kernel, for the interpreter)
+        ok = start + cols < width
+        x = tl.load(x_ptr + row * stride_x + start + cols, mask=ok, other=0.0).to(tl.float32)
+        top = tl.maximum(top, tl.abs(x))
+        start += BLOCK
+    scale = tl.maximum(tl.max(top, axis=0), tiny) / fp8_max
+    tl.store(scale_ptr + row, scale)
+    start = 0
+    while start < width:
+        ok = start + cols < width
+        x = tl.load(x_ptr + row * stride_x + start + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(q_ptr + row * stride_q + start + cols, (x / scale).to(q_ptr.dtype.element_ty), mask=ok)
+        start += BLOCK
+
+
+@triton.jit
+def _fp8_mm_kernel(x_ptr, x_scale_ptr, w_ptr, scale_ptr, out_ptr, rows, n, k, k_per_split, stride_x, stride_w,
+                   stride_out, stride_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   ROW_SCALES: tl.constexpr, UPCAST: tl.constexpr):
+    # program (n tile, k split): its split's partial sums of x [rows, k] times W [n, k]^T, W's e4m3 codes times
+    # its channels' scales. ROW_SCALES: x is e4m3 too, with a scale per row (W8A8: the tensor cores take both
+    # as they are); else x is 16-bit and W's codes are converted as they load (W8A16)
+    cols_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    first = tl.program_id(1) * k_per_split
+    last = tl.minimum(first + k_per_split, k)
+    m = tl.arange(0, BLOCK_M)
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    start = first
+    while start < last:
+        cols_k = start + ks
+        x = tl.load(x_ptr + m[:, None] * stride_x + cols_k[None, :],
+                    mask=(m[:, None] < rows) & (cols_k[None, :] < last), other=0.0)
+        w = tl.load(w_ptr + cols_n[None, :] * stride_w + cols_k[:, None],
+                    mask=(cols_n[None, :] < n) & (cols_k[:, None] < last), other=0.0)
+        if UPCAST:  # (Triton's CPU interpreter multiplies bfloat16 matrices wrongly)
+            acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        elif ROW_SCALES:
+            acc += tl.dot(x, w)
+        else:
+            acc += tl.dot(x, to_dtype(w, x.dtype))
+        start += BLOCK_K
+    acc *= tl.load(scale_ptr + cols_n, mask=cols_n < n, other=0.0)[None, :]
+    if ROW_SCALES:
+        acc *= tl.load(x_scale_ptr + m, mask=m < rows, other=0.0)[:, None]
+    tl.store(out_ptr + tl.program_id(1) * stride_split + m[:, None] * stride_out + cols_n[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=(m[:, None] < rows) & (cols_n[None, :] < n))
+
+
+def fp8_rows(rows: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """TorchOps.fp8_rows in one launch (fp8 W8A8's activations: one kernel per product, not seven)."""
+    m, k = rows.shape
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=rows.device) if out is None else out
+    scale = torch.empty(m, 1, dtype=torch.float32, device=rows.device)
+    if m:
+        _fp8_rows_kernel[(m,)](rows, q, scale, rows.stride(0), q.stride(0), k, FP8_MAX, FP8_TINY,
+                               BLOCK=min(1024, pow2(k)))
+    return q, scale
+
+
+def fp8_mm(rows: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, row_scale: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """TorchOps.fp8_mm in one launch (two when the columns are split): a decode step's few rows against
+    every weight once, so the programs are the output tiles times enough splits of the columns to give
+    each of the device's processors two (``fp8_split``)."""
+    m, k = rows.shape
+    n = q.shape[0]
+    dtype = out_dtype or rows.dtype
+    if m == 0:
+        return torch.empty(0, n, device=rows.device, dtype=dtype)
+    splits, k_per_split = fp8_split(n, k, rows.device)
+    out = torch.empty(splits, m, n, device=rows.device, dtype=dtype if splits == 1 else torch.float32)
+    grid = (triton.cdiv(n, FP8_MM_N), splits)
+    # (without row scales the kernel reads none: any float32 pointer stands in for them)
+    _fp8_mm_kernel[grid](rows, scale if row_scale is None else row_scale, q, scale, out, m, n, k, k_per_split,
+                         rows.stride(0), q.stride(0), out.stride(1), out.stride(0), BLOCK_M=max(16, pow2(m)),
+                         BLOCK_N=FP8_MM_N, BLOCK_K=FP8_MM_K, ROW_SCALES=row_scale is not None,
+                         UPCAST=rows.device.type == "cpu")
+    return out[0] if splits == 1 else out.sum(dim=0).to(dtype)
