@@ -227,7 +227,8 @@ def report(figures: dict, sizes: dict, stack: list[dict], hf: list[dict], steps:
     lines.append("|---:|---|---:|---:|---:|")
     for s in steps:
         busy = "-" if s.get("mixed") else f"{100 * s['gpu_busy']:.0f}%"
-        lines.append(f"| {s['rows']} | {'graphs' if s['graph'] else 'eager'} | {s['step_ms']:.2f} | "
+        mode = ("graphs, launched ahead" if s.get("ahead") else "graphs") if s["graph"] else "eager"
+        lines.append(f"| {s['rows']} | {mode} | {s['step_ms']:.2f} | "
                      f"{s['launches_per_step']:.0f} | {busy} |")
     return "\n".join(lines)
 

@@ -23,9 +23,11 @@ def step_profile(model_dir: Path, rows_list: list[int], graphs: bool = True) -> 
     runner = ModelRunner(str(model_dir), device, block_size=16, kv_budget_bytes=lambda: kv_budget_bytes(device, 0, -1),
                          max_blocks=top * 128, batch_hint=top,
                          graphs=GraphPlan(top, 2048, max_tokens=MIX_CHUNK + top) if graphs else None)
-    engine = Engine(runner, Limits(top, top, 1 << 16, 2048), set())
+    engine = Engine(runner, Limits(top, top, 1 << 16, 2048), set(), steps_ahead=graphs)
+    ahead = engine.ahead  # each step read back first; then, with graphs, launched ahead
     results = []
     for rows in rows_list:
+        engine.ahead = None
         for i in range(rows):
             ids = [100 + (i * 37 + j * 11) % 40000 for j in range(32)]
             engine.add_request(EngineRequest(id=f"p{rows}-{i}", prompt_ids=ids, reply_to="x",
@@ -45,6 +47,8 @@ def step_profile(model_dir: Path, rows_list: list[int], graphs: bool = True) -> 
                         "replay_ms": None if replay_s is None else replay_s * 1000})
         print(f"[step] {rows} rows{' (graphs)' if graphs else ' (eager)'}: {step_s * 1000:.2f} ms, "
               f"{launches:.0f} launches, GPU busy {100 * busy:.0f}%", flush=True)
+        if ahead is not None:
+            results.append(ahead_profile(engine, ahead, rows, replay_s))
         for i in range(rows):
             engine.abort(f"p{rows}-{i}")
         engine.step()
@@ -56,6 +60,26 @@ def step_profile(model_dir: Path, rows_list: list[int], graphs: bool = True) -> 
 
 
 MIX_CHUNK = 128  # the shipped prefillChunkSize
+
+
+def ahead_profile(engine, ahead, rows: int, replay_s: float | None) -> dict:
+    """The same decode steps, each launched before the last one's tokens are read back (ahead.py): wall time
+    per step, launches from the host and the GPU's busy share. The last flight lands when the rows are cancelled."""
+    engine.ahead = ahead
+    launched = ahead.launches
+    engine.step()
+    started = time.perf_counter()
+    for _ in range(20):
+        engine.step()
+    step_s = (time.perf_counter() - started) / 20
+    launches, kernel_s = profile_steps(engine, 5)
+    assert ahead.launches - launched == 26, "a decode step was not launched ahead"
+    busy = (replay_s if replay_s is not None else kernel_s) / step_s
+    print(f"[step] {rows} rows (graphs, launched ahead): {step_s * 1000:.2f} ms, {launches:.0f} launches, "
+          f"GPU busy {100 * busy:.0f}%", flush=True)
+    return {"rows": rows, "step_ms": step_s * 1000, "launches_per_step": launches, "gpu_busy": min(1.0, busy),
+            "kernel_ms_profiled": kernel_s * 1000, "graph": True, "ahead": True,
+            "replay_ms": None if replay_s is None else replay_s * 1000}
 
 
 def mixed_profile(runner, decodes: int = 16, prompts: int = 4, prompt_len: int = 32, steps: int = 8) -> list[dict]:

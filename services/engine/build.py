@@ -44,7 +44,7 @@ def build_engine(cfg: Config) -> tuple[Engine, str]:
                     prefill_chunk_size=sc.prefill_chunk_size, mix=sc.template_type == "Mix",
                     prefill_order=sb.prefill_order)
     return Engine(runner, limits, eos_token_ids(runner), prefix_cache=sc.enable_prefix_cache,
-                  host_blocks=host_blocks(runner, cfg)), device.kind
+                  host_blocks=host_blocks(runner, cfg), steps_ahead=sb.async_scheduling), device.kind
 
 
 def graph_plan(cfg: Config) -> GraphPlan:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.engine import ahead
 from services.engine.block_manager import BlockManager, blocks_for
 from services.engine.grammar import Constraints, apply_masks
 from services.engine.host_tier import HostTier
@@ -28,7 +29,7 @@ from services.engine.multimodal import salt
 from services.engine.pd import Handoff, KvHandoff
 from services.engine.sampler import raw_logprobs, sample, token_logprob
 from services.engine.scheduler import Finish, Limits, Scheduled, Scheduler
-from services.engine.sequence import Sequence
+from services.engine.sequence import Sequence, Status
 from shared.errors import ErrorInfo, ErrorKind
 from shared.messages import CancelKind, EngineRequest, FinishReason, TokenEvent, TokenLogprob
 
@@ -84,7 +85,9 @@ class _Received:
 
 class Engine:
     def __init__(self, runner: ModelRunner, limits: Limits, eos_token_ids: set[int], prefix_cache: bool = False,
-                 host_blocks: int = 0):
+                 host_blocks: int = 0, steps_ahead: bool = False):
+        """``steps_ahead``: launch plain-greedy decode steps before the last one's tokens are read back
+        (``ahead.py``; needs the runner's decode graphs)."""
         self.runner = runner
         tier = HostTier(runner.kv, runner.block_size, host_blocks) if prefix_cache and host_blocks > 0 else None
         self.blocks = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_cache=prefix_cache, tier=tier)
@@ -95,6 +98,8 @@ class Engine:
         self.stats = Stats()
         self.held_until: float | None = None  # set by a step that held a small first batch back
         self.constraints = Constraints(runner.path, runner.model.lm_head.out_features)
+        vocab_fits = runner.model.lm_head.out_features <= runner.model.model.embed_tokens.num_embeddings
+        self.ahead = ahead.StepsAhead(runner.graphs) if steps_ahead and runner.graphs and vocab_fits else None
 
     # ---- called from any thread -------------------------------------------------------------
 
@@ -124,7 +129,11 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return not self.inbox.empty() or not self.scheduler.is_idle
+        return not self.inbox.empty() or not self.scheduler.is_idle or self._in_flight
+
+    @property
+    def _in_flight(self) -> bool:
+        return self.ahead is not None and self.ahead.flight is not None
 
     # ---- the step ---------------------------------------------------------------------------
 
@@ -133,9 +142,13 @@ class Engine:
         now = time.time()
         events += self._expire(now)
         self.held_until = self.scheduler.hold_until(now)
-        if self.held_until is not None:
-            return events
-        items = self.scheduler.schedule()
+        items = self.scheduler.schedule() if self.held_until is None else []
+        if self.ahead is not None:
+            if self.ahead.takes(items):
+                return events + self._land(self.ahead.launch(items))
+            if self.ahead.flight is not None:  # this step needs the tokens on the host first
+                events += self._land(self.ahead.take())
+                items = [item for item in items if item.seq.status is Status.RUNNING]
         if not items:
             return events
         started = time.time()
@@ -213,6 +226,23 @@ class Engine:
             if seq.wants_prompt_logprobs and event.position == 0:
                 event.prompt_logprobs = [seq.prompt_logprobs.get(p) for p in range(len(seq.prompt_ids))]
                 seq.wants_prompt_logprobs, seq.prompt_logprobs = False, {}  # sent: a recompute need not redo them
+            events.append(self._end(seq, reason, event=event) if reason else event)
+        return events
+
+    def _land(self, flight: ahead.Flight | None) -> list[TokenEvent]:
+        """A step launched ahead: its tokens read back and applied as ``_advance`` applies drawn ones (``ahead.py``)."""
+        if flight is None:
+            return []
+        now, events = time.time(), []
+        for seq, index, token in ahead.land(flight, self.seqs):
+            self.stats.generation_tokens += 1
+            seq.last_event_at = now
+            reason = self.scheduler.finish_reason(seq, token, length=index + 1)
+            if reason:  # a newer flight's row of it, if any, is dropped when that lands
+                del seq.token_ids[index + 1:]
+                seq.num_computed = min(seq.num_computed, index)
+            self.blocks.cache_computed(seq, index - 1)  # the blocks its known tokens filled
+            event = TokenEvent(seq.id, [token], None, position=index - seq.num_prompt_tokens)
             events.append(self._end(seq, reason, event=event) if reason else event)
         return events
 
@@ -318,6 +348,8 @@ class Engine:
         """Last resort: end every request with an internal error (a step raised outside the per-request
         part, which ``run_isolated`` guards); the engine keeps serving."""
         error = ErrorInfo(ErrorKind.INTERNAL, message)
+        if self.ahead is not None:
+            self.ahead.take()  # its tokens are lost with the requests
         return [self._end(seq, FinishReason.ERROR, error) for seq in list(self.seqs.values())]
 
     def _abort_now(self, item: _Abort) -> list[TokenEvent]:

@@ -71,21 +71,25 @@ class DecodeBuffers:
     def __init__(self, rows: int, width: int, scratch_block: int, block_size: int, device: torch.device):
         self.block_size = block_size
         self.scratch_block, self.scratch_slot = scratch_block, scratch_block * block_size
-        self.scalars = torch.zeros(4, rows, dtype=torch.long, device=device)  # ids, positions, slots, lens
+        # ids, positions, slots, lens, and each row's source: its id's row in ``next_ids`` (a step launched ahead)
+        self.scalars = torch.zeros(5, rows, dtype=torch.long, device=device)
         self.scalars[2] = self.scratch_slot
         self.scalars[3] = 1
         self.tables = torch.full((rows, width), scratch_block, dtype=torch.long, device=device)
         self.sample_rows = torch.arange(rows, device=device)
+        self.next_ids = torch.zeros(rows, dtype=torch.long, device=device)  # each row's greedy token, every step
         self.pin = device.type == "cuda"
 
-    def fill(self, items, bucket: int) -> None:
-        """Write ``items`` (decode rows) into rows [0, len(items)) and padding into [len(items), bucket)."""
+    def fill(self, items, bucket: int, sources: list[int] | None = None) -> None:
+        """Write ``items`` (decode rows) into rows [0, len(items)) and padding into [len(items), bucket). With
+        ``sources``, row i's token id is not known here yet: it is the last step's ``next_ids[sources[i]]``,
+        copied on the device."""
         ids, positions, slots, lens, tables = [], [], [], [], []
         bs = self.block_size
         for item in items:
             seq = item.seq
             position = seq.num_computed
-            ids.append(seq.token_ids[position])
+            ids.append(0 if sources is not None else seq.token_ids[position])
             positions.append(position)
             slots.append(seq.block_table[position // bs] * bs + position % bs)
             lens.append(position + 1)
@@ -93,13 +97,16 @@ class DecodeBuffers:
         pad = bucket - len(items)
         width = max(len(t) for t in tables)
         scalars = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [self.scratch_slot] * pad,
-                                lens + [1] * pad], dtype=torch.long)
+                                lens + [1] * pad, (sources or [0] * len(items)) + [0] * pad], dtype=torch.long)
         stage = torch.tensor([t + [self.scratch_block] * (width - len(t)) for t in tables]
                              + [[self.scratch_block] * width] * pad, dtype=torch.long)
         if self.pin:
             scalars, stage = scalars.pin_memory(), stage.pin_memory()
         self.scalars[:, :bucket].copy_(scalars, non_blocking=True)
         self.tables[:bucket, :width].copy_(stage, non_blocking=True)
+        if sources is not None:
+            n = len(items)
+            self.scalars[0, :n].copy_(self.next_ids.index_select(0, self.scalars[4, :n]))
 
     def batch(self, bucket: int):
         """The runner's ``Batch`` over rows [0, bucket) of the buffers."""
@@ -140,19 +147,29 @@ class DecodeGraphs:
     def bucket(self, n: int) -> int:
         return next(size for size in self.sizes if size >= n)
 
-    def run(self, items) -> torch.Tensor:
-        """Float32 logits [len(items), vocab] of the step's decode rows."""
-        self.runner._check_ids([item.seq.token_ids[item.seq.num_computed] for item in items])
+    def run(self, items, sources: list[int] | None = None) -> torch.Tensor:
+        """Float32 logits [len(items), vocab] of the step's decode rows; each row's greedy token is left in
+        ``buffers.next_ids``. ``sources``: the rows' token ids are the last step's ``next_ids`` at these rows
+        (a step launched before the last one's tokens were read back: ``ahead.py``)."""
+        if sources is None:
+            self.runner._check_ids([item.seq.token_ids[item.seq.num_computed] for item in items])
         bucket = self.bucket(len(items))
-        self.buffers.fill(items, bucket)
+        self.buffers.fill(items, bucket, sources)
         self.steps += 1
         captured = self.graphs.get(bucket)
         if captured is None:
-            return self.runner.forward(self.buffers.batch(bucket))[0][: len(items)]
+            return self._pass(bucket)[: len(items)]
         graph, logits = captured
         graph.replay()
         self.replays += 1
         return logits[: len(items)]
+
+    def _pass(self, bucket: int) -> torch.Tensor:
+        """The model on the buffers' first ``bucket`` rows, and their greedy tokens into ``next_ids``, with no
+        host sync (what a graph records)."""
+        logits, _ = self.runner.forward(self.buffers.batch(bucket))
+        self.buffers.next_ids[:bucket].copy_(greedy_ids(logits))
+        return logits
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -160,17 +177,24 @@ class DecodeGraphs:
         what the last one left; a step reads its logits before the next replays)."""
         started, pool = time.monotonic(), None
         for size in reversed(self.sizes):
-            batch = self.buffers.batch(size)
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm-up: Triton compiles, cuBLAS picks its kernels, off the graph
-                    self.runner.forward(batch)
+                    self._pass(size)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits, _ = self.runner.forward(batch)
+                logits = self._pass(size)
             pool = graph.pool()
             self.graphs[size] = (graph, logits)
         torch.cuda.synchronize()
         log.info("decode graphs captured", extra={"sizes": self.sizes, "seconds": round(time.monotonic() - started, 2)})
+
+
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax, on the device and with no host sync: ``sampler.greedy_only``'s tokens (a row whose
+    maximum is NaN or -inf takes the NaN-ignoring argmax)."""
+    best, index = logits.max(dim=-1)
+    broken = best.isnan() | (best == float("-inf"))
+    return torch.where(broken, logits.nan_to_num(nan=float("-inf")).argmax(dim=-1), index)

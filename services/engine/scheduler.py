@@ -267,15 +267,17 @@ class Scheduler:
         finished: list[Finish] = []
         for seq, token_id in zip(seqs, token_ids):
             seq.append(token_id)
-            reason = self._finish_reason(seq, token_id)
+            reason = self.finish_reason(seq, token_id)
             if reason:
                 finished.append(Finish(seq, reason))
         return finished
 
-    def _finish_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
+    def finish_reason(self, seq: Sequence, token_id: int, length: int | None = None) -> FinishReason | None:
+        """Why ``seq`` ends at ``token_id``, the token that makes it ``length`` tokens long (default: its last)."""
+        length = len(seq) if length is None else length
         if not seq.sampling.ignore_eos and (token_id in self.eos_token_ids or token_id in seq.sampling.stop_token_ids):
             return FinishReason.EOS_TOKEN
-        if seq.num_generated >= seq.sampling.max_new_tokens or len(seq) >= self.limits.max_seq_len:
+        if length - seq.num_prompt_tokens >= seq.sampling.max_new_tokens or length >= self.limits.max_seq_len:
             return FinishReason.LENGTH
         return None
 

@@ -48,11 +48,11 @@ def runner(model_dir, dtype=torch.float32, graphs=True, quantization="none", kv_
                        quantization=quantization, kv_cache_dtype=kv_cache_dtype)
 
 
-def generate(r, reqs, mix=True):
+def generate(r, reqs, mix=True, steps_ahead=False):
     from services.engine.engine import Engine
     from services.engine.scheduler import Limits
 
-    engine = Engine(r, Limits(16, 16, 8192, 1024, mix=mix, prefill_chunk_size=32), {2})
+    engine = Engine(r, Limits(16, 16, 8192, 1024, mix=mix, prefill_chunk_size=32), {2}, steps_ahead=steps_ahead)
     for req in reqs:
         engine.add_request(req)
     tokens, events = {}, {}
@@ -62,6 +62,7 @@ def generate(r, reqs, mix=True):
         for e in engine.step():
             tokens.setdefault(e.id, []).extend(e.token_ids)
             events.setdefault(e.id, []).append(e)
+    assert not steps_ahead or engine.ahead.launches > 0
     return tokens, events
 
 
@@ -117,6 +118,24 @@ def test_graph_replay_equals_the_eager_step(model_dir, dtype):
         a = [lp.logprob for e in our_events[rid] for lp in e.logprobs or []][: len(ours[rid])]
         b = [lp.logprob for e in their_events[rid] for lp in e.logprobs or []][: len(theirs[rid])]
         assert a == pytest.approx(b, abs=tolerance), rid
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_steps_launched_ahead_give_the_replayed_steps_tokens(model_dir, dtype):
+    """Token ids copied from the last replay's argmax on the device (ahead.py) give the tokens read back step by
+    step: the same graphs, so equal in bfloat16 too; requests end at different steps, a sampled one joins."""
+    def reqs():
+        return [request(f"g{i}", prompt(5 + 9 * i, 100 * i), max_new_tokens=12 + 11 * i, ignore_eos=True)
+                for i in range(5)] + [
+                request("eos", prompt(9, 77), max_new_tokens=50),
+                request("seeded", prompt(15, 40), max_new_tokens=20, do_sample=True, seed=5, ignore_eos=True)]
+
+    r = runner(model_dir, dtype)
+    theirs, _ = generate(r, reqs())
+    ours, events = generate(r, reqs(), steps_ahead=True)
+    assert ours == theirs
+    for rid, evs in events.items():
+        assert [e.position for e in evs if e.token_ids] == list(range(len(ours[rid]))), rid
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
