@@ -71,9 +71,9 @@ class SwitchboardConfig(msgspec.Struct, rename="camel", kw_only=True, forbid_unk
     graphs between their attentions for token counts 16, 32, 64, 96, 128, 192, ... up to the most a step holds
     (at most 2,048); false runs every step eagerly."""
     async_scheduling: bool = True
-    """on cuda with cudaGraphs, a decode step whose every row is plain greedy (no sampling draw, penalty,
-    logprobs or grammar) is launched before the last one's tokens are read back, its token ids copied on the
-    device, so the GPU does not wait while the host reads, appends and publishes tokens (vLLM's async
+    """on cuda with cudaGraphs, a decode step whose every row's token is drawn on the device (greedy, or sampled
+    with temperature, top-k, top-p and its seed; no penalty, typical-p, logprobs or grammar) is launched before
+    the last one's tokens are read back, its token ids copied on the device, so the GPU does not wait while the host reads, appends and publishes tokens (vLLM's async
     scheduling); false reads each step's tokens before the next step is scheduled."""
     prefill_order: Literal["arrival", "shortest"] = "shortest"
     """Mix: which prompts get a step's prefillChunkSize tokens first, within a priority level: ``arrival``

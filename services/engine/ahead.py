@@ -4,10 +4,11 @@ On a GPU a decode step replays one graph in a few milliseconds, and between two 
 fills the buffers, waits for the sampled tokens, appends them and publishes them: the device idles meanwhile
 (0.3-0.7 ms of a 4.7 ms step at one row of an 8B model). vLLM v1's async scheduling takes that time out of the
 device's path, and so does this, for the steps where it is simple: pure-decode steps replayed from the decode
-graphs (``graphs.py``) whose every row is plain greedy (no sampling draw, penalty, logprobs, grammar or handoff).
-Such a step's tokens are the graph's own argmax (``DecodeBuffers.next_ids``), so the step after it can be
-launched at once, its token ids copied on the device from the last step's; the host reads the last step's
-tokens back (``Flight.tokens``) while the device runs the new one.
+graphs (``graphs.py``) whose every row's token is drawn on the device alone (no penalty, typical-p, logprobs,
+grammar or handoff). Such a step's tokens are the graph's own argmax (``DecodeBuffers.next_ids``), the rows that
+sample drawn over it on the device (``sampler.draw_on_device``: the same seeded draw as the ordinary step's), so
+the step after it can be launched at once, its token ids copied on the device from the last step's; the host
+reads the last step's tokens back (``Flight.tokens``) while the device runs the new one.
 
 A sequence in flight holds a placeholder (``PENDING``) where its next token goes, and ``num_computed`` counts
 the position the flight computes, so the scheduler sees it as one token further on, as it will be. The
@@ -32,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.engine.graphs import DecodeGraphs
-from services.engine.sampler import check_sampling, plain_greedy
+from services.engine.sampler import check_sampling, draw_on_device, draws, draws_on_device, on_device
 from services.engine.scheduler import Scheduled
 from services.engine.sequence import Sequence, Status
 
@@ -56,13 +57,14 @@ class Flight:
         return self.host.tolist()
 
 
-def plain(seq: Sequence) -> bool:
-    """Whether a sequence's next token is the graph's argmax and nothing else is needed of its step."""
+def runs_ahead(seq: Sequence) -> bool:
+    """Whether a sequence's next token is drawn on the device alone (the graph's argmax, or ``draw_on_device``)
+    and nothing else is needed of its step: no penalty, logprobs, grammar or handoff."""
     try:
         check_sampling(seq.sampling)
     except ValueError:
         return False  # the ordinary step ends it, alone
-    return (plain_greedy(seq.sampling) and seq.sampling.logprobs is None and seq.matcher is None
+    return (draws_on_device(seq.sampling) and seq.sampling.logprobs is None and seq.matcher is None
             and not seq.handoff and not seq.wants_prompt_logprobs)
 
 
@@ -73,9 +75,9 @@ class StepsAhead:
         self.launches = 0  # steps launched ahead (tests and the benchmark read it)
 
     def takes(self, items: list[Scheduled]) -> bool:
-        """Whether this step can be launched ahead: decode rows the graphs run, each plain, and (with a flight)
+        """Whether this step can be launched ahead: decode rows the graphs run, each ``runs_ahead``, and (with a flight)
         each one a row of that flight, so its token id is on the device."""
-        if not items or not self.graphs.fits(items, None) or not all(plain(item.seq) for item in items):
+        if not items or not self.graphs.fits(items, None) or not all(runs_ahead(item.seq) for item in items):
             return False
         return self.flight is None or all(id(item.seq) in self.flight.rows for item in items)
 
@@ -85,11 +87,16 @@ class StepsAhead:
         flight launched before it (None if none), for the engine to land."""
         flight = self.flight
         sources = [flight.rows[id(item.seq)] for item in items] if flight is not None else None
-        self.graphs.run(items, sources)
-        n = len(items)
-        device = self.graphs.buffers.next_ids.device
+        logits = self.graphs.run(items, sources)
+        next_ids, n = self.graphs.buffers.next_ids, len(items)
+        device = next_ids.device
+        drawing = [i for i, item in enumerate(items) if draws(item.seq.sampling)]
+        if drawing:  # their tokens replace the graph's argmax
+            rows = on_device(drawing, device, torch.long)
+            drawn, valid = draw_on_device(logits.index_select(0, rows), [items[i].seq for i in drawing])
+            next_ids.index_copy_(0, rows, torch.where(valid, drawn, next_ids.index_select(0, rows)))
         host = torch.empty(n, dtype=torch.long, pin_memory=device.type == "cuda")
-        host.copy_(self.graphs.buffers.next_ids[:n], non_blocking=True)
+        host.copy_(next_ids[:n], non_blocking=True)
         event = None
         if device.type == "cuda":
             event = torch.cuda.Event()

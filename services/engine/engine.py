@@ -86,8 +86,8 @@ class _Received:
 class Engine:
     def __init__(self, runner: ModelRunner, limits: Limits, eos_token_ids: set[int], prefix_cache: bool = False,
                  host_blocks: int = 0, steps_ahead: bool = False):
-        """``steps_ahead``: launch plain-greedy decode steps before the last one's tokens are read back
-        (``ahead.py``; needs the runner's decode graphs)."""
+        """``steps_ahead``: launch decode steps whose tokens are drawn on the device before the last one's tokens
+        are read back (``ahead.py``; needs the runner's decode graphs)."""
         self.runner = runner
         tier = HostTier(runner.kv, runner.block_size, host_blocks) if prefix_cache and host_blocks > 0 else None
         self.blocks = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_cache=prefix_cache, tier=tier)

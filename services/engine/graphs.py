@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from services.engine.batch import Batch
+from services.engine.sampler import greedy_ids
 
 log = logging.getLogger("switchboard.engine")
 
@@ -190,11 +191,3 @@ class DecodeGraphs:
             self.graphs[size] = (graph, logits)
         torch.cuda.synchronize()
         log.info("decode graphs captured", extra={"sizes": self.sizes, "seconds": round(time.monotonic() - started, 2)})
-
-
-def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's argmax, on the device and with no host sync: ``sampler.greedy_only``'s tokens (a row whose
-    maximum is NaN or -inf takes the NaN-ignoring argmax)."""
-    best, index = logits.max(dim=-1)
-    broken = best.isnan() | (best == float("-inf"))
-    return torch.where(broken, logits.nan_to_num(nan=float("-inf")).argmax(dim=-1), index)

@@ -38,13 +38,48 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     rows = [i for i, s in enumerate(seqs) if draws(s.sampling)]
     if not rows:
         return tokens
-    sub = [seqs[i] for i in rows]
-    probs = warp(logits[rows], sub).softmax(dim=-1)
-    valid = torch.isfinite(probs).all(dim=-1).tolist()
-    for j, (i, seq) in enumerate(zip(rows, sub)):
-        if valid[j]:  # otherwise the greedy token already in place
-            tokens[i] = int(torch.multinomial(probs[j], 1, generator=generator_for(seq, probs.device)))
+    drawn, valid = draw_on_device(logits[rows], [seqs[i] for i in rows])
+    for i, token, ok in zip(rows, drawn.tolist(), valid.tolist()):
+        if ok:  # otherwise the greedy token already in place
+            tokens[i] = token
     return tokens
+
+
+def on_device(values: list, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``values`` as a tensor on ``device``, with no host sync on cuda (a pinned copy, not a pageable one)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def draws_on_device(sampling: Sampling) -> bool:
+    """Whether ``draw_on_device`` gives this request's token: no penalty (they read the tokens so far on the
+    host) and no typical-p (its cut is read back)."""
+    return (sampling.repetition_penalty == 1.0 and sampling.presence_penalty == 0.0
+            and sampling.frequency_penalty == 0.0 and sampling.typical_p == 1.0)
+
+
+@torch.inference_mode()
+def draw_on_device(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's seeded draw (rows that ``draws``), and whether its distribution could be formed (else the row
+    keeps its greedy token), both left on the device: no host sync. The draw is ``torch.multinomial``'s for one
+    sample (the argmax of p / q, q ~ Exp(1) from the row's generator) without its two checks that read values
+    back."""
+    probs = warp(logits, seqs).softmax(dim=-1)
+    valid = torch.isfinite(probs).all(dim=-1)
+    q = torch.empty_like(probs)
+    for j, seq in enumerate(seqs):
+        q[j].exponential_(1, generator=generator_for(seq, probs.device))
+    return (probs / q).argmax(dim=-1), valid
+
+
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax, left on the device (no host sync): ``greedy_only``'s tokens (a row whose maximum is
+    NaN or -inf takes the NaN-ignoring argmax)."""
+    best, index = logits.max(dim=-1)
+    broken = best.isnan() | (best == float("-inf"))
+    return torch.where(broken, logits.nan_to_num(nan=float("-inf")).argmax(dim=-1), index)
 
 
 def plain_greedy(sampling: Sampling) -> bool:
@@ -144,7 +179,7 @@ def token_logprob(row: torch.Tensor, token_id: int, k: int) -> TokenLogprob:
 
 
 def warp(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    temps = torch.tensor([s.sampling.temperature for s in seqs], device=logits.device)
+    temps = on_device([s.sampling.temperature for s in seqs], logits.device, torch.float32)
     logits = logits / temps[:, None]
     if any(s.sampling.top_k > 0 for s in seqs):
         logits = top_k(logits, [s.sampling.top_k for s in seqs])
@@ -158,13 +193,13 @@ def warp(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
 def top_k(logits: torch.Tensor, ks: list[int]) -> torch.Tensor:
     vocab = logits.shape[-1]
-    k = torch.tensor([min(k, vocab) if k > 0 else vocab for k in ks], device=logits.device)
+    k = on_device([min(k, vocab) if k > 0 else vocab for k in ks], logits.device, torch.long)
     kth = logits.sort(dim=-1, descending=True).values.gather(-1, (k - 1)[:, None])
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
 def top_p(logits: torch.Tensor, ps: list[float]) -> torch.Tensor:
-    p = torch.tensor(ps, device=logits.device)[:, None]
+    p = on_device(ps, logits.device, torch.float32)[:, None]
     sorted_logits, order = logits.sort(dim=-1, descending=False)
     cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
     remove = cumulative <= (1 - p)

@@ -121,17 +121,33 @@ def test_graph_replay_equals_the_eager_step(model_dir, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_steps_launched_ahead_give_the_replayed_steps_tokens(model_dir, dtype):
-    """Token ids copied from the last replay's argmax on the device (ahead.py) give the tokens read back step by
-    step: the same graphs, so equal in bfloat16 too; requests end at different steps, a sampled one joins."""
+def test_steps_launched_ahead_give_the_replayed_steps_tokens(model_dir, dtype, monkeypatch):
+    """Token ids copied on the device from the last replay's argmax and seeded draws (ahead.py) give the tokens
+    read back step by step: the same graphs, so equal in bfloat16 too. Requests end at different steps; a
+    penalised one makes steps the ordinary kind while it runs. A launch never waits on the GPU: torch's sync
+    debug mode raises at any synchronizing call inside one."""
+    from services.engine.ahead import StepsAhead
+
+    launch = StepsAhead.launch
+
+    def checked(self, items):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(self, items)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
     def reqs():
         return [request(f"g{i}", prompt(5 + 9 * i, 100 * i), max_new_tokens=12 + 11 * i, ignore_eos=True)
                 for i in range(5)] + [
                 request("eos", prompt(9, 77), max_new_tokens=50),
-                request("seeded", prompt(15, 40), max_new_tokens=20, do_sample=True, seed=5, ignore_eos=True)]
+                request("seeded", prompt(15, 40), max_new_tokens=40, do_sample=True, temperature=0.9, top_k=40,
+                        top_p=0.95, seed=5, ignore_eos=True),
+                request("penalised", prompt(11, 60), max_new_tokens=15, repetition_penalty=1.2, ignore_eos=True)]
 
     r = runner(model_dir, dtype)
     theirs, _ = generate(r, reqs())
+    monkeypatch.setattr(StepsAhead, "launch", checked)
     ours, events = generate(r, reqs(), steps_ahead=True)
     assert ours == theirs
     for rid, evs in events.items():

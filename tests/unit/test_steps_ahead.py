@@ -2,7 +2,7 @@
 
 On the CPU the decode graphs' buffers run eagerly (``capture=False``), so a step launched ahead is computed at
 once; what differs from the ordinary path is all that the GPU path has: the token ids copied from the last
-step's argmax on the device, placeholders in the sequences, finishes seen one step late, a stray row for a
+step's tokens on the device (the graph's argmax, seeded draws over it), placeholders in the sequences, finishes seen one step late, a stray row for a
 sequence that finished, blocks cached only once their tokens are known, preemption and cancels meanwhile."""
 
 from __future__ import annotations
@@ -63,7 +63,9 @@ def workload(prompts, stop_token: int | None = None) -> dict[int, list]:
     first = [request("short", prompts[0], max_new_tokens=5),
              request("story", prompts[1], max_new_tokens=40),
              request("code", prompts[2], max_new_tokens=24, stop_token_ids=[stop_token] if stop_token is not None else []),
-             request("probs", prompts[3], max_new_tokens=6, logprobs=2)]
+             request("probs", prompts[3], max_new_tokens=6, logprobs=2),
+             request("drawn", prompts[3], max_new_tokens=30, do_sample=True, temperature=0.8, top_k=50, top_p=0.9,
+                     seed=11)]
     return {0: first, 9: [request("late", prompts[4], max_new_tokens=20, ignore_eos=True)]}
 
 
@@ -85,7 +87,7 @@ def test_steps_ahead_give_the_ordinary_steps_tokens(smol, prompts, mix):
     ours = drive(engine, workload(prompts, stop), {14: "story"})
     assert engine.ahead.launches >= 20
     assert engine.ahead.flight is None and not engine.seqs
-    for rid in ("short", "code", "probs", "late"):
+    for rid in ("short", "code", "probs", "late", "drawn"):
         assert ours.tokens[rid] == plain.tokens[rid], rid
         assert ours.finish[rid].finish_reason == plain.finish[rid].finish_reason, rid
     assert plain.finish["code"].finish_reason is FinishReason.EOS_TOKEN and plain.tokens["code"][-1] == stop
