@@ -4,11 +4,12 @@ On a GPU a decode step replays one graph in a few milliseconds, and between two 
 fills the buffers, waits for the sampled tokens, appends them and publishes them: the device idles meanwhile
 (0.3-0.7 ms of a 4.7 ms step at one row of an 8B model). vLLM v1's async scheduling takes that time out of the
 device's path, and so does this, for the steps where it is simple: pure-decode steps replayed from the decode
-graphs (``graphs.py``) whose every row's token is drawn on the device alone (no penalty, typical-p, logprobs,
-grammar or handoff). Such a step's tokens are the graph's own argmax (``DecodeBuffers.next_ids``), the rows that
-sample drawn over it on the device (``sampler.draw_on_device``: the same seeded draw as the ordinary step's), so
-the step after it can be launched at once, its token ids copied on the device from the last step's; the host
-reads the last step's tokens back (``Flight.tokens``) while the device runs the new one.
+graphs (``graphs.py``) whose every row's token is drawn on the device alone (no penalty, typical-p, grammar or
+handoff; logprobs are computed there and read back with the tokens). Such a step's tokens are the graph's own
+argmax (``DecodeBuffers.next_ids``), the rows that sample drawn over it on the device (``sampler.draw_on_device``:
+the same seeded draw as the ordinary step's), so the step after it can be launched at once, its token ids copied
+on the device from the last step's; the host reads the last step's tokens back (``Flight.results``) while the
+device runs the new one.
 
 A sequence in flight holds a placeholder (``PENDING``) where its next token goes, and ``num_computed`` counts
 the position the flight computes, so the scheduler sees it as one token further on, as it will be. The
@@ -36,36 +37,46 @@ from services.engine.graphs import DecodeGraphs
 from services.engine.sampler import check_sampling, draw_on_device, draws, draws_on_device, on_device
 from services.engine.scheduler import Scheduled
 from services.engine.sequence import Sequence, Status
+from shared.messages import TokenLogprob
 
 PENDING = -1  # a token id in flight: sampled on the device, not read back yet
 
 
 @dataclass
 class Flight:
-    """A launched step: its rows' sequences, where each row's token goes in ``seq.token_ids``, and the tokens
-    being copied back to ``host`` (done when ``event`` is)."""
+    """A launched step: its rows' sequences, where each row's token goes in ``seq.token_ids``, and what is being
+    copied back to ``host`` (done when ``event`` is): the tokens, then, when rows asked for logprobs (``asking``,
+    each wanting ``ks`` alternatives), the chosen tokens' logprobs and the top alternatives' ids and logprobs."""
 
     seqs: list[Sequence]
     indices: list[int]
-    host: torch.Tensor
+    host: list[torch.Tensor]
     event: torch.cuda.Event | None
+    asking: list[int] = field(default_factory=list)
+    ks: list[int] = field(default_factory=list)
     rows: dict[int, int] = field(default_factory=dict)  # id(seq) -> its row
 
-    def tokens(self) -> list[int]:
+    def results(self) -> list[tuple[int, TokenLogprob | None]]:
+        """Each row's token and, where asked for, its logprob (``sampler.token_logprob``'s)."""
         if self.event is not None:
             self.event.synchronize()
-        return self.host.tolist()
+        tokens = self.host[0].tolist()
+        logprobs: list[TokenLogprob | None] = [None] * len(tokens)
+        if self.asking:
+            chosen, ids, values = (t.tolist() for t in self.host[1:])
+            for j, (row, k) in enumerate(zip(self.asking, self.ks)):
+                logprobs[row] = TokenLogprob(chosen[j], ids[j][:k], values[j][:k]) if k > 0 else TokenLogprob(chosen[j])
+        return list(zip(tokens, logprobs))
 
 
 def runs_ahead(seq: Sequence) -> bool:
     """Whether a sequence's next token is drawn on the device alone (the graph's argmax, or ``draw_on_device``)
-    and nothing else is needed of its step: no penalty, logprobs, grammar or handoff."""
+    and nothing else is needed of its step but its logprobs: no penalty, grammar or handoff."""
     try:
         check_sampling(seq.sampling)
     except ValueError:
         return False  # the ordinary step ends it, alone
-    return (draws_on_device(seq.sampling) and seq.sampling.logprobs is None and seq.matcher is None
-            and not seq.handoff and not seq.wants_prompt_logprobs)
+    return draws_on_device(seq.sampling) and seq.matcher is None and not seq.handoff and not seq.wants_prompt_logprobs
 
 
 class StepsAhead:
@@ -95,8 +106,11 @@ class StepsAhead:
             rows = on_device(drawing, device, torch.long)
             drawn, valid = draw_on_device(logits.index_select(0, rows), [items[i].seq for i in drawing])
             next_ids.index_copy_(0, rows, torch.where(valid, drawn, next_ids.index_select(0, rows)))
-        host = torch.empty(n, dtype=torch.long, pin_memory=device.type == "cuda")
-        host.copy_(next_ids[:n], non_blocking=True)
+        asking = [i for i, item in enumerate(items) if item.seq.sampling.logprobs is not None]
+        ks = [items[i].seq.sampling.logprobs for i in asking]
+        out = [next_ids[:n], *(logprob_rows(logits, next_ids, on_device(asking, device, torch.long), max(ks))
+                               if asking else ())]
+        host = [readback(t) for t in out]
         event = None
         if device.type == "cuda":
             event = torch.cuda.Event()
@@ -105,7 +119,8 @@ class StepsAhead:
         for seq in seqs:
             seq.num_computed += 1
             seq.token_ids.append(PENDING)
-        self.flight = Flight(seqs, [len(seq) - 1 for seq in seqs], host, event, {id(seq): i for i, seq in enumerate(seqs)})
+        self.flight = Flight(seqs, [len(seq) - 1 for seq in seqs], host, event, asking, ks,
+                             {id(seq): i for i, seq in enumerate(seqs)})
         self.launches += 1
         return flight
 
@@ -115,13 +130,29 @@ class StepsAhead:
         return flight
 
 
-def land(flight: Flight, registry: dict[str, Sequence]) -> list[tuple[Sequence, int, int]]:
-    """(sequence, index, token) of each of the flight's rows whose sequence has not ended, the token read back and
-    put in place of its placeholder."""
+def logprob_rows(logits: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor, k: int) -> list[torch.Tensor]:
+    """For ``rows``: the log-probability of each one's token under the raw distribution, and the ids and
+    log-probabilities of the ``k`` most likely tokens (``sampler.raw_logprobs`` and ``token_logprob``), on the
+    device."""
+    table = logits.index_select(0, rows).float().log_softmax(dim=-1)
+    chosen = table.gather(1, tokens.index_select(0, rows)[:, None])[:, 0]
+    top = table.topk(min(max(k, 1), table.shape[-1]))
+    return [chosen, top.indices, top.values]
+
+
+def readback(tensor: torch.Tensor) -> torch.Tensor:
+    """A host copy of ``tensor`` under way (pinned on cuda: complete when an event recorded after it is)."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.device.type == "cuda")
+    return host.copy_(tensor, non_blocking=True)
+
+
+def land(flight: Flight, registry: dict[str, Sequence]) -> list[tuple[Sequence, int, int, TokenLogprob | None]]:
+    """(sequence, index, token, logprob) of each of the flight's rows whose sequence has not ended, the token read
+    back and put in place of its placeholder."""
     landed = []
-    for seq, index, token in zip(flight.seqs, flight.indices, flight.tokens()):
+    for seq, index, (token, logprob) in zip(flight.seqs, flight.indices, flight.results()):
         if seq.status is Status.FINISHED or registry.get(seq.id) is not seq:
             continue
         seq.token_ids[index] = token
-        landed.append((seq, index, token))
+        landed.append((seq, index, token, logprob))
     return landed

@@ -234,7 +234,7 @@ class Engine:
         if flight is None:
             return []
         now, events = time.time(), []
-        for seq, index, token in ahead.land(flight, self.seqs):
+        for seq, index, token, logprob in ahead.land(flight, self.seqs):
             self.stats.generation_tokens += 1
             seq.last_event_at = now
             reason = self.scheduler.finish_reason(seq, token, length=index + 1)
@@ -243,6 +243,8 @@ class Engine:
                 seq.num_computed = min(seq.num_computed, index)
             self.blocks.cache_computed(seq, index - 1)  # the blocks its known tokens filled
             event = TokenEvent(seq.id, [token], None, position=index - seq.num_prompt_tokens)
+            if logprob is not None:
+                event.logprobs = [logprob]
             events.append(self._end(seq, reason, event=event) if reason else event)
         return events
 

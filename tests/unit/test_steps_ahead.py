@@ -14,7 +14,7 @@ from services.engine.engine import Engine
 from services.engine.graphs import GraphPlan
 from services.engine.model_runner import ModelRunner
 from shared.messages import FinishReason
-from tests.unit.engine_helpers import BLOCK, CPU, MIX, Run, block_bytes, limits, request
+from tests.unit.engine_helpers import BLOCK, CPU, LOGPROB_ATOL, MIX, Run, block_bytes, limits, request
 
 EOS = 2
 TEXTS = [
@@ -65,7 +65,9 @@ def workload(prompts, stop_token: int | None = None) -> dict[int, list]:
              request("code", prompts[2], max_new_tokens=24, stop_token_ids=[stop_token] if stop_token is not None else []),
              request("probs", prompts[3], max_new_tokens=6, logprobs=2),
              request("drawn", prompts[3], max_new_tokens=30, do_sample=True, temperature=0.8, top_k=50, top_p=0.9,
-                     seed=11)]
+                     seed=11, logprobs=3),
+             request("chosen", prompts[2], max_new_tokens=28, ignore_eos=True, logprobs=0),
+             request("penalised", prompts[0], max_new_tokens=8, repetition_penalty=1.3)]  # its steps: ordinary ones
     return {0: first, 9: [request("late", prompts[4], max_new_tokens=20, ignore_eos=True)]}
 
 
@@ -87,17 +89,22 @@ def test_steps_ahead_give_the_ordinary_steps_tokens(smol, prompts, mix):
     ours = drive(engine, workload(prompts, stop), {14: "story"})
     assert engine.ahead.launches >= 20
     assert engine.ahead.flight is None and not engine.seqs
-    for rid in ("short", "code", "probs", "late", "drawn"):
+    for rid in ("short", "code", "probs", "late", "drawn", "chosen", "penalised"):
         assert ours.tokens[rid] == plain.tokens[rid], rid
         assert ours.finish[rid].finish_reason == plain.finish[rid].finish_reason, rid
+    for rid in ("probs", "drawn", "chosen"):  # logprobs computed on the device, read back with the tokens (a batch
+        # may hold a finished sequence's stray row: another shape, sums rounded apart by ~1e-5)
+        theirs = [e.logprobs[0] for e in plain.events if e.id == rid and e.token_ids]
+        mine = [e.logprobs[0] for e in ours.events if e.id == rid and e.token_ids]
+        assert [lp.logprob for lp in mine] == pytest.approx([lp.logprob for lp in theirs], abs=LOGPROB_ATOL), rid
+        assert [lp.top_ids for lp in mine] == [lp.top_ids for lp in theirs], rid
+        assert [lp.top_logprobs for lp in mine] == [pytest.approx(lp.top_logprobs, abs=LOGPROB_ATOL) for lp in theirs], rid
     assert plain.finish["code"].finish_reason is FinishReason.EOS_TOKEN and plain.tokens["code"][-1] == stop
     assert len(plain.tokens["late"]) == 20
     # cancelled at step 14: the tokens it had were reported, the last one a step late
     assert plain.finish["story"].finish_reason is ours.finish["story"].finish_reason is FinishReason.CANCELLED
     theirs = plain.tokens["story"]
     assert ours.tokens["story"] == theirs[:len(ours.tokens["story"])] and len(ours.tokens["story"]) >= len(theirs) - 1
-    probs = [e.logprobs[0].logprob for e in ours.events if e.id == "probs" and e.token_ids]
-    assert probs == pytest.approx([e.logprobs[0].logprob for e in plain.events if e.id == "probs" and e.token_ids])
     positions_in_order(ours)
     assert PENDING not in {t for tokens in ours.tokens.values() for t in tokens}
 
