@@ -71,11 +71,11 @@ class SwitchboardConfig(msgspec.Struct, rename="camel", kw_only=True, forbid_unk
     graphs between their attentions for token counts 16, 32, 64, 96, 128, 192, ... up to the most a step holds
     (at most 2,048); false runs every step eagerly."""
     async_scheduling: bool = True
-    """on cuda with cudaGraphs, a decode step whose every row's token is drawn on the device (greedy, or sampled
-    with temperature, top-k, top-p and its seed, logprobs too; no penalty, typical-p or grammar) is launched
-    before the last one's tokens are read back, its token ids copied on the device, so the GPU does not wait
-    while the host reads, appends and publishes tokens (vLLM's async scheduling); false reads each step's tokens
-    before the next step is scheduled."""
+    """on cuda with cudaGraphs, a decode step whose every row's token can be drawn on the device (any sampling
+    parameters, penalties and logprobs included; not a grammar's masked rows, which need the last token on the
+    host) is launched before the last one's tokens are read back, its token ids copied on the device, so the GPU
+    does not wait while the host reads, appends and publishes tokens (vLLM's async scheduling); false reads each
+    step's tokens before the next step is scheduled."""
     prefill_order: Literal["arrival", "shortest"] = "shortest"
     """Mix: which prompts get a step's prefillChunkSize tokens first, within a priority level: ``arrival``
     (prompts already being computed, then new ones, each in arrival order) or ``shortest`` (the fewest tokens

@@ -1,15 +1,15 @@
 """Steps launched ahead: the next decode step goes to the device before this one's tokens are read back.
 
-On a GPU a decode step replays one graph in a few milliseconds, and between two replays the host schedules,
-fills the buffers, waits for the sampled tokens, appends them and publishes them: the device idles meanwhile
-(0.3-0.7 ms of a 4.7 ms step at one row of an 8B model). vLLM v1's async scheduling takes that time out of the
-device's path, and so does this, for the steps where it is simple: pure-decode steps replayed from the decode
-graphs (``graphs.py``) whose every row's token is drawn on the device alone (no penalty, typical-p, grammar or
-handoff; logprobs are computed there and read back with the tokens). Such a step's tokens are the graph's own
-argmax (``DecodeBuffers.next_ids``), the rows that sample drawn over it on the device (``sampler.draw_on_device``:
-the same seeded draw as the ordinary step's), so the step after it can be launched at once, its token ids copied
-on the device from the last step's; the host reads the last step's tokens back (``Flight.results``) while the
-device runs the new one.
+On a GPU a decode step replays one graph in a few milliseconds, and between two replays the host schedules, fills
+the buffers, waits for the sampled tokens, appends them and publishes them: the device idles meanwhile (0.3-0.7 ms
+of a 4.7 ms step at one row of an 8B model). vLLM v1's async scheduling takes that time out of the device's path,
+and so does this, for the steps where it is simple: pure-decode steps replayed from the decode graphs
+(``graphs.py``) whose every row's token is drawn on the device alone (no grammar or handoff; logprobs are computed
+there and read back with the tokens). Such a step's tokens are the graph's own argmax
+(``DecodeBuffers.next_ids``), with the tokens of the rows that sample or have penalties written over it from
+``sampler.sample_on_device`` (the ordinary step's sampling, which makes no host sync), so the step after it can be
+launched at once, its token ids copied on the device from the last step's; the host reads the last step's tokens
+back (``Flight.results``) while the device runs the new one.
 
 A sequence in flight holds a placeholder (``PENDING``) where its next token goes, and ``num_computed`` counts
 the position the flight computes, so the scheduler sees it as one token further on, as it will be. The
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.engine.graphs import DecodeGraphs
-from services.engine.sampler import check_sampling, draw_on_device, draws, draws_on_device, on_device
+from services.engine.sampler import check_sampling, on_device, plain_greedy, sample_on_device
 from services.engine.scheduler import Scheduled
 from services.engine.sequence import Sequence, Status
 from shared.messages import TokenLogprob
@@ -70,13 +70,14 @@ class Flight:
 
 
 def runs_ahead(seq: Sequence) -> bool:
-    """Whether a sequence's next token is drawn on the device alone (the graph's argmax, or ``draw_on_device``)
-    and nothing else is needed of its step but its logprobs: no penalty, grammar or handoff."""
+    """Whether a sequence's next token is drawn on the device alone (the graph's argmax, or
+    ``sampler.sample_on_device``) and nothing else is needed of its step but its logprobs: no grammar (its mask
+    needs the last token on the host) or handoff."""
     try:
         check_sampling(seq.sampling)
     except ValueError:
         return False  # the ordinary step ends it, alone
-    return draws_on_device(seq.sampling) and seq.matcher is None and not seq.handoff and not seq.wants_prompt_logprobs
+    return seq.matcher is None and not seq.handoff and not seq.wants_prompt_logprobs
 
 
 class StepsAhead:
@@ -101,11 +102,12 @@ class StepsAhead:
         logits = self.graphs.run(items, sources)
         next_ids, n = self.graphs.buffers.next_ids, len(items)
         device = next_ids.device
-        drawing = [i for i, item in enumerate(items) if draws(item.seq.sampling)]
-        if drawing:  # their tokens replace the graph's argmax
-            rows = on_device(drawing, device, torch.long)
-            drawn, valid = draw_on_device(logits.index_select(0, rows), [items[i].seq for i in drawing])
-            next_ids.index_copy_(0, rows, torch.where(valid, drawn, next_ids.index_select(0, rows)))
+        special = [i for i, item in enumerate(items) if not plain_greedy(item.seq.sampling)]
+        if special:  # draws and penalties: their tokens replace the graph's argmax
+            rows = on_device(special, device, torch.long)
+            last = self.graphs.buffers.scalars[0].index_select(0, rows)  # the step's input ids: each row's last token
+            tokens = sample_on_device(logits.index_select(0, rows), [items[i].seq for i in special], last)
+            next_ids.index_copy_(0, rows, tokens)
         asking = [i for i, item in enumerate(items) if item.seq.sampling.logprobs is not None]
         ks = [items[i].seq.sampling.logprobs for i in asking]
         out = [next_ids[:n], *(logprob_rows(logits, next_ids, on_device(asking, device, torch.long), max(ks))

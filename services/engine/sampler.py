@@ -31,17 +31,23 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         check_sampling(seq.sampling)
     if all(plain_greedy(seq.sampling) for seq in seqs):
         return greedy_only(logits)
+    return sample_on_device(logits, seqs).tolist()
+
+
+@torch.inference_mode()
+def sample_on_device(logits: torch.Tensor, seqs: list[Sequence], last: torch.Tensor | None = None) -> torch.Tensor:
+    """``sample``'s tokens (parameters checked), left on the device: no host sync. ``logits`` is modified in place
+    (penalties). ``last``: each row's last token, on the device (a step launched ahead: ``seq.token_ids`` holds a
+    placeholder there); None: ``seq.token_ids`` is whole."""
     raw_best = best_finite(logits)
-    apply_repetition_penalty(logits, seqs)
-    apply_output_penalties(logits, seqs)
-    tokens = greedy(logits, raw_best)
+    apply_repetition_penalty(logits, seqs, last)
+    apply_output_penalties(logits, seqs, last)
+    tokens = greedy_ids(logits, raw_best)
     rows = [i for i, s in enumerate(seqs) if draws(s.sampling)]
-    if not rows:
-        return tokens
-    drawn, valid = draw_on_device(logits[rows], [seqs[i] for i in rows])
-    for i, token, ok in zip(rows, drawn.tolist(), valid.tolist()):
-        if ok:  # otherwise the greedy token already in place
-            tokens[i] = token
+    if rows:
+        index = on_device(rows, logits.device, torch.long)
+        drawn, valid = draw_on_device(logits.index_select(0, index), [seqs[i] for i in rows])
+        tokens.index_copy_(0, index, torch.where(valid, drawn, tokens.index_select(0, index)))  # else the greedy one
     return tokens
 
 
@@ -51,13 +57,6 @@ def on_device(values: list, device: torch.device, dtype: torch.dtype) -> torch.T
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
-
-
-def draws_on_device(sampling: Sampling) -> bool:
-    """Whether ``draw_on_device`` gives this request's token: no penalty (they read the tokens so far on the
-    host) and no typical-p (its cut is read back)."""
-    return (sampling.repetition_penalty == 1.0 and sampling.presence_penalty == 0.0
-            and sampling.frequency_penalty == 0.0 and sampling.typical_p == 1.0)
 
 
 @torch.inference_mode()
@@ -74,12 +73,12 @@ def draw_on_device(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Te
     return (probs / q).argmax(dim=-1), valid
 
 
-def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's argmax, left on the device (no host sync): ``greedy_only``'s tokens (a row whose maximum is
-    NaN or -inf takes the NaN-ignoring argmax)."""
+def greedy_ids(logits: torch.Tensor, fallback: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's argmax, left on the device (no host sync); a row whose maximum is NaN or -inf (NaN logits, or
+    none finite) takes ``fallback`` (default: its NaN-ignoring argmax, as ``greedy_only``)."""
     best, index = logits.max(dim=-1)
     broken = best.isnan() | (best == float("-inf"))
-    return torch.where(broken, logits.nan_to_num(nan=float("-inf")).argmax(dim=-1), index)
+    return torch.where(broken, best_finite(logits) if fallback is None else fallback, index)
 
 
 def plain_greedy(sampling: Sampling) -> bool:
@@ -114,18 +113,9 @@ def check_sampling(sampling: Sampling) -> None:
         raise ValueError(f"repetition_penalty must be positive, got {sampling.repetition_penalty}")
 
 
-def greedy(logits: torch.Tensor, fallback: torch.Tensor) -> list[int]:
-    """Argmax per row; a row with a NaN or with every logit -inf takes ``fallback`` (raw argmax)."""
-    best, index = logits.max(dim=-1)
-    broken = best.isnan() | (best == float("-inf"))
-    return torch.where(broken, fallback, index).tolist()
-
-
 def best_finite(logits: torch.Tensor) -> torch.Tensor:
-    """Argmax per row, NaN ignored (the fallback of rows whose distribution cannot be formed)."""
-    if bool(logits.isnan().any()):
-        logits = logits.nan_to_num(nan=float("-inf"))
-    return logits.argmax(dim=-1)
+    """Argmax per row, NaN ignored (the fallback of rows whose distribution cannot be formed); no host sync."""
+    return logits.nan_to_num(nan=float("-inf")).argmax(dim=-1)
 
 
 def position_seed(seed: int, position: int) -> int:
@@ -141,25 +131,48 @@ def generator_for(seq: Sequence, device: torch.device | str = "cpu") -> torch.Ge
     return torch.Generator(device=device).manual_seed(position_seed(seq.sampling.seed or 0, len(seq)))
 
 
-def apply_repetition_penalty(logits: torch.Tensor, seqs: list[Sequence]) -> None:
-    for i, seq in enumerate(seqs):
-        penalty = seq.sampling.repetition_penalty
-        if penalty == 1.0:
-            continue
-        ids = torch.tensor(sorted(set(seq.token_ids)), device=logits.device)
-        scores = logits[i, ids]
-        logits[i, ids] = torch.where(scores < 0, scores * penalty, scores / penalty)
+def apply_repetition_penalty(logits: torch.Tensor, seqs: list[Sequence], last: torch.Tensor | None = None) -> None:
+    """transformers' repetition penalty on each token the sequence holds (prompt and output), in place; no host
+    sync. ``last``: as ``sample_on_device``'s."""
+    rows = [i for i, seq in enumerate(seqs) if seq.sampling.repetition_penalty != 1.0]
+    if not rows:
+        return
+    index = on_device(rows, logits.device, torch.long)
+    counts = token_counts(logits, [seqs[i] for i in rows], [0] * len(rows), last, index)
+    penalty = on_device([seqs[i].sampling.repetition_penalty for i in rows], logits.device, logits.dtype)[:, None]
+    scores = logits.index_select(0, index)
+    penalised = torch.where(scores < 0, scores * penalty, scores / penalty)
+    logits.index_copy_(0, index, torch.where(counts > 0, penalised, scores))
 
 
-def apply_output_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
-    """OpenAI presence/frequency penalties: subtract per generated occurrence (frequency) and once (presence)."""
-    for i, seq in enumerate(seqs):
-        presence, frequency = seq.sampling.presence_penalty, seq.sampling.frequency_penalty
-        if (presence == 0.0 and frequency == 0.0) or seq.num_generated == 0:
-            continue
-        generated = torch.tensor(seq.token_ids[seq.num_prompt_tokens:], device=logits.device)
-        counts = torch.bincount(generated, minlength=logits.shape[-1])[: logits.shape[-1]].to(logits.dtype)
-        logits[i] -= frequency * counts + presence * (counts > 0).to(logits.dtype)
+def apply_output_penalties(logits: torch.Tensor, seqs: list[Sequence], last: torch.Tensor | None = None) -> None:
+    """OpenAI presence/frequency penalties: subtract per generated occurrence (frequency) and once (presence), in
+    place; no host sync. ``last``: as ``sample_on_device``'s."""
+    rows = [i for i, seq in enumerate(seqs) if seq.sampling.presence_penalty != 0.0 or seq.sampling.frequency_penalty != 0.0]
+    if not rows:
+        return
+    chosen = [seqs[i] for i in rows]
+    index = on_device(rows, logits.device, torch.long)
+    counts = token_counts(logits, chosen, [seq.num_prompt_tokens for seq in chosen], last, index)
+    frequency = on_device([seq.sampling.frequency_penalty for seq in chosen], logits.device, logits.dtype)[:, None]
+    presence = on_device([seq.sampling.presence_penalty for seq in chosen], logits.device, logits.dtype)[:, None]
+    logits.index_copy_(0, index, logits.index_select(0, index) - (frequency * counts + presence * (counts > 0).to(logits.dtype)))
+
+
+def token_counts(logits: torch.Tensor, seqs: list[Sequence], starts: list[int], last: torch.Tensor | None,
+                 rows: torch.Tensor) -> torch.Tensor:
+    """[len(seqs), vocab] in ``logits``' dtype: how often each token occurs in each sequence's tokens from
+    ``starts`` on; the last one taken from ``last[rows]`` when ``last`` is given (it is a placeholder there)."""
+    vocab = logits.shape[-1]
+    ahead = last is not None
+    known = [seq.token_ids[start:len(seq) - ahead] for seq, start in zip(seqs, starts)]
+    width = max(len(k) for k in known)
+    table = on_device([k + [vocab] * (width - len(k)) for k in known], logits.device, torch.long)  # pads: column vocab
+    if ahead:
+        table = torch.cat([table, last.index_select(0, rows)[:, None]], dim=1)
+    counts = torch.zeros(len(seqs), vocab + 1, dtype=logits.dtype, device=logits.device)
+    counts.scatter_add_(1, table, torch.ones(table.shape, dtype=logits.dtype, device=logits.device))
+    return counts[:, :vocab]
 
 
 @torch.inference_mode()
@@ -214,6 +227,6 @@ def typical_p(logits: torch.Tensor, mass: float) -> torch.Tensor:
     shifted = (-log_probs - entropy).abs()
     sorted_shifted, order = shifted.sort()
     cumulative = probs.gather(-1, order).cumsum(dim=-1)
-    last = int((cumulative < mass).sum().clamp(max=len(cumulative) - 1))
+    last = (cumulative < mass).sum().clamp(max=len(cumulative) - 1)  # a tensor: no host sync
     remove = sorted_shifted > sorted_shifted[last]
     return logits.masked_fill(remove.scatter(-1, order, remove), float("-inf"))

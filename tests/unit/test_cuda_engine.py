@@ -123,10 +123,13 @@ def test_graph_replay_equals_the_eager_step(model_dir, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_steps_launched_ahead_give_the_replayed_steps_tokens(model_dir, dtype, monkeypatch):
     """Token ids copied on the device from the last replay's argmax and seeded draws (ahead.py) give the tokens
-    read back step by step (float32 exactly; bfloat16 to the near-tie rule). Requests end at different steps; a
-    penalised one makes steps the ordinary kind while it runs. A launch never waits on the GPU: torch's sync
-    debug mode raises at any synchronizing call inside one."""
+    read back step by step (float32 exactly; bfloat16 to the near-tie rule). Requests end at different steps, with
+    logprobs, draws and penalties; a constrained one makes steps the ordinary kind while it runs. A launch never
+    waits on the GPU: torch's sync debug mode raises at any synchronizing call inside one."""
     from services.engine.ahead import StepsAhead
+    from shared.grammar import json_schema
+
+    schema = {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}
 
     launch = StepsAhead.launch
 
@@ -143,7 +146,9 @@ def test_steps_launched_ahead_give_the_replayed_steps_tokens(model_dir, dtype, m
                 request("eos", prompt(9, 77), max_new_tokens=50),
                 request("seeded", prompt(15, 40), max_new_tokens=40, do_sample=True, temperature=0.9, top_k=40,
                         top_p=0.95, seed=5, ignore_eos=True),
-                request("penalised", prompt(11, 60), max_new_tokens=15, repetition_penalty=1.2, ignore_eos=True)]
+                request("penalised", prompt(11, 60), max_new_tokens=30, repetition_penalty=1.2, presence_penalty=0.3,
+                        do_sample=True, typical_p=0.9, seed=6, ignore_eos=True),
+                request("json", prompt(12, 50), max_new_tokens=15, do_sample=True, seed=4, grammar=json_schema(schema))]
 
     r = runner(model_dir, dtype)
     theirs, _ = generate(r, reqs())
