@@ -123,7 +123,8 @@ def make_prompts(n: int, seed: int) -> list[str]:
 # ---- Switchboard over HTTP -------------------------------------------------------------------
 
 
-def write_config(folder: Path, model: Path, max_batch: int, quantization: str = "none") -> tuple[Path, str]:
+def write_config(folder: Path, model: Path, max_batch: int, quantization: str = "none",
+                 extra: dict | None = None) -> tuple[Path, str]:
     cfg = json.loads((ROOT / "config" / "config.json").read_text())
     srv = cfg["ServerConfig"]
     srv["port"], srv["managementPort"], srv["metricsPort"] = (free_port() for _ in range(3))
@@ -134,7 +135,8 @@ def write_config(folder: Path, model: Path, max_batch: int, quantization: str = 
     sched = cfg["BackendConfig"]["ScheduleConfig"]
     sched["maxBatchSize"], sched["maxPrefillBatchSize"] = max_batch, max_batch
     sched["maxQueueDelayMicroseconds"] = 500
-    cfg.setdefault("Switchboard", {}).update({"device": "cuda", "dtype": "bfloat16", "quantization": quantization})
+    cfg.setdefault("Switchboard", {}).update({"device": "cuda", "dtype": "bfloat16", "quantization": quantization,
+                                              **(extra or {})})
     path = folder / "config.json"
     path.write_text(json.dumps(cfg, indent=2))
     return path, f"http://127.0.0.1:{srv['port']}"
@@ -146,13 +148,14 @@ def completion_body(prompt: str, tokens: int) -> dict:
 
 
 def bench_stack(shape: str, model: Path, levels: list[int], tokens: int, log_dir: Path,
-                quantization: str = "none") -> list[dict]:
-    """``switchboard serve`` on cuda (``quantization``: its weight format); per level: 2 x level requests (at
-    least 4), closed loop."""
+                quantization: str = "none", extra: dict | None = None, mode: str = "") -> list[dict]:
+    """``switchboard serve`` on cuda (``quantization``: its weight format; ``extra``: other Switchboard keys, named
+    ``mode`` in the report); per level: 2 x level requests (at least 4), closed loop."""
     api = Api("/v1/completions", completion_body, openai_tokens)
-    results, name = [], shape if quantization == "none" else f"{shape} {quantization}"
+    results = []
+    name = " ".join(filter(None, [shape, quantization if quantization != "none" else "", mode]))
     with tempfile.TemporaryDirectory(prefix="sb-gpu-") as tmp:
-        config, url = write_config(Path(tmp), model, max(levels), quantization)
+        config, url = write_config(Path(tmp), model, max(levels), quantization, extra)
         log = log_dir / f"switchboard-{name.replace(' ', '-')}.log"
         cmd = [sys.executable, "-m", "switchboard.cli", "serve", "--config", str(config)]
         with server(f"switchboard {name}", cmd, log, lambda: SWITCHBOARD_READY in log_tail(log, 200), cwd=ROOT,
@@ -161,7 +164,8 @@ def bench_stack(shape: str, model: Path, levels: list[int], tokens: int, log_dir
             for level in levels:
                 wall, samples = asyncio.run(run_batch(url, api, make_prompts(max(4, 2 * level), level), tokens, level))
                 run = Run(f"switchboard {shape}", level, wall, samples)
-                results.append({"shape": shape, "quantization": quantization, "concurrency": level, "tok_s": run.tok_s,
+                results.append({"shape": shape, "quantization": quantization, "mode": mode, "concurrency": level,
+                                "tok_s": run.tok_s,
                                 "ttft_p50_s": run.ttft(50), "tokens": run.tokens, "ttfts_s": [s.ttft for s in samples]})
                 print(f"[switchboard {name}] c{level}: {run.tok_s:.1f} tok/s, TTFT p50 {run.ttft(50) * 1000:.0f} ms "
                       f"(each: {' '.join(f'{s.ttft * 1000:.0f}' for s in samples[:16])})", flush=True)
@@ -210,17 +214,18 @@ def report(figures: dict, sizes: dict, stack: list[dict], hf: list[dict], steps:
         lines.append(f"{shape}: {size / 1e9:.2f} GB of weights; bandwidth roofline {roof:.0f} tok/s at 1 row, "
                      f"{16 * roof:.0f} at 16, {64 * roof:.0f} at 64")
     hf_by_batch = {r["batch"]: r["tok_s"] for r in hf}
-    plain = {(r["shape"], r["concurrency"]): r["tok_s"] for r in stack if r["quantization"] == "none"}
+    plain = {(r["shape"], r["concurrency"]): r["tok_s"] for r in stack if r["quantization"] == "none" and not r.get("mode")}
     lines.append("| shape | weights | concurrency | Switchboard tok/s | vs bf16 | TTFT p50 | HF static tok/s | ratio | "
                  "of bf16 roofline |")
     lines.append("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in stack:
         theirs = hf_by_batch.get(r["concurrency"]) if r["shape"] == "8b" and r["quantization"] == "none" else None
+        theirs = None if r.get("mode") else theirs
         roof = figures["bandwidth_gb_s"] * 1e9 / sizes[r["shape"]] * r["concurrency"]
         hf_cell, ratio = (f"{theirs:.1f}", f"{r['tok_s'] / theirs:.2f}x") if theirs else ("-", "-")
         base = plain.get((r["shape"], r["concurrency"]))
         vs = f"{r['tok_s'] / base:.2f}x" if base else "-"
-        weights = "bfloat16" if r["quantization"] == "none" else r["quantization"]
+        weights = ("bfloat16" if r["quantization"] == "none" else r["quantization"]) + (f", {r['mode']}" if r.get("mode") else "")
         lines.append(f"| {r['shape']} | {weights} | {r['concurrency']} | {r['tok_s']:.1f} | {vs} | "
                      f"{r['ttft_p50_s'] * 1000:.0f} ms | {hf_cell} | {ratio} | {100 * r['tok_s'] / roof:.0f}% |")
     lines.append("| rows | mode | step ms | launches per step | GPU busy |")
@@ -242,6 +247,8 @@ def parse_args(argv):
     p.add_argument("--quantizations", default="", help="also serve the 8B shape in these weight formats "
                    "(Switchboard.quantization on cuda: int4,fp8), each at --quant-levels")
     p.add_argument("--quant-levels", default="1,16", help="concurrency levels for --quantizations")
+    p.add_argument("--sync-levels", default="", help="also serve the 8B shape in bfloat16 with "
+                   "Switchboard.asyncScheduling false (each step's tokens read back before the next) at these levels")
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--hf-batches", default="1", help="HF static batches ('' = skip; 16 compiles for ~2 min)")
     p.add_argument("--step-rows", default="1,16,64", help="in-process step profile ('' = skip)")
@@ -282,6 +289,9 @@ def main(argv=None) -> int:
     for fmt in filter(None, args.quantizations.split(",")):
         stack += attempt(f"switchboard {big} {fmt}", bench_stack, big, models[big], ints(args.quant_levels),
                          args.tokens, args.work, fmt)
+    if args.sync_levels:
+        stack += attempt(f"switchboard {big} read back each step", bench_stack, big, models[big], ints(args.sync_levels),
+                         args.tokens, args.work, "none", {"asyncScheduling": False}, "each step read back")
     if args.hf_batches:
         hf = attempt("HF static", bench_hf_static, models[big], ints(args.hf_batches), args.tokens)
     if args.step_rows:
