@@ -1,7 +1,9 @@
 """One request inside the engine: its tokens, its blocks, its scheduling state.
 
 Sampling keeps no state here: each draw is seeded from (seed, len(token_ids)) by the sampler.
-token_ids only ever grow, so hashes of its full blocks, once computed, stay valid.
+token_ids only ever grow, so hashes of its full blocks, once computed, stay valid. (A step launched ahead
+appends a placeholder that its token replaces when read back, and a sequence that ends drops the one a newer
+step appended: ``ahead.py``. Blocks are hashed only once every token in them is known.)
 """
 
 from __future__ import annotations
