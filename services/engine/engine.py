@@ -16,8 +16,6 @@ import queue
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from services.engine import ahead
 from services.engine.block_manager import BlockManager, blocks_for
 from services.engine.grammar import Constraints, apply_masks
@@ -27,6 +25,7 @@ from services.engine.kv_transfer import KvImport
 from services.engine.model_runner import ModelRunner
 from services.engine.multimodal import salt
 from services.engine.pd import Handoff, KvHandoff
+from services.engine.prompt_logprobs import prompt_logprobs, prompt_rows
 from services.engine.sampler import raw_logprobs, sample, token_logprob
 from services.engine.scheduler import Finish, Limits, Scheduled, Scheduler
 from services.engine.sequence import Sequence, Status
@@ -64,9 +63,6 @@ class Computed:
 
     drawn: Drawn | None = None
     prompt: dict[int, TokenLogprob] | None = None
-
-
-PROMPT_LOGITS_ROWS = 256  # prompt logprobs: rows whose full-vocabulary logits exist at once
 
 
 @dataclass(frozen=True)
@@ -176,23 +172,8 @@ class Engine:
         masks = self.constraints.masks([sampling[i].matcher for i in constrained]) if constrained else None
         logits, hidden = self.runner.run(items, [row for _, row, _ in wanted] or None)  # the masks meanwhile
         drawn = iter(self._draw(logits, sampling, constrained, masks)) if sampling else iter(())
-        prompt = self._prompt_logprobs(items, wanted, hidden) if wanted else {}
+        prompt = prompt_logprobs(self.runner.model.lm_head, items, wanted, hidden) if wanted else {}
         return [Computed(next(drawn) if item.samples else None, prompt.get(i)) for i, item in enumerate(items)]
-
-    @torch.inference_mode()
-    def _prompt_logprobs(self, items: list[Scheduled], wanted: list[tuple[int, int, int]],
-                         hidden) -> dict[int, dict[int, TokenLogprob]]:
-        """Per item, the logprob (and top alternatives) of each prompt token its chunk predicts; the
-        vocabulary-wide logits are made ``PROMPT_LOGITS_ROWS`` rows at a time."""
-        out: dict[int, dict[int, TokenLogprob]] = {}
-        for start in range(0, len(wanted), PROMPT_LOGITS_ROWS):
-            part = wanted[start:start + PROMPT_LOGITS_ROWS]
-            rows = self.runner.model.lm_head(hidden[start:start + len(part)]).float().log_softmax(dim=-1)
-            for row, (index, _, position) in zip(rows, part):
-                seq = items[index].seq
-                out.setdefault(index, {})[position] = token_logprob(row, seq.token_ids[position],
-                                                                    seq.sampling.prompt_logprobs)
-        return out
 
     def _draw(self, logits, seqs: list[Sequence], constrained: list[int], masks) -> list[Drawn]:
         """Sample each row; logprobs are the model's raw ones, taken before a grammar masks its row."""
@@ -388,16 +369,3 @@ class Engine:
 
 __all__ = ["Engine", "Finish", "Limits"]
 
-
-def prompt_rows(items: list[Scheduled]) -> list[tuple[int, int, int]]:
-    """(item index, row in the flat batch, prompt position it predicts) for each prompt token after the
-    first whose logprob a chunk computes: row r holds position p's hidden state, which predicts p + 1."""
-    wanted, offset = [], 0
-    for index, item in enumerate(items):
-        seq = item.seq
-        if seq.wants_prompt_logprobs:
-            start = seq.num_computed
-            end = min(start + item.num_tokens, len(seq.prompt_ids) - 1)
-            wanted.extend((index, offset + p - start, p + 1) for p in range(start, end))
-        offset += item.num_tokens
-    return wanted

@@ -1,0 +1,43 @@
+"""Prompt logprobs (``prompt_logprobs`` of vLLM's sampling parameters): which rows of a step predict a prompt
+token whose logprob its request asked for, and those logprobs from the rows' final hidden states."""
+
+from __future__ import annotations
+
+import torch
+
+from services.engine.sampler import token_logprob
+from services.engine.scheduler import Scheduled
+from shared.messages import TokenLogprob
+
+PROMPT_LOGITS_ROWS = 256  # rows whose full-vocabulary logits exist at once
+
+
+def prompt_rows(items: list[Scheduled]) -> list[tuple[int, int, int]]:
+    """(item index, row in the flat batch, prompt position it predicts) for each prompt token after the
+    first whose logprob a chunk computes: row r holds position p's hidden state, which predicts p + 1."""
+    wanted, offset = [], 0
+    for index, item in enumerate(items):
+        seq = item.seq
+        if seq.wants_prompt_logprobs:
+            start = seq.num_computed
+            end = min(start + item.num_tokens, len(seq.prompt_ids) - 1)
+            wanted.extend((index, offset + p - start, p + 1) for p in range(start, end))
+        offset += item.num_tokens
+    return wanted
+
+
+@torch.inference_mode()
+def prompt_logprobs(lm_head, items: list[Scheduled], wanted: list[tuple[int, int, int]],
+                    hidden: torch.Tensor) -> dict[int, dict[int, TokenLogprob]]:
+    """Per item, the logprob (and top alternatives) of each prompt token its chunk predicts (``wanted``, from
+    ``prompt_rows``; ``hidden``: their rows' final hidden states); the vocabulary-wide logits are made
+    ``PROMPT_LOGITS_ROWS`` rows at a time."""
+    out: dict[int, dict[int, TokenLogprob]] = {}
+    for start in range(0, len(wanted), PROMPT_LOGITS_ROWS):
+        part = wanted[start:start + PROMPT_LOGITS_ROWS]
+        rows = lm_head(hidden[start:start + len(part)]).float().log_softmax(dim=-1)
+        for row, (index, _, position) in zip(rows, part):
+            seq = items[index].seq
+            out.setdefault(index, {})[position] = token_logprob(row, seq.token_ids[position],
+                                                                seq.sampling.prompt_logprobs)
+    return out
