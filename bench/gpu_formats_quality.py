@@ -6,7 +6,9 @@ kernel and its reference fp8 GEMM (slow, the same arithmetic up to summation ord
 
 The model (SmolLM2-135M-Instruct) in bfloat16, as a GPU serves it, with every decoder projection replaced by
 the format's layer (the lm_head stays bfloat16, as on a GPU); prints the perplexity of bench/quant_bench.py's
-text and the greedy answer to "What is the capital of France?". The GPU's speed is bench/gpu_bench.py's.
+text and the greedy answer to "What is the capital of France?". fp8 twice: the text's rows multiplied as a
+prompt's (a scale per row), then as a decode step's (a scale per 128 columns of a row, ``fp8_gemv``). The
+GPU's speed is bench/gpu_bench.py's.
 """
 
 from __future__ import annotations
@@ -61,9 +63,11 @@ def main() -> int:
 
     tokenizer = AutoTokenizer.from_pretrained(MODEL)
     rows, base = [], None
-    for fmt in ("bfloat16", "int4", "fp8"):
+    for fmt in ("bfloat16", "int4", "fp8", "fp8, decode rows' product"):
         start = time.perf_counter()
-        model = load(fmt)
+        model = load(fmt.split(",")[0])
+        # the prompt's rows as a decode step's (a scale per 128 columns, fp8_gemv) instead of one per row
+        quant_cuda.FP8_GEMV_ROWS = 1 << 30 if "decode" in fmt else 16
         ppl, scored = perplexity(model, tokenizer)
         base = base or ppl
         text = answer(model, tokenizer)

@@ -5,11 +5,13 @@
 A decode step's time is mostly its products, and at a few rows each product's time is its weights' bytes
 over the memory's bandwidth. Per projection of Llama-3.1-8B's layer (qkv 6144 x 4096, o 4096 x 4096,
 gate_up 28672 x 4096, down 4096 x 14336) and per row count: bfloat16 (cuBLAS), int4 (``Int4Linear``,
-PyTorch's tinygemm kernel), and fp8 three ways: the rows quantized by ``fp8_rows`` then ``torch._scaled_mm``
-(cuBLASLt: prompts), or then ``TritonOps.fp8_mm`` (a GEMV: decode rows), or the rows as they are through
-``fp8_mm`` (W8A16: each weight converted as it loads); microseconds per call (each timed as a CUDA graph
-of 50 calls, the best of 5 replays) and the weights' GB/s that makes. ``quant_cuda.FP8_GEMV_ROWS`` belongs
-where the GEMV stops beating cuBLASLt; W8A16 is there to say whether converting the weights costs more
+PyTorch's tinygemm kernel), and fp8 four ways: the rows quantized by ``fp8_rows`` then ``torch._scaled_mm``
+(cuBLASLt: prompts); ``TritonOps.fp8_gemv`` (decode rows: one launch, the rows quantized as they load and
+the column splits summed by the last to finish); the same GEMV in the launches it took before, ``fp8_rows``
+then ``fp8_mm`` then the splits' sum ("rows first"); and the rows as they are through ``fp8_mm`` (W8A16:
+each weight converted as it loads). Microseconds per call (each timed as a CUDA graph of 50 calls, the best
+of 5 replays) and the weights' GB/s that makes. ``quant_cuda.FP8_GEMV_ROWS`` belongs where the GEMV stops
+beating cuBLASLt; "rows first" says what the launches cost; W8A16 whether converting the weights costs more
 than quantizing the rows.
 """
 
@@ -29,7 +31,7 @@ from services.engine.triton_ops import TritonOps  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 CALLS, REPLAYS = 50, 5
-FORMATS = ("bfloat16", "int4", "fp8 cuBLASLt", "fp8 GEMV", "fp8 W8A16")
+FORMATS = ("bfloat16", "int4", "fp8 cuBLASLt", "fp8 GEMV", "fp8 rows first", "fp8 W8A16")
 
 
 def timed(fn) -> float:
@@ -67,8 +69,16 @@ def layers(n: int, k: int) -> dict:
         "int4": (Int4Linear.from_float(weight), None),
         "fp8 cuBLASLt": (fp8.gemm, fp8.nbytes),
         "fp8 GEMV": (fp8.gemv, fp8.nbytes),
+        "fp8 rows first": (lambda x: rows_first(ops, fp8, x), fp8.nbytes),
         "fp8 W8A16": (lambda x: ops.fp8_mm(x, fp8.weight_t.T, fp8.scale.reshape(-1)), fp8.nbytes),
     }
+
+
+def rows_first(ops: TritonOps, fp8: Fp8Linear, x: torch.Tensor) -> torch.Tensor:
+    """The decode rows' fp8 product as it ran before ``fp8_gemv``: the rows quantized (a scale each), then the
+    GEMV, then its splits' sum (and the cast)."""
+    q, scale = ops.fp8_rows(x)
+    return ops.fp8_mm(q, fp8.weight_t.T, fp8.scale.reshape(-1), scale, torch.bfloat16)
 
 
 def main(argv=None) -> int:

@@ -34,6 +34,7 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
 FP8_MAX, FP8_TINY = 448.0, 1e-12  # e4m3's largest finite value; the smallest |x| a row's scale is taken from
+FP8_GROUP = 128  # fp8_gemv: columns of a row that share one activation scale
 
 
 class TorchOps:
@@ -77,6 +78,20 @@ class TorchOps:
         output channel; the sums in float32, the result in ``out_dtype`` (by default ``rows``'). ``rows`` are
         either e4m3 codes with ``row_scale`` [M, 1] (W8A8, as ``fp8_rows`` makes them) or 16-bit (W8A16)."""
         a = rows.float() if row_scale is None else rows.float() * row_scale
+        return ((a @ q.float().T) * scale.reshape(1, -1)).to(out_dtype or rows.dtype)
+
+    @staticmethod
+    def fp8_gemv(rows: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``rows`` [M, K] (16-bit or float32) times W^T, W as in ``fp8_mm``, with the rows quantized to e4m3 on
+        the way in: each group of ``FP8_GROUP`` columns of each row over its own scale (max |x| / 448), as
+        DeepSeek-V3 quantizes its activations in 1 x 128 tiles. The sums in float32, the result in ``out_dtype``
+        (by default ``rows``'). A decode step's fp8 products (``quant_cuda.Fp8Linear.gemv``)."""
+        m, k = rows.shape
+        pad = -k % FP8_GROUP
+        x = F.pad(rows.float(), (0, pad)).reshape(m, -1, FP8_GROUP)
+        group_scale = x.abs().amax(dim=2, keepdim=True).clamp(min=FP8_TINY) / FP8_MAX
+        a = ((x / group_scale).to(torch.float8_e4m3fn).float() * group_scale).reshape(m, -1)[:, :k]
         return ((a @ q.float().T) * scale.reshape(1, -1)).to(out_dtype or rows.dtype)
 
     @staticmethod

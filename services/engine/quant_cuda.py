@@ -10,11 +10,14 @@ host sync):
   ``(q - 8) * scale + zero`` per group, so scale = d and zero = m + 8 d, kept in bfloat16 as the kernel
   takes them. Activations are bfloat16 (W4A16). 0.625 bytes per weight against bfloat16's 2.
 * ``fp8`` → ``Fp8Linear``: float8 e4m3 weights with one float32 scale per output channel (max |w| / 448),
-  and each row of activations quantized to e4m3 on the fly with its own scale (``fp8_rows``; W8A8, as vLLM's
-  fp8 path runs on Hopper). Prompts are multiplied by ``torch._scaled_mm`` (cuBLASLt's fp8 GEMM, rowwise
-  scales, sm89+); a decode step's few rows (up to ``FP8_GEMV_ROWS``) by ``TritonOps.fp8_mm``, one launch
-  whose programs split the columns across the processors as a product of one row needs (a GEMM kernel made
-  for many rows leaves most of them idle), the codes going into the tensor cores as they are.
+  and the activations quantized to e4m3 on the fly (W8A8, as vLLM's fp8 path runs on Hopper). Prompts: each
+  row over its own scale (``fp8_rows``), multiplied by ``torch._scaled_mm`` (cuBLASLt's fp8 GEMM, rowwise
+  scales, sm89+). A decode step's few rows (up to ``FP8_GEMV_ROWS``): ``TritonOps.fp8_gemv``, one launch
+  that quantizes each 128 columns of a row over their own scale as it loads them, and whose programs split
+  the columns across the processors as a product of one row needs (a GEMM kernel made for many rows leaves
+  most of them idle), the last of a tile's splits adding the parts. At one row a product is ~5-30 us of
+  weights, so the launches around it count: the rows quantized first, then the product, then the parts'
+  sum and a cast were four.
 
 The lm_head stays in the model's dtype on a GPU: it is ~3% of an 8B model's bytes and where 4 bits cost
 the most quality. The same classes run on a CPU (PyTorch's ``_for_cpu`` int4 kernel and its reference fp8
@@ -30,7 +33,7 @@ from services.engine.kernels import TorchOps
 from services.engine.quant import BLOCK, Q4Linear, QuantLinear, unpack4
 
 FORMATS = ("int4", "fp8")  # Switchboard.quantization's values on cuda
-FP8_GEMV_ROWS = 16  # fp8 products of up to this many rows run as TritonOps.fp8_mm (a GEMV), more as _scaled_mm
+FP8_GEMV_ROWS = 16  # fp8 products of up to this many rows run as TritonOps.fp8_gemv (a GEMV), more as _scaled_mm
 CHECKPOINTS = ("awq", "gptq")  # folders already quantized (prequantized.py), loaded as int4
 
 
@@ -117,8 +120,9 @@ class Fp8Linear(nn.Module):
     """``y = x W^T + b`` with W in float8 e4m3 (a scale per output channel) and x quantized per row on the fly."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None, ops=None):
-        """``q``: float8 e4m3 [n, k]; ``scale``: float32 [n]; ``ops``: what quantizes the activations
-        (``fp8_rows``: the Triton kernel on cuda; by default PyTorch operations)."""
+        """``q``: float8 e4m3 [n, k]; ``scale``: float32 [n]; ``ops``: what quantizes the activations and runs
+        the decode rows' product (``fp8_rows``, ``fp8_gemv``: Triton kernels on cuda; by default PyTorch
+        operations)."""
         super().__init__()
         self.ops = ops or TorchOps()
         self.out_features, self.in_features = q.shape
@@ -150,9 +154,9 @@ class Fp8Linear(nn.Module):
         return rows.shape[0] <= FP8_GEMV_ROWS and (self.ops.fused or rows.device.type == "cpu")
 
     def gemv(self, rows: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        """``rows`` [M, K] in e4m3 times the weights: ``ops.fp8_mm`` (a decode step's product)."""
-        q, scale = self.ops.fp8_rows(rows)
-        return self.ops.fp8_mm(q, self.weight_t.T, self.scale.reshape(-1), scale, out_dtype)
+        """``rows`` [M, K] in e4m3 (a scale per 128 columns) times the weights: ``ops.fp8_gemv`` (a decode
+        step's product, one launch)."""
+        return self.ops.fp8_gemv(rows, self.weight_t.T, self.scale.reshape(-1), out_dtype)
 
     def gemm(self, rows: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """``rows`` [M, K] in e4m3 times the weights: cuBLASLt's ``_scaled_mm`` (prompts)."""

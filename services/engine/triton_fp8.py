@@ -17,9 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
-from services.engine.kernels import FP8_MAX, FP8_TINY
+from services.engine.kernels import FP8_GROUP, FP8_MAX, FP8_TINY
 
-FP8_MM_N, FP8_MM_K = 64, 128  # fp8_mm: output channels per program, columns per iteration
+FP8_MM_N, FP8_MM_K = 64, FP8_GROUP  # fp8_mm, fp8_gemv: output channels per program, columns per iteration
+LOCKS = 1 << 16  # fp8_gemv: output tiles a device's split products can count arrivals for (N up to 4M channels)
 
 
 def fp8_split(n: int, k: int, device: torch.device) -> tuple[int, int]:
@@ -72,6 +73,16 @@ def _fp8_rows_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, width, fp8_max
 
 
 @triton.jit
+def _tiles(x_ptr, w_ptr, m, cols_n, cols_k, rows, n, last, stride_x, stride_w):
+    # an fp8 product's next tiles: x's rows m at columns cols_k [BLOCK_M, BLOCK_K], W^T's [BLOCK_K, BLOCK_N]
+    x = tl.load(x_ptr + m[:, None] * stride_x + cols_k[None, :],
+                mask=(m[:, None] < rows) & (cols_k[None, :] < last), other=0.0)
+    w = tl.load(w_ptr + cols_n[None, :] * stride_w + cols_k[:, None],
+                mask=(cols_n[None, :] < n) & (cols_k[:, None] < last), other=0.0)
+    return x, w
+
+
+@triton.jit
 def _fp8_mm_kernel(x_ptr, x_scale_ptr, w_ptr, scale_ptr, out_ptr, rows, n, k, k_per_split, stride_x, stride_w,
                    stride_out, stride_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    ROW_SCALES: tl.constexpr, UPCAST: tl.constexpr):
@@ -87,10 +98,7 @@ def _fp8_mm_kernel(x_ptr, x_scale_ptr, w_ptr, scale_ptr, out_ptr, rows, n, k, k_
     start = first
     while start < last:
         cols_k = start + ks
-        x = tl.load(x_ptr + m[:, None] * stride_x + cols_k[None, :],
-                    mask=(m[:, None] < rows) & (cols_k[None, :] < last), other=0.0)
-        w = tl.load(w_ptr + cols_n[None, :] * stride_w + cols_k[:, None],
-                    mask=(cols_n[None, :] < n) & (cols_k[:, None] < last), other=0.0)
+        x, w = _tiles(x_ptr, w_ptr, m, cols_n, cols_k, rows, n, last, stride_x, stride_w)
         if UPCAST:  # (Triton's CPU interpreter multiplies bfloat16 matrices wrongly)
             acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
         elif ROW_SCALES:
@@ -103,6 +111,65 @@ def _fp8_mm_kernel(x_ptr, x_scale_ptr, w_ptr, scale_ptr, out_ptr, rows, n, k, k_
         acc *= tl.load(x_scale_ptr + m, mask=m < rows, other=0.0)[:, None]
     tl.store(out_ptr + tl.program_id(1) * stride_split + m[:, None] * stride_out + cols_n[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=(m[:, None] < rows) & (cols_n[None, :] < n))
+
+
+@triton.jit
+def _e4m3_round(v):
+    # float32 v (|v| <= 448) rounded to e4m3's nearest value, ties to even, kept in float32: what a GPU's cast
+    # does (Triton's CPU interpreter casts to e4m3 wrongly when a mantissa rounds up into the next power of 2)
+    bits = v.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)  # 3 mantissa bits
+    subnormal = (v + 24576.0) - 24576.0  # below 2^-6: multiples of 2^-9 (24576's float32 spacing)
+    return tl.where(tl.abs(v) < 0.015625, subnormal, normal)
+
+
+@triton.jit
+def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, lock_ptr, rows, n, k, k_per_split, splits,
+                     stride_x, stride_w, stride_out, fp8_max, tiny, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, EMULATE: tl.constexpr):
+    # program (n tile, k split): x [rows, k] (16-bit) times W [n, k]^T over its split's columns, each BLOCK_K
+    # columns of each row quantized to e4m3 over their own scale on the way into the tensor cores. With one
+    # split it writes the product; with more, its partial sums, and the tile's last program to arrive adds the
+    # splits' parts in split order and writes the product (one launch either way). EMULATE: the interpreter's
+    # float32 arithmetic instead of e4m3 casts and an fp8 dot
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    cols_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    first = split * k_per_split
+    last = tl.minimum(first + k_per_split, k)
+    m = tl.arange(0, BLOCK_M)
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    start = first
+    while start < last:
+        cols_k = start + ks
+        x, w = _tiles(x_ptr, w_ptr, m, cols_n, cols_k, rows, n, last, stride_x, stride_w)
+        x = x.to(tl.float32)
+        group_scale = tl.maximum(tl.max(tl.abs(x), axis=1), tiny) / fp8_max
+        if EMULATE:
+            part = tl.dot(_e4m3_round(x / group_scale[:, None]), w.to(tl.float32), input_precision="ieee")
+        else:
+            part = tl.dot((x / group_scale[:, None]).to(w.dtype), w)
+        acc += part * group_scale[:, None]
+        start += BLOCK_K
+    acc *= tl.load(scale_ptr + cols_n, mask=cols_n < n, other=0.0)[None, :]
+    inside = (m[:, None] < rows) & (cols_n[None, :] < n)
+    out = out_ptr + m[:, None] * stride_out + cols_n[None, :]
+    if splits == 1:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=inside)
+    else:
+        offsets = m[:, None] * n + cols_n[None, :]
+        tl.store(part_ptr + split * rows * n + offsets, acc, mask=inside)
+        tl.debug_barrier()  # every thread's part stored before the arrival is counted (released at gpu scope)
+        if tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu") == splits - 1:
+            tl.debug_barrier()
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            j = 0
+            while j < splits:  # (``while``: the interpreter's scalars are arrays)
+                total += tl.load(part_ptr + j * rows * n + offsets, mask=inside, other=0.0, cache_modifier=".cg")
+                j += 1
+            tl.store(out, total.to(out_ptr.dtype.element_ty), mask=inside)
+            tl.atomic_xchg(lock_ptr + tile, 0)  # counted from zero again by the next product
 
 
 def fp8_rows(rows: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,3 +202,38 @@ def fp8_mm(rows: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, row_scale: 
                          BLOCK_N=FP8_MM_N, BLOCK_K=FP8_MM_K, ROW_SCALES=row_scale is not None,
                          UPCAST=rows.device.type == "cpu")
     return out[0] if splits == 1 else out.sum(dim=0).to(dtype)
+
+
+def fp8_gemv(rows: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+             out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """TorchOps.fp8_gemv in one launch: the rows' quantization to e4m3 (a scale per 128 columns of a row), the
+    product and, when the columns are split (``fp8_split``, as ``fp8_mm``'s), the parts' sum. The split tiles
+    count their arrivals in a per-device buffer of ``LOCKS`` counters that each product leaves at zero, so
+    products on one device run one after another (one stream, as the engine's)."""
+    m, k = rows.shape
+    n = q.shape[0]
+    dtype = out_dtype or rows.dtype
+    out = torch.empty(m, n, device=rows.device, dtype=dtype)
+    if m == 0:
+        return out
+    splits, k_per_split = fp8_split(n, k, rows.device)
+    tiles = triton.cdiv(n, FP8_MM_N)
+    if tiles > LOCKS:
+        raise ValueError(f"fp8_gemv takes up to {LOCKS * FP8_MM_N} output channels, not {n}")
+    parts = torch.empty(splits if splits > 1 else 0, m, n, device=rows.device, dtype=torch.float32)
+    _fp8_gemv_kernel[(tiles, splits)](rows, q, scale, out, parts, _locks(rows.device), m, n, k, k_per_split, splits,
+                                      rows.stride(0), q.stride(0), out.stride(0), FP8_MAX, FP8_TINY,
+                                      BLOCK_M=max(16, pow2(m)), BLOCK_N=FP8_MM_N, BLOCK_K=FP8_MM_K,
+                                      EMULATE=rows.device.type == "cpu")
+    return out
+
+
+_LOCK_BUFFERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _locks(device: torch.device) -> torch.Tensor:
+    """The device's arrival counters, all zero between products (made on the first product, before any graph
+    is captured: the engine runs each graph's step eagerly first)."""
+    if device not in _LOCK_BUFFERS:
+        _LOCK_BUFFERS[device] = torch.zeros(LOCKS, dtype=torch.int32, device=device)
+    return _LOCK_BUFFERS[device]

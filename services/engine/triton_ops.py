@@ -9,7 +9,7 @@ one kernel:
 - ``rms_norm`` and ``add_rms_norm`` (residual += x, then the norm): one program per row;
 - ``silu_mul``: SiLU(gate) * up of the merged gate/up output;
 - ``rope_store``: rotates q and k in place and writes k and v into the paged cache;
-- ``fp8_rows`` and ``fp8_mm`` (fp8 weights): ``triton_fp8.py``.
+- ``fp8_rows``, ``fp8_mm`` and ``fp8_gemv`` (fp8 weights): ``triton_fp8.py``.
 
 Every kernel reads only device memory its arguments name (lengths and block tables included), so
 a step made of them can be captured as a CUDA graph and replayed with new inputs.
@@ -246,6 +246,7 @@ class TritonOps(TorchOps):
 
     fp8_rows = staticmethod(triton_fp8.fp8_rows)
     fp8_mm = staticmethod(triton_fp8.fp8_mm)
+    fp8_gemv = staticmethod(triton_fp8.fp8_gemv)
 
     @staticmethod
     def rope_store(qkv, cos, sin, positions, k_cache, v_cache, slots, num_heads, num_kv_heads, head_dim) -> None:

@@ -194,6 +194,7 @@ def test_triton_kernels_equal_the_pytorch_operations_on_cuda(dtype):
     if torch.cuda.get_device_capability() >= (8, 9):  # fp8 W8A8's activations: the same codes and scales
         (q, s), (q_ref, s_ref) = ops.fp8_rows(gu[:, :14336]), ref.fp8_rows(gu[:, :14336])
         assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+        check_fp8_gemv(ops, ref, dtype)
     # one paged prefill for three prompt pieces: a whole prompt, one after 300 cached positions, a short one
     pieces = [(5, 0, 40, tables[0].tolist()), (45, 300, 70, tables[2].tolist()), (115, 900, 3, tables[4].tolist())]
     qp = torch.randn(118, heads * dim, dtype=dtype, device="cuda")
@@ -207,6 +208,30 @@ def test_triton_kernels_equal_the_pytorch_operations_on_cuda(dtype):
         want = torch.nn.functional.scaled_dot_product_attention(
             q3, k_cache[:, slots][None], v_cache[:, slots][None], attn_mask=mask, scale=dim ** -0.5, enable_gqa=True)
         torch.testing.assert_close(got[row:row + n_rows], want[0].transpose(0, 1).reshape(n_rows, heads * dim), **tol)
+
+
+def check_fp8_gemv(ops, ref, dtype):
+    """The decode rows' fp8 product in one launch, the 8B shape's down (split across the processors, the last
+    split adding the parts) and gate_up (not split), eagerly and replayed as a graph, each time with the
+    arrival counters back at zero."""
+    from services.engine import triton_fp8
+
+    for n, k in ((4096, 14336), (28672, 4096)):
+        codes, scale = ref.fp8_rows(torch.randn(n, k, device="cuda") * 0.02)
+        scale = scale.reshape(-1)
+        for rows in (1, 5, 16):
+            x = torch.randn(rows, k, dtype=dtype, device="cuda")
+            want = ref.fp8_gemv(x, codes, scale, torch.float32)
+            tol = dict(rtol=1e-3, atol=1e-4 * float(want.abs().max()))
+            torch.testing.assert_close(ops.fp8_gemv(x, codes, scale, torch.float32), want, **tol)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = ops.fp8_gemv(x, codes, scale, torch.float32)
+            for _ in range(3):
+                out.zero_()
+                graph.replay()
+                torch.testing.assert_close(out, want, **tol)
+            assert not triton_fp8._locks(x.device).any()
 
 
 def test_prompt_logprobs_on_cuda(model_dir):

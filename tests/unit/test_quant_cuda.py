@@ -48,7 +48,8 @@ def test_int4_keeps_the_input_dtype_and_leading_dimensions():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 7, FP8_GEMV_ROWS + 24])
 def test_fp8_is_the_product_of_rows_and_weights_in_e4m3(dtype, rows):
-    """Up to FP8_GEMV_ROWS rows (decode: fp8_mm) and more (prompts: _scaled_mm), the same product."""
+    """Up to FP8_GEMV_ROWS rows (decode: fp8_gemv) and more (prompts: _scaled_mm), the same product (at 96
+    columns a decode row's one group of 128 columns has the row's scale)."""
     w, bias = weight(n=48, k=96), torch.randn(48)
     layer = Fp8Linear.from_float(w, bias)
     x = (torch.randn(rows, 96) * torch.logspace(-2, 1, rows)[:, None]).to(dtype)  # rows of very different sizes
@@ -61,6 +62,24 @@ def test_fp8_is_the_product_of_rows_and_weights_in_e4m3(dtype, rows):
     rel = (layer.dequantized() - w).abs() / w.abs().amax(dim=1, keepdim=True)
     assert rel.max() <= 1 / 16
     assert torch.equal(q.float().abs().amax(dim=1), torch.full((rows,), FP8_MAX))
+
+
+def test_fp8_decode_rows_take_a_scale_per_128_columns():
+    """``fp8_gemv`` (a decode step's product) quantizes each 128 columns of a row over their own scale: columns
+    100,000 times smaller than the row's first 128 keep e4m3's precision, where one scale per row (the
+    prompts' ``fp8_rows``) rounds them to a few codes or zero."""
+    layer = Fp8Linear.from_float(weight(n=48, k=384))
+    torch.manual_seed(1)
+    small = torch.randn(3, 384)
+    small[:, :128] = 0
+    big = torch.zeros(3, 384)
+    big[:, :128] = torch.randn(3, 128) * 1e5
+    got = layer.gemv(small + big, torch.float32) - layer.gemv(big, torch.float32)  # the small columns' share
+    want = small @ layer.dequantized().T
+    assert (got - want).norm() < 0.05 * want.norm()
+    q, scale = TorchOps.fp8_rows(small + big)
+    per_row = ((q.float() * scale)[:, 128:]) @ layer.dequantized()[:, 128:].T
+    assert (per_row - want).norm() > 0.3 * want.norm()
 
 
 def test_a_zero_row_stays_zero_in_fp8():

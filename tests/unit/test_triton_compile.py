@@ -49,6 +49,11 @@ for arch in (90, 89):
                                  "out_ptr": out},
               {"BLOCK_M": 16, "BLOCK_N": F.FP8_MM_N, "BLOCK_K": F.FP8_MM_K, "ROW_SCALES": x != "bf16",
                "UPCAST": False}, arch)
+    # fp8 decode products in one launch (the rows quantized in the kernel; the parts summed by the last split)
+    for out in ("bf16", "fp32"):
+        build(F._fp8_gemv_kernel, {"w_ptr": "fp8e4nv", "scale_ptr": "fp32", "out_ptr": out, "part_ptr": "fp32",
+                                   "lock_ptr": "i32"},
+              {"BLOCK_M": 16, "BLOCK_N": F.FP8_MM_N, "BLOCK_K": F.FP8_MM_K, "EMULATE": False}, arch)
     for kv in ("bf16", "fp8e4nv"):
         cache = {"k_ptr": kv, "v_ptr": kv}
         tables = {"cos_ptr": "fp32", "sin_ptr": "fp32", "pos_ptr": "i64", "slots_ptr": "i64"}
@@ -69,4 +74,4 @@ def test_the_triton_kernels_compile_for_hopper_and_ada(tmp_path):
                           timeout=400)
     assert done.returncode == 0, done.stderr[-4000:]
     built = done.stdout.split()
-    assert built.count("90") == built.count("89") == 12
+    assert built.count("90") == built.count("89") == 14

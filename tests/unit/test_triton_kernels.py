@@ -19,6 +19,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 triton_ops = importlib.import_module("services.engine.triton_ops")  # (imports triton_fp8, interpretable now)
 triton_fp8 = importlib.import_module("services.engine.triton_fp8")
+triton, tl = importlib.import_module("triton"), importlib.import_module("triton.language")
 
 HEADS, KV_HEADS, DIM, BLOCK = 6, 2, 16, 4
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
@@ -73,6 +74,49 @@ def test_fp8_mm_is_the_rows_times_the_weights_codes_and_scales(n, splits, rows, 
     assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
     torch.testing.assert_close(got, want, **TOLERANCE[torch.bfloat16])
     assert OPS.fp8_mm(args[0][:0], codes, scale.reshape(-1), None, torch.bfloat16).shape == (0, n)
+
+
+@pytest.mark.parametrize("n,splits", [(100, 2), (300, 1)])
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_fp8_gemv_quantizes_the_rows_and_adds_the_splits_in_one_launch(n, splits, rows):
+    """fp8's decode products in one launch: each 128 columns of a row quantized to e4m3 over their own scale
+    as they load (a group of 1e-4-sized values among them: e4m3's subnormal codes), the columns split in parts
+    whose last program to arrive adds them, or not split; edges that are no whole tile or group. The split
+    counters are left at zero for the next product, which gives the same numbers."""
+    torch.manual_seed(0)
+    k = 1100
+    assert triton_fp8.fp8_split(n, k, torch.device("cpu"))[0] == splits
+    codes, scale = REF.fp8_rows(torch.randn(n, k) * 0.05)
+    x = torch.randn(rows, k, dtype=torch.bfloat16) * torch.logspace(-2, 1, rows, dtype=torch.bfloat16)[:, None]
+    x[0, 128:256] *= 1e-4
+    want = REF.fp8_gemv(x, codes, scale.reshape(-1), torch.float32)
+    for _ in range(2):
+        got = OPS.fp8_gemv(x, codes, scale.reshape(-1), torch.float32)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+        assert not triton_fp8._locks(torch.device("cpu")).any()
+    assert OPS.fp8_gemv(x, codes, scale.reshape(-1)).dtype == torch.bfloat16
+    assert OPS.fp8_gemv(x[:0], codes, scale.reshape(-1)).shape == (0, n)
+
+
+def test_the_interpreters_e4m3_rounding_is_a_gpus():
+    """What stands in for the e4m3 cast in the interpreter (whose own cast loses the carry when a mantissa rounds
+    up to the next power of 2) rounds as PyTorch's cast does: every e4m3 value, every midpoint between two (ties
+    to even) and its float32 neighbours, subnormals, and random values up to 448."""
+
+    @triton.jit
+    def rounded(x_ptr, out_ptr, size, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(out_ptr + i, triton_fp8._e4m3_round(tl.load(x_ptr + i, mask=i < size)), mask=i < size)
+
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    values = codes[codes.isfinite()].unique()
+    mids = (values[1:] + values[:-1]) / 2
+    torch.manual_seed(0)
+    x = torch.cat([values, mids, mids.nextafter(torch.tensor(1e9)), mids.nextafter(torch.tensor(-1e9)),
+                   (torch.rand(20000) * 2 - 1) * 448, torch.randn(5000) * 0.01])
+    out = torch.empty_like(x)
+    rounded[(triton.cdiv(x.numel(), 4096),)](x, out, x.numel(), BLOCK=4096)
+    assert torch.equal(out, x.to(torch.float8_e4m3fn).float())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
