@@ -2,7 +2,7 @@
 # One prepared device run (../shared/reference/gpu-machine.md): install the carried wheels, run the cuda
 # tests, then bench/gpu_bench.py. Carried (git-ignored; `bash bench/gpu_prepare.sh` makes them): .whl/ (Python 3.12 wheels of what the GPU
 # machine lacks) and .gpu/smollm2/ (SmolLM2's config.json and tokenizer files). Output under $OUT.
-#   [BENCH_TIMEOUT=480] bash bench/gpu_run.sh [tests|bench|all|linears] [gpu_bench.py (gpu_linears.py) arguments...]
+#   [BENCH_TIMEOUT=480] bash bench/gpu_run.sh [tests|bench|all|linears|attention] [gpu_bench.py (gpu_linears.py, gpu_attention.py) arguments...]
 #   e.g. the quantized formats (issue 25): bash bench/gpu_run.sh bench --shapes 8b --levels 1,16 --hf-batches "" --step-rows "" --quantizations int4,fp8
 #   e.g. steps launched ahead against each step read back (issue 23): bash bench/gpu_run.sh bench --shapes 8b --levels 1,16 --sync-levels 1,16 --hf-batches 1,16 --step-rows 1,16,64
 set -uo pipefail
@@ -21,6 +21,9 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
 fi
 if [ "$what" = linears ]; then  # the 8B shape's products alone, per weight format (bench/gpu_linears.py)
   timeout 240 python3 bench/gpu_linears.py --out "$OUT/gpu_linears.json" "$@" 2>&1 | tee "$OUT/gpu_linears.txt" | tail -40
+fi
+if [ "$what" = attention ]; then  # the decode attention alone, in pieces or whole, by context (bench/gpu_attention.py)
+  timeout 240 python3 bench/gpu_attention.py --out "$OUT/gpu_attention.json" "$@" 2>&1 | tee "$OUT/gpu_attention.txt" | tail -30
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout "${BENCH_TIMEOUT:-480}" python3 bench/gpu_bench.py --tokenizer .gpu/smollm2 --out "$OUT/gpu_bench.json" "$@" 2>&1 \

@@ -20,7 +20,7 @@ import triton.language as tl
 from services.engine.kernels import FP8_GROUP, FP8_MAX, FP8_TINY
 
 FP8_MM_N, FP8_MM_K = 64, FP8_GROUP  # fp8_mm, fp8_gemv: output channels per program, columns per iteration
-LOCKS = 1 << 16  # fp8_gemv: output tiles a device's split products can count arrivals for (N up to 4M channels)
+LOCKS = 1 << 16  # arrival counters a device has (fp8_gemv: output tiles, up to 4M channels; paged_decode: programs)
 
 
 def fp8_split(n: int, k: int, device: torch.device) -> tuple[int, int]:
@@ -208,8 +208,7 @@ def fp8_gemv(rows: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
              out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """TorchOps.fp8_gemv in one launch: the rows' quantization to e4m3 (a scale per 128 columns of a row), the
     product and, when the columns are split (``fp8_split``, as ``fp8_mm``'s), the parts' sum. The split tiles
-    count their arrivals in a per-device buffer of ``LOCKS`` counters that each product leaves at zero, so
-    products on one device run one after another (one stream, as the engine's)."""
+    count their arrivals in ``arrival_counters``."""
     m, k = rows.shape
     n = q.shape[0]
     dtype = out_dtype or rows.dtype
@@ -217,23 +216,25 @@ def fp8_gemv(rows: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     if m == 0:
         return out
     splits, k_per_split = fp8_split(n, k, rows.device)
-    tiles = triton.cdiv(n, FP8_MM_N)
-    if tiles > LOCKS:
-        raise ValueError(f"fp8_gemv takes up to {LOCKS * FP8_MM_N} output channels, not {n}")
+    tiles = triton.cdiv(n, FP8_MM_N)  # (split only when fewer than 2 per processor: far fewer than LOCKS)
     parts = torch.empty(splits if splits > 1 else 0, m, n, device=rows.device, dtype=torch.float32)
-    _fp8_gemv_kernel[(tiles, splits)](rows, q, scale, out, parts, _locks(rows.device), m, n, k, k_per_split, splits,
+    _fp8_gemv_kernel[(tiles, splits)](rows, q, scale, out, parts, arrival_counters(rows.device), m, n, k, k_per_split, splits,
                                       rows.stride(0), q.stride(0), out.stride(0), FP8_MAX, FP8_TINY,
                                       BLOCK_M=max(16, pow2(m)), BLOCK_N=FP8_MM_N, BLOCK_K=FP8_MM_K,
                                       EMULATE=rows.device.type == "cpu")
     return out
 
 
-_LOCK_BUFFERS: dict[torch.device, torch.Tensor] = {}
+_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
-def _locks(device: torch.device) -> torch.Tensor:
-    """The device's arrival counters, all zero between products (made on the first product, before any graph
-    is captured: the engine runs each graph's step eagerly first)."""
-    if device not in _LOCK_BUFFERS:
-        _LOCK_BUFFERS[device] = torch.zeros(LOCKS, dtype=torch.int32, device=device)
-    return _LOCK_BUFFERS[device]
+def arrival_counters(device: torch.device, need: int = LOCKS) -> torch.Tensor:
+    """At least ``need`` of the device's arrival counters (``fp8_gemv``'s column splits, ``paged_decode``'s
+    pieces; ``LOCKS`` unless more are needed), all zero between kernels: the last program of a group to arrive
+    sets its counter back. Made on first use, before any graph is captured (the engine runs each graph's step
+    eagerly first), and kept while the process lives (a captured graph holds their address); kernels that use
+    them run one after another (one stream, as the engine's)."""
+    size = max(LOCKS, triton.next_power_of_2(need))
+    if (device, size) not in _COUNTERS:
+        _COUNTERS[device, size] = torch.zeros(size, dtype=torch.int32, device=device)
+    return _COUNTERS[device, size]

@@ -5,7 +5,8 @@ decode attention gathered every row's whole context with ``index_select`` each s
 one kernel:
 
 - ``paged_decode``: one program per (row, KV head) walks the row's positions through its block
-  table (no gather), all query heads of the KV group at once, with an online softmax in float32;
+  table (no gather), all query heads of the KV group at once, with an online softmax in float32; a long
+  row's positions in pieces walked at once, their states added by the last piece (flash-decoding);
 - ``rms_norm`` and ``add_rms_norm`` (residual += x, then the norm): one program per row;
 - ``silu_mul``: SiLU(gate) * up of the merged gate/up output;
 - ``rope_store``: rotates q and k in place and writes k and v into the paged cache;
@@ -44,35 +45,78 @@ class PrefillPlan(NamedTuple):
 
 
 SPREAD_PROGRAMS = 256  # paged decode: fewer (row, KV head) programs than this run one per query head instead
+SPLIT_FROM, DECODE_SPLITS = 256, 16  # paged decode: rows longer than this many positions split in up to 16 pieces
+SPLIT_PROGRAMS = 1024  # paged decode: a row's pieces walked at once while the programs stay within this many
 
 
 @triton.jit
-def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr,
-                         stride_q, stride_out, stride_kv_head, stride_table, scale, block_size,
+def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_ptr, stats_ptr, lock_ptr,
+                         stride_q, stride_out, stride_kv_head, stride_table, scale, block_size, split_from,
                          GROUP: tl.constexpr, PER_PROGRAM: tl.constexpr, PER_PROGRAM_P: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, DIM_P: tl.constexpr, TILE: tl.constexpr):
-    # program (row, j) takes query heads [j * PER_PROGRAM, (j + 1) * PER_PROGRAM), all of one KV head's group
+                         HEAD_DIM: tl.constexpr, DIM_P: tl.constexpr, TILE: tl.constexpr,
+                         MAX_PIECES: tl.constexpr):
+    # program (row, j, split) takes query heads [j * PER_PROGRAM, (j + 1) * PER_PROGRAM), all of one KV head's
+    # group. A row of up to split_from positions is one piece; a longer one, up to MAX_PIECES pieces of whole
+    # tiles, at least split_from each: its length alone decides them, not the batch or the grid. The grid's
+    # last axis walks a row's pieces at once (pieces split, split + splits, ...); each piece's online softmax
+    # goes to part/stats, and the program that stores the last of them adds them up, in piece order (one
+    # launch either way)
     row = tl.program_id(0)
     first = tl.program_id(1) * PER_PROGRAM
-    kv_head = first // GROUP
-    g = tl.arange(0, PER_PROGRAM_P)
-    d = tl.arange(0, DIM_P)
-    g_ok = g < PER_PROGRAM
-    d_ok = d < HEAD_DIM
-    heads = first + g
-    q = tl.load(q_ptr + row * stride_q + heads[:, None] * HEAD_DIM + d[None, :],
-                mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    split = tl.program_id(2)
     length = tl.load(lens_ptr + row)
+    piece = tl.maximum(split_from, tl.cdiv(tl.cdiv(length, MAX_PIECES), TILE) * TILE)
+    pieces = tl.cdiv(length, piece)
+    if split < pieces:  # (programs past a row's pieces have nothing to do)
+        g = tl.arange(0, PER_PROGRAM_P)
+        d = tl.arange(0, DIM_P)
+        out_ok = (g < PER_PROGRAM)[:, None] & (d < HEAD_DIM)[None, :]
+        heads = first + g
+        q = tl.load(q_ptr + row * stride_q + heads[:, None] * HEAD_DIM + d[None, :], mask=out_ok,
+                    other=0.0).to(tl.float32)
+        out = out_ptr + row * stride_out + heads[:, None] * HEAD_DIM + d[None, :]
+        program = row * tl.num_programs(1) + tl.program_id(1)
+        base = program * MAX_PIECES
+        last = 0  # whether this program stored the row's last piece
+        at = split
+        while at < pieces:
+            begin = at * piece
+            best, total, acc = _decode_piece(q, k_ptr + (first // GROUP) * stride_kv_head,
+                                             v_ptr + (first // GROUP) * stride_kv_head,
+                                             tables_ptr + row * stride_table, begin,
+                                             tl.minimum(begin + piece, length), scale, block_size, d,
+                                             PER_PROGRAM_P, HEAD_DIM, DIM_P, TILE)
+            if pieces == 1:
+                tl.store(out, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=out_ok)
+            else:
+                here = base + at
+                tl.store(part_ptr + here * PER_PROGRAM_P * DIM_P + g[:, None] * DIM_P + d[None, :], acc)
+                tl.store(stats_ptr + here * 2 * PER_PROGRAM_P + g, best)
+                tl.store(stats_ptr + here * 2 * PER_PROGRAM_P + PER_PROGRAM_P + g, total)
+                tl.debug_barrier()  # every thread's part stored before the arrival is counted (released at gpu scope)
+                if tl.atomic_add(lock_ptr + program, 1, sem="acq_rel", scope="gpu") == pieces - 1:
+                    last = 1
+            at += tl.num_programs(2)
+        if last == 1:
+            tl.debug_barrier()
+            _add_pieces(out, part_ptr, stats_ptr, base, pieces, g, d, out_ok, PER_PROGRAM_P, DIM_P)
+            tl.atomic_xchg(lock_ptr + program, 0)  # counted from zero again by the next step
+
+
+@triton.jit
+def _decode_piece(q, k_base, v_base, table, begin, end, scale, block_size, d, PER_PROGRAM_P: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, DIM_P: tl.constexpr, TILE: tl.constexpr):
+    # q [PER_PROGRAM_P, DIM_P] against positions [begin, end) of a row (block table ``table``): the online
+    # softmax's running max, sum of weights and weighted sum of values
     best = tl.full([PER_PROGRAM_P], float("-inf"), tl.float32)
     total = tl.zeros([PER_PROGRAM_P], tl.float32)
     acc = tl.zeros([PER_PROGRAM_P, DIM_P], tl.float32)
-    k_base = k_ptr + kv_head * stride_kv_head
-    v_base = v_ptr + kv_head * stride_kv_head
-    start = 0
-    while start < length:  # (a ``for`` over range(length) does not run in the interpreter)
+    d_ok = d < HEAD_DIM
+    start = begin
+    while start < end:  # (a ``for`` over range(length) does not run in the interpreter)
         pos = start + tl.arange(0, TILE)
-        p_ok = pos < length
-        block = tl.load(tables_ptr + row * stride_table + pos // block_size, mask=p_ok, other=0)
+        p_ok = pos < end
+        block = tl.load(table + pos // block_size, mask=p_ok, other=0)
         slot = block.to(tl.int64) * block_size + pos % block_size
         kv_ok = p_ok[:, None] & d_ok[None, :]
         k = tl.load(k_base + slot[:, None] * HEAD_DIM + d[None, :], mask=kv_ok, other=0.0).to(tl.float32)
@@ -86,9 +130,31 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr,
         acc = acc * alpha[:, None] + tl.sum(weights[:, :, None] * v[None, :, :], axis=1)
         best = new_best
         start += TILE
-    out = acc / total[:, None]
-    tl.store(out_ptr + row * stride_out + heads[:, None] * HEAD_DIM + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+    return best, total, acc
+
+
+@triton.jit
+def _add_pieces(out, part_ptr, stats_ptr, base, pieces, g, d, out_ok, PER_PROGRAM_P: tl.constexpr,
+                DIM_P: tl.constexpr):
+    # a row's pieces' softmax states (at base, base + 1, ...), rescaled to their common max and added in piece
+    # order: the attention (``triton_fp8.fp8_gemv`` counts its column splits' arrivals the same way)
+    top = tl.full([PER_PROGRAM_P], float("-inf"), tl.float32)
+    j = 0
+    while j < pieces:
+        top = tl.maximum(top, tl.load(stats_ptr + (base + j) * 2 * PER_PROGRAM_P + g, cache_modifier=".cg"))
+        j += 1
+    weights = tl.zeros([PER_PROGRAM_P], tl.float32)
+    values = tl.zeros([PER_PROGRAM_P, DIM_P], tl.float32)
+    j = 0
+    while j < pieces:
+        stats = stats_ptr + (base + j) * 2 * PER_PROGRAM_P
+        factor = tl.exp(tl.load(stats + g, cache_modifier=".cg") - top)
+        weights += tl.load(stats + PER_PROGRAM_P + g, cache_modifier=".cg") * factor
+        part = tl.load(part_ptr + (base + j) * PER_PROGRAM_P * DIM_P + g[:, None] * DIM_P + d[None, :],
+                       cache_modifier=".cg")
+        values += part * factor[:, None]
+        j += 1
+    tl.store(out, (values / weights[:, None]).to(out.dtype.element_ty), mask=out_ok)
 
 
 @triton.jit
@@ -289,18 +355,33 @@ class TritonOps(TorchOps):
 
     @staticmethod
     def paged_decode(q, k_cache, v_cache, block_tables, lens, block_size, num_heads, num_kv_heads, head_dim,
-                     scale, per_program: int | None = None) -> torch.Tensor:
+                     scale, per_program: int | None = None, split_from: int = SPLIT_FROM) -> torch.Tensor:
         """``per_program``: query heads per program; by default a whole KV group once there are enough
-        programs to fill the GPU (each K/V read once), else one (more programs, K/V reread from cache)."""
+        programs to fill the GPU (each K/V read once), else one (more programs, K/V reread from cache).
+        A row of more than ``split_from`` positions is attended in up to ``DECODE_SPLITS`` pieces
+        (flash-decoding), the pieces' softmax states added by the program that stores the last of them; its
+        length alone decides its pieces, so its numbers do not depend on the batch. They are walked at once
+        by as many programs each as keep the grid within ``SPLIT_PROGRAMS`` (a batch of many rows fills the GPU
+        already; programs past a row's pieces return at once, and the grid is fixed when a graph is captured)."""
         n = q.shape[0]
         out = torch.empty(n, num_heads * head_dim, dtype=q.dtype, device=q.device)
         if n:
             group = num_heads // num_kv_heads
             if per_program is None:
                 per_program = group if n * num_kv_heads >= SPREAD_PROGRAMS else 1
-            _paged_decode_kernel[(n, num_heads // per_program)](
-                q, k_cache, v_cache, block_tables, lens, out, q.stride(0), out.stride(0), k_cache.stride(0),
-                block_tables.stride(0), scale, block_size, GROUP=group, PER_PROGRAM=per_program,
-                PER_PROGRAM_P=pow2(per_program), HEAD_DIM=head_dim, DIM_P=pow2(head_dim),
-                TILE=32 if head_dim <= 128 else 16)
+            programs, dim_p = num_heads // per_program, pow2(head_dim)
+            counters = triton_fp8.arrival_counters(q.device, n * programs)  # (more than LOCKS: eager steps only)
+            positions = block_tables.shape[1] * block_size  # the longest row the tables hold
+            pieces = min(DECODE_SPLITS, triton.cdiv(positions, split_from))  # the most a row of the tables has
+            splits = min(pieces, max(1, SPLIT_PROGRAMS // (n * programs)))
+            part = torch.empty(n * programs * DECODE_SPLITS * pow2(per_program) * dim_p if pieces > 1 else 0,
+                               dtype=torch.float32, device=q.device)
+            stats = torch.empty(n * programs * DECODE_SPLITS * 2 * pow2(per_program) if pieces > 1 else 0,
+                                dtype=torch.float32, device=q.device)
+            _paged_decode_kernel[(n, programs, splits)](
+                q, k_cache, v_cache, block_tables, lens, out, part, stats, counters, q.stride(0), out.stride(0),
+                k_cache.stride(0), block_tables.stride(0), scale, block_size,
+                split_from, GROUP=group, PER_PROGRAM=per_program,
+                PER_PROGRAM_P=pow2(per_program), HEAD_DIM=head_dim, DIM_P=dim_p,
+                TILE=32 if head_dim <= 128 else 16, MAX_PIECES=DECODE_SPLITS)
         return out

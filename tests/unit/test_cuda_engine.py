@@ -168,6 +168,7 @@ def test_steps_launched_ahead_give_the_replayed_steps_tokens(model_dir, dtype, m
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_kernels_equal_the_pytorch_operations_on_cuda(dtype):
+    from services.engine import triton_fp8
     from services.engine.kernels import TorchOps
     from services.engine.triton_ops import TritonOps
 
@@ -182,8 +183,11 @@ def test_triton_kernels_equal_the_pytorch_operations_on_cuda(dtype):
     q = torch.randn(n, heads * dim, dtype=dtype, device="cuda")
     args = (tables, lens, BLOCK, heads, kv_heads, dim, dim ** -0.5)
     want = ref.paged_decode(q, k_cache, v_cache, *args)
-    for per_program in (None, 1, 2, 4):
+    for per_program in (None, 1, 2, 4):  # rows 300 and 1000 in pieces of 256 and 256 (flash-decoding)
         torch.testing.assert_close(ops.paged_decode(q, k_cache, v_cache, *args, per_program=per_program), want, **tol)
+        torch.testing.assert_close(ops.paged_decode(q, k_cache, v_cache, *args, per_program=per_program,
+                                                    split_from=32), want, **tol)  # up to 16 pieces of 64
+    assert not triton_fp8.arrival_counters(q.device).any()
     x, w = torch.randn(n, 4096, dtype=dtype, device="cuda"), torch.rand(4096, dtype=dtype, device="cuda") + 0.5
     torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), ref.rms_norm(x, w, 1e-5), **tol)
     r1, r2 = x.clone(), x.clone()
@@ -231,7 +235,7 @@ def check_fp8_gemv(ops, ref, dtype):
                 out.zero_()
                 graph.replay()
                 torch.testing.assert_close(out, want, **tol)
-            assert not triton_fp8._locks(x.device).any()
+            assert not triton_fp8.arrival_counters(x.device).any()
 
 
 def test_prompt_logprobs_on_cuda(model_dir):

@@ -59,8 +59,10 @@ for arch in (90, 89):
         tables = {"cos_ptr": "fp32", "sin_ptr": "fp32", "pos_ptr": "i64", "slots_ptr": "i64"}
         build(T._rope_store_kernel, {**cache, **tables}, {"NUM_HEADS": 32, "NUM_KV_HEADS": 8, "HALF": 64, "HALF_P": 64},
               arch)
-        build(T._paged_decode_kernel, {**cache, "tables_ptr": "i32", "lens_ptr": "i32"},
-              {"GROUP": 4, "PER_PROGRAM": 4, "PER_PROGRAM_P": 4, "HEAD_DIM": 128, "DIM_P": 128, "TILE": 32}, arch)
+        build(T._paged_decode_kernel, {**cache, "tables_ptr": "i32", "lens_ptr": "i32", "part_ptr": "fp32",
+                                       "stats_ptr": "fp32", "lock_ptr": "i32"},
+              {"GROUP": 4, "PER_PROGRAM": 4, "PER_PROGRAM_P": 4, "HEAD_DIM": 128, "DIM_P": 128, "TILE": 32,
+               "MAX_PIECES": T.DECODE_SPLITS}, arch)
         build(T._paged_prefill_kernel, {**cache, "tables_ptr": "i64", "info_ptr": "i64", "tiles_ptr": "i64"},
               {"GROUP": 4, "HEAD_DIM": 128, "DIM_P": 128, "ROWS": 32, "TILE": 32, "PRECISION": "tf32",
                "UPCAST": False}, arch)

@@ -93,7 +93,7 @@ def test_fp8_gemv_quantizes_the_rows_and_adds_the_splits_in_one_launch(n, splits
     for _ in range(2):
         got = OPS.fp8_gemv(x, codes, scale.reshape(-1), torch.float32)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
-        assert not triton_fp8._locks(torch.device("cpu")).any()
+        assert not triton_fp8.arrival_counters(torch.device("cpu")).any()
     assert OPS.fp8_gemv(x, codes, scale.reshape(-1)).dtype == torch.bfloat16
     assert OPS.fp8_gemv(x[:0], codes, scale.reshape(-1)).shape == (0, n)
 
@@ -145,6 +145,36 @@ def test_paged_decode_matches_gathered_attention(dtype, heads, kv_heads, dim):
     torch.testing.assert_close(grouped, want, **TOLERANCE[dtype])
     only = REF.paged_decode(q[1:2], k_cache, v_cache, tables[1:2], lens[1:2], *args[2:])
     torch.testing.assert_close(got[1:2], only, **TOLERANCE[dtype])  # rows do not see each other's cache
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(HEADS, KV_HEADS, DIM), (8, 1, 16)])
+def test_long_rows_are_attended_in_pieces_at_once(heads, kv_heads, dim):
+    """Flash-decoding: rows longer than ``split_from`` positions are attended in pieces (whole 32-position
+    tiles, at least split_from, at most DECODE_SPLITS of them: bigger pieces for longer rows), walked by as
+    many programs at once as the grid gives a row, the pieces' softmax states added by the program that stores
+    the last of them. A row's pieces follow from its length alone: alone, where its pieces are walked by
+    DECODE_SPLITS programs, it gets the numbers it gets in the batch, where fewer share them. The arrival
+    counters are left at zero; rows of one piece are the unsplit kernel's numbers exactly."""
+    torch.manual_seed(5)
+    num_blocks = 160
+    k_cache, v_cache = (torch.randn(kv_heads, num_blocks * BLOCK, dim) for _ in range(2))
+    lens = torch.tensor([1, 16, 17, 100, 560, 611])  # 1, 1, 1, 4 pieces of 32, 9 and 10 of 64
+    tables = torch.stack([torch.randperm(num_blocks)[:155] for _ in range(6)])
+    q = torch.randn(6, heads * dim)
+    args = (tables, lens, BLOCK, heads, kv_heads, dim, dim ** -0.5)
+    want = REF.paged_decode(q, k_cache, v_cache, *args)
+    whole = OPS.paged_decode(q, k_cache, v_cache, *args, split_from=4096)  # one piece a row
+    for per_program in (1, heads // kv_heads):
+        got = OPS.paged_decode(q, k_cache, v_cache, *args, per_program=per_program, split_from=16)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert not triton_fp8.arrival_counters(torch.device("cpu")).any()
+        assert torch.equal(got[:3], whole[:3]) and not torch.equal(got[3:], whole[3:])
+        alone = OPS.paged_decode(q[5:], k_cache, v_cache, tables[5:], lens[5:], *args[2:], per_program=per_program,
+                                 split_from=16)
+        assert torch.equal(alone, got[5:])
+        narrow = OPS.paged_decode(q, k_cache, v_cache, tables[:, :100], lens.clamp(max=400), *args[2:],
+                                  per_program=per_program, split_from=16)  # tables as wide as the rows need
+        torch.testing.assert_close(narrow[:4], got[:4], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
