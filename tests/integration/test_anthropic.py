@@ -89,6 +89,20 @@ def test_a_forced_tool_call_its_result_and_the_final_answer(smol_stack):
     jsonschema.validate([b for b in streamed.content if b.type == "tool_use"][0].input, WEATHER["input_schema"])
 
 
+def test_a_forced_tool_call_cut_by_max_tokens_is_left_out_not_shown_as_text(smol_stack):
+    """A call forced by tool_choice "any" and cut by max_tokens has no input object yet: the answer says
+    max_tokens and has no tool_use, and the grammar's JSON never reaches the user as text (streamed or not)."""
+    api = client(smol_stack)
+    ask = dict(model=smol_stack.model, max_tokens=12, tools=[WEATHER], tool_choice={"type": "any"}, **GREEDY,
+               messages=[{"role": "user", "content": "What is the weather like in Paris today?"}])
+    whole = api.messages.create(**ask)
+    with api.messages.stream(**ask) as s:
+        streamed = s.get_final_message()
+    for answer in (whole, streamed):
+        assert answer.stop_reason == "max_tokens" and answer.usage.output_tokens == 12
+        assert [b.type for b in answer.content] == ["text"] and answer.content[0].text == ""
+
+
 @pytest.mark.parametrize("tools", [False, True], ids=["text", "tools"])
 def test_count_tokens_equals_the_requests_input_tokens(smol_stack, tools):
     api = client(smol_stack)

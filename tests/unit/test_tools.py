@@ -60,7 +60,6 @@ def test_whole_answers():
     assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"} and calls[0]["id"].startswith("call_")
     named = tools(tool_choice={"type": "function", "function": {"name": "get_time"}})
     assert extract(named, '{"zone": "UTC"}')[1][0]["function"]["arguments"] == '{"zone": "UTC"}'
-    assert extract(named, '{"zone": "UT') == ('{"zone": "UT', [])  # cut by max_tokens: content
     auto = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
     content, calls = extract(tools(), auto)
     assert content == "Let me check." and json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"}
@@ -160,18 +159,36 @@ def test_the_tool_format_is_read_off_the_chat_template(smol_dir):
         assert tool_format(tokenizer) == fmt
 
 
-def test_a_forced_call_cut_by_max_tokens_is_a_partial_call():
-    """What OpenAI returns with finish_reason "length": the call as far as it came, not the raw JSON as content."""
+def test_a_forced_call_cut_short_is_a_partial_call():
+    """What OpenAI returns with finish_reason "length": the call as far as it came, never the raw JSON as content
+    (by max_tokens, or by a stop sequence); finished calls keep their whole arguments."""
     named = tools(tool_choice={"type": "function", "function": {"name": "get_weather"}})
-    assert extract(named, '{"city": "Par') == ('{"city": "Par', [])  # not cut: an unparsable answer is content
-    content, (call,) = extract(named, '{"city": "Par', cut=True)
+    content, (call,) = extract(named, '{"city": "Par')
     assert content is None and call["function"] == {"name": "get_weather", "arguments": '{"city": "Par'}
     required = tools(tool_choice="required")
     cut = '[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "arguments": {"zo'
-    content, calls = extract(required, cut, cut=True)
+    content, calls = extract(required, cut)
     assert content is None and [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
     assert [c["function"]["arguments"] for c in calls] == ['{"city": "Paris"}', '{"zo']
-    assert extract(required, '[{"name": "get_wea', cut=True) == ('[{"name": "get_wea', [])  # no whole name yet
+    content, calls = extract(required, '[{"name":"get_weather","arguments":{"city":"Paris"}},{"')  # the next one begun
+    assert content is None and [c["function"]["arguments"] for c in calls] == ['{"city":"Paris"}']
+    assert extract(required, '[{"name": "get_wea') == (None, [])  # no whole name yet
+
+
+def test_a_cut_answer_is_the_calls_its_stream_sent():
+    """Cut after any character, a required answer's calls read whole equal what its stream sent."""
+    required = tools(tool_choice="required")
+    answer = '[{"name": "get_weather", "arguments": {"city": "Pa\\"ris", "days": [1, {"a": 2}]}},{"name":"get_time","arguments":{}}]'
+    for n in range(len(answer) + 1):
+        stream, sent = ToolStream(required), {}
+        for i in range(0, n, 3):
+            for delta in stream.feed(answer[i:min(i + 3, n)], final=False)[1]:
+                call = sent.setdefault(delta["index"], {"name": delta["function"].get("name"), "arguments": ""})
+                call["arguments"] += delta["function"].get("arguments", "")
+        content, calls = extract(required, answer[:n])
+        assert content is None
+        assert [c["function"] | {} for c in calls] == [{"name": c["name"], "arguments": c["arguments"]}
+                                                        for _, c in sorted(sent.items())], n
 
 
 def test_strict_functions_take_no_undeclared_keys():

@@ -42,8 +42,9 @@ def blocks(req: MessagesRequest, call: Call, end: End) -> list[dict[str, Any]]:
         content, calls = extract(req.tools, end.text, fmt)
         text = content or ""
     uses = [use for use in map(_tool_use, calls) if use is not None]
-    if len(uses) < len(calls):  # a call whose arguments are no JSON object (cut short): the answer stays text
-        text, uses = end.text, []
+    if len(uses) < len(calls) and req.tools.choice not in ("required", "named"):
+        text, uses = end.text, []  # the model's own call whose arguments are no JSON object: its answer is text
+    # (a forced call cut short, by max_tokens or a stop sequence, is left out: its input is no object yet)
     return ([{"type": "text", "text": text}] if text or not uses else []) + uses
 
 

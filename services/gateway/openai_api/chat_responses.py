@@ -38,8 +38,7 @@ async def chat_body(req: ChatRequest, call: Call) -> dict[str, Any]:
     choices = []
     for index, end in enumerate(await call.results()):
         fmt = call.started[index].tool_format or "hermes"
-        cut = end.finish_reason is FinishReason.LENGTH
-        content, calls = extract(req.tools, end.text, fmt, cut) if req.tools is not None else (end.text, [])
+        content, calls = extract(req.tools, end.text, fmt) if req.tools is not None else (end.text, [])
         message = {"role": "assistant", "content": content, "refusal": None, "tool_calls": calls}
         choices.append({"index": index, "message": message, "logprobs": logprobs_json(req, end.tokens),
                         "finish_reason": _finish(end.finish_reason, bool(calls))})

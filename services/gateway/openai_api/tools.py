@@ -31,7 +31,6 @@ from shared.messages import Grammar
 
 NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*"([^"]*)"\s*,\s*"arguments"\s*:\s*$')  # required: a call up to its arguments
 BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
 
 
@@ -153,16 +152,17 @@ def first_delta(index: int, name: str, arguments: str = "") -> dict[str, Any]:
     return {"index": index, **tool_call(name, arguments)}
 
 
-def extract(tools: Tools, text: str, fmt: str = "hermes", cut: bool = False) -> tuple[str | None, list[dict[str, Any]]]:
-    """(content, tool calls) of a whole answer; an answer that does not parse stays content, except a forced
-    call ``cut`` by max_tokens: its calls as far as they came, with their partial arguments (what OpenAI
-    returns, with finish_reason "length"). ``fmt``: the model's tool-call format, for ``auto``."""
+def extract(tools: Tools, text: str, fmt: str = "hermes") -> tuple[str | None, list[dict[str, Any]]]:
+    """(content, tool calls) of a whole answer. A forced call (``required``, a named function) is never
+    content: cut short (by max_tokens or a stop sequence), its calls as far as they came, the last one's
+    arguments partial (what OpenAI returns, with finish_reason "length"), exactly as a stream sends them.
+    With ``auto`` an answer that does not parse stays content. ``fmt``: the model's tool-call format."""
     if tools.choice == "named":
-        return (None, [tool_call(tools.named, text)]) if cut or _loads(text) is not None else (text, [])
+        return None, [tool_call(tools.named, text)]
     if tools.choice == "required":
         calls = _loads(text)
         if not isinstance(calls, list):
-            return (None, partial_calls(text)) if cut and partial_calls(text) else (text, [])
+            return None, partial_calls(text)
         return None, [tool_call(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in calls]
     if tools.choice == "auto" and fmt == "hermes":
         calls = [c for c in map(_hermes, BLOCK.findall(text)) if c is not None and c[0] in tools.functions]
@@ -174,20 +174,18 @@ def extract(tools: Tools, text: str, fmt: str = "hermes", cut: bool = False) -> 
     return text, []
 
 
-CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')  # a call up to its arguments
 
 
 def partial_calls(text: str) -> list[dict[str, Any]]:
-    """The calls of a ``required`` answer cut short (``[{"name": …, "arguments": …}, …`` unfinished): each
-    whose name is complete, its arguments' text as far as it came."""
-    heads = list(CALL_HEAD.finditer(text))
-    calls = []
-    for i, head in enumerate(heads):
-        if i + 1 < len(heads):  # a whole object: its arguments end before the object's closing brace
-            arguments = text[head.end():heads[i + 1].start()].rstrip().rstrip(",").rstrip().removesuffix("}").rstrip()
+    """The calls of a ``required`` answer cut short (``[{"name": …, "arguments": …}, …`` unfinished), read as a
+    stream reads them (``_ArrayScan``): each whose name is complete, its arguments' text as far as it came."""
+    calls: list[dict[str, Any]] = []
+    for delta in _ArrayScan().feed(text):
+        if "id" in delta:
+            calls.append(tool_call(delta["function"]["name"], ""))
         else:
-            arguments = text[head.end():]
-        calls.append(tool_call(json.loads(f'"{head.group(1)}"'), arguments))
+            calls[delta["index"]]["function"]["arguments"] += delta["function"]["arguments"]
     return calls
 
 

@@ -53,7 +53,7 @@ class Builder:
         cut = end.finish_reason is FinishReason.LENGTH
         text, calls = end.text, []
         if tools is not None:
-            content, calls = extract(tools, end.text, call.started[0].tool_format or "hermes", cut)
+            content, calls = extract(tools, end.text, call.started[0].tool_format or "hermes")
             text = content or ""
         status = "incomplete" if cut else "completed"
         out = [message_item(text, status)] if text or not calls else []
