@@ -86,6 +86,8 @@ class GenerateRequest(Msg):
     chat_template_kwargs: dict[str, Any] = {}
     tools: list[dict[str, Any]] = []  # chat: the declared tools (OpenAI's objects), rendered with the messages
     tool_choice: str = ""  # none | auto | required | named (auto needs a tool-call format the gateway parses)
+    add_generation_prompt: bool = True  # chat: end with the assistant's turn opened ...
+    continue_final_message: bool = False  # ... or leave the last (assistant) message open, for the answer to go on
     sampling: Sampling = msgspec.field(default_factory=Sampling)
     truncate: int = 0  # keep only the last n prompt tokens; 0 = off
     return_prompt_ids: bool = False

@@ -43,8 +43,8 @@ def check_token_ids(ids: list[int], vocab_size: int) -> None:
 
 
 def render_chat(tokenizer, req: GenerateRequest | Tokenize) -> list[int]:
-    """The conversation through the model's chat template, ending with the assistant's turn (a Tokenize
-    may instead leave the last message open, or add no turn)."""
+    """The conversation through the model's chat template, ending with the assistant's turn opened (or, as the
+    request asks, with no turn added, or the last message left open for the answer to continue)."""
     if not getattr(tokenizer, "chat_template", None):
         raise validation("the model has no chat_template in its tokenizer_config.json; use /v1/completions")
     messages, extra = req.messages, {}
@@ -53,8 +53,8 @@ def render_chat(tokenizer, req: GenerateRequest | Tokenize) -> list[int]:
     elif not takes_tools(tokenizer):
         messages = plain(req.messages)
     try:
-        turn = {"add_generation_prompt": getattr(req, "add_generation_prompt", True)}
-        if getattr(req, "continue_final_message", False):
+        turn = {"add_generation_prompt": req.add_generation_prompt}
+        if req.continue_final_message:
             turn = {"add_generation_prompt": False, "continue_final_message": True}
         text = tokenizer.apply_chat_template(messages, tokenize=False, **turn, **extra, **req.chat_template_kwargs)
     except Exception as exc:  # a template error is the caller's messages not fitting the template

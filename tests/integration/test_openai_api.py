@@ -182,6 +182,32 @@ def test_stop_strings_cut_the_text(tiny_stack):
     assert stop not in streamed and full.startswith(streamed)
 
 
+def test_stop_reason_names_the_stop_string_or_token_id_that_ended_the_answer(tiny_stack):
+    """vLLM's ``stop_reason`` beside a completion's finish_reason, whole and streamed: the stop string, the
+    stop_token_ids id the answer ended on, or null (the limit). (Chat choices keep MindIE's keys.)"""
+    seeded = {"seed": 11, "max_tokens": 16, "logprobs": 1}
+    first = complete(tiny_stack, **seeded)["choices"][0]
+    assert first["finish_reason"] == "length" and first["stop_reason"] is None
+    text = first["text"]
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    assert stop.strip(), f"noise text too short to pick a stop string from: {text!r}"
+    choice = complete(tiny_stack, **seeded, stop=[stop])["choices"][0]
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop)
+    events = stream_payloads(post(tiny_stack, "/v1/completions", {
+        "model": tiny_stack.model, "prompt": PROMPT, "stream": True, "stop": [stop], **seeded}))
+    assert [c["stop_reason"] for e in events for c in e["choices"]][-1] == stop
+    fifth = tokenizer_ids(tiny_stack, first)[4]
+    choice = complete(tiny_stack, **seeded, stop_token_ids=[fifth])["choices"][0]
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", fifth)
+
+
+def tokenizer_ids(stack, choice: dict) -> list[int]:
+    """The generated tokens' ids of a completion choice with logprobs (``token_ids:<id>`` is not asked: its
+    tokens are rendered text), through /tokenize of each token's text."""
+    return [post(stack, "/tokenize", {"prompt": t, "add_special_tokens": False}).json()["tokens"][0]
+            for t in choice["logprobs"]["tokens"]]
+
+
 def test_chat_equals_completions_on_the_rendered_prompt(tiny_stack, smol_dir):
     from transformers import AutoTokenizer
 

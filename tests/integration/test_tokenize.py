@@ -40,6 +40,25 @@ def test_a_conversations_count_is_what_a_chat_reports(smol_stack, tools):
     assert bare["count"] < got["count"] and got["tokens"][: bare["count"]] == bare["tokens"]
 
 
+def test_a_chat_continues_the_final_message_or_adds_no_turn_as_tokenize_renders_it(smol_stack):
+    """vLLM's continue_final_message and add_generation_prompt on /v1/chat/completions: the prompt is the one
+    /tokenize renders with the same flags; a developer message is a system message (OpenAI's newer name)."""
+    open_turn = [*MESSAGES, {"role": "assistant", "content": "The lamp is"}]
+    for flags in ({"continue_final_message": True}, {"continue_final_message": True, "add_generation_prompt": False},
+                  {"add_generation_prompt": False}):
+        got = post(smol_stack, "/tokenize", {"messages": open_turn, **flags}).json()
+        answer = chat(smol_stack, messages=open_turn, max_tokens=4, temperature=0, **flags)
+        assert answer["usage"]["prompt_tokens"] == got["count"], flags
+    plain = post(smol_stack, "/tokenize", {"messages": open_turn}).json()["count"]
+    continued = post(smol_stack, "/tokenize", {"messages": open_turn, "continue_final_message": True}).json()["count"]
+    assert continued < plain  # the assistant's message left open: no end of turn, no new turn
+    developer = [{"role": "developer", "content": MESSAGES[0]["content"]}, MESSAGES[1]]
+    as_system = post(smol_stack, "/tokenize", {"messages": MESSAGES}).json()
+    assert post(smol_stack, "/tokenize", {"messages": developer}).json() == as_system
+    assert chat(smol_stack, messages=developer, max_tokens=1, temperature=0)["usage"]["prompt_tokens"] == \
+        as_system["count"]
+
+
 @pytest.mark.parametrize("path, body, param", [
     ("/tokenize", {}, "prompt"),
     ("/tokenize", {"prompt": 5}, "prompt"),
@@ -48,12 +67,15 @@ def test_a_conversations_count_is_what_a_chat_reports(smol_stack, tools):
     ("/tokenize", {"prompt": "a", "model": "nope"}, "model"),
     ("/tokenize", {"messages": MESSAGES, "add_generation_prompt": True, "continue_final_message": True},
      "continue_final_message"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "add_generation_prompt": True, "continue_final_message": True},
+     "continue_final_message"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}], "tools": TOOLS}, "messages[0].role"),
     ("/detokenize", {"tokens": "12"}, "tokens"),
     ("/detokenize", {"tokens": [1, 2.5]}, "tokens"),
     ("/detokenize", {"tokens": [1, 10_000_000]}, "tokens"),
 ])
 def test_bad_bodies_get_openai_shaped_4xx(tiny_stack, path, body, param):
-    r = post(tiny_stack, path, body)
+    r = post(tiny_stack, path, {"model": tiny_stack.model, **body} if path.startswith("/v1/") else body)
     assert r.status_code in (400, 404), r.text
     error = r.json()["error"]
     assert error["param"] == param and error["message"] and error["type"] == "invalid_request_error"

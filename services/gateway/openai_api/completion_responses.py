@@ -8,6 +8,7 @@ from services.gateway.common import finish
 from services.gateway.openai_api.schemas import CompletionRequest
 from services.gateway.openai_api.sse import Meta, UsagePlacement, sse
 from services.gateway.request.call import Call
+from services.gateway.request.session import End
 from shared.messages import TokenOut
 
 
@@ -43,9 +44,9 @@ def echo_texts(req: CompletionRequest, call: Call) -> list[str]:
     return texts
 
 
-def _choice(index: int, text: str, logprobs: Any, reason: str | None) -> dict[str, Any]:
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish.openai(reason),
-            "stop_reason": None}
+def _choice(index: int, text: str, logprobs: Any, end: End | None, req: CompletionRequest) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish.openai(end and end.finish_reason),
+            "stop_reason": finish.vllm_stop_reason(end, req.common.sampling.stop_token_ids)}
 
 
 def prompt_logprobs(req: CompletionRequest, call: Call, index: int) -> tuple[Logprobs, dict[str, list] | None]:
@@ -68,7 +69,7 @@ async def completion_body(req: CompletionRequest, call: Call) -> dict[str, Any]:
         if req.logprobs is not None:
             tracker, prompt = prompt_logprobs(req, call, index)
             logprobs = _joined(prompt, tracker.of(end.tokens))
-        choices.append(_choice(index, echo + end.text, logprobs, end.finish_reason))
+        choices.append(_choice(index, echo + end.text, logprobs, end, req))
     return Meta.new("cmpl", "text_completion", req.common.model).body(choices, usage=call.usage())
 
 
@@ -84,18 +85,17 @@ async def completion_chunks(req: CompletionRequest, call: Call) -> AsyncIterator
         if echo and wants_logprobs:
             late.add(index)
         elif echo:
-            yield sse(meta.body([_choice(index, echo, None, None)], **usage.on_chunk(False)))
+            yield sse(meta.body([_choice(index, echo, None, None, req)], **usage.on_chunk(False)))
     async for step in call.steps():
         if step.index in late:
             late.discard(step.index)
             trackers[step.index], prompt = prompt_logprobs(req, call, step.index)
-            yield sse(meta.body([_choice(step.index, echoes[step.index], prompt, None)], **usage.on_chunk(False)))
+            yield sse(meta.body([_choice(step.index, echoes[step.index], prompt, None, req)], **usage.on_chunk(False)))
         text = step.text
         ends = step.end is not None
         if not (text or ends or (wants_logprobs and step.tokens)):
             continue
         logprobs = trackers[step.index].of(step.tokens) if wants_logprobs else None
-        reason = step.end and step.end.finish_reason
-        yield sse(meta.body([_choice(step.index, text, logprobs, reason)], **usage.on_chunk(ends)))
+        yield sse(meta.body([_choice(step.index, text, logprobs, step.end, req)], **usage.on_chunk(ends)))
     for closing in usage.closing(meta):
         yield sse(closing)

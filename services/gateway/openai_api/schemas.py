@@ -28,6 +28,7 @@ class ChatRequest:
     chat_template_kwargs: dict[str, Any]
     listed: tuple[ListInput, ...] = ()  # the contents given as lists (each message's ``content`` is its joined text)
     tools: Tools | None = None  # declared tools and tool_choice (openai_api/tools.py)
+    turn: tuple[bool, bool] = (True, False)  # add_generation_prompt, continue_final_message (vLLM's)
 
 
 @dataclass(frozen=True)
@@ -64,8 +65,34 @@ def parse_chat(body: bytes, cfg: Config, served: Served) -> ChatRequest:
             raise bad_param("response_format", "response_format cannot be combined with tool_choice required or a "
                                                "named function (the tool call's arguments are the output).")
         common = replace(common, sampling=msgspec.structs.replace(common.sampling, grammar=grammar))
+    if tools is not None:
+        _tool_roles(messages)
     kwargs = f.obj("chat_template_kwargs").data
-    return ChatRequest(common, messages, logprobs, top, kwargs, listed, tools)
+    return ChatRequest(common, messages, logprobs, top, kwargs, listed, tools, chat_turn(data, f, listed))
+
+
+def chat_turn(data: dict[str, Any], f: Fields, listed: tuple[ListInput, ...]) -> tuple[bool, bool]:
+    """vLLM's ``add_generation_prompt`` (default true) and ``continue_final_message`` (default false; it wins over
+    an add_generation_prompt left out): how the rendered conversation ends."""
+    turn, final = bool(f.boolean("add_generation_prompt", True)), bool(f.boolean("continue_final_message", False))
+    if turn and final and data.get("add_generation_prompt") is not None:
+        raise bad_param("continue_final_message", "continue_final_message and add_generation_prompt cannot both be "
+                                                  "true.")
+    if (final or not turn) and any(item.has_media for item in listed):
+        raise bad_param("messages", "messages with media are rendered with the assistant's turn opened: leave "
+                                    "add_generation_prompt and continue_final_message out.")
+    return turn and not final, final
+
+
+TOOL_ROLES = ("system", "user", "assistant", "tool")
+
+
+def _tool_roles(messages: list[dict[str, Any]]) -> None:
+    """With tools declared, the roles the templates' tool rendering knows (MindIE's check)."""
+    for i, message in enumerate(messages):
+        if message["role"] not in TOOL_ROLES:
+            raise bad_param(f"messages[{i}].role", f"messages[{i}].role must be system, assistant, user or tool when "
+                                                    f"tools are given, got {message['role']!r}.")
 
 
 def _refuse_chat_extras(f: Fields) -> None:
@@ -94,6 +121,7 @@ def _message(value: Any, i: int) -> tuple[dict[str, Any], ListInput | None]:
     role = value.get("role")
     if not isinstance(role, str) or not role:
         raise bad_param(f"{where}.role", f"{where}.role must be a non-empty string.")
+    role = "system" if role == "developer" else role  # OpenAI's name for system messages to newer models
     calls = _tool_calls(value.get("tool_calls"), where) if role == "assistant" else []
     content = value.get("content")
     text, listed = ("", None) if calls and content is None else _content(content, f"{where}.content")

@@ -15,7 +15,7 @@ from litestar import Request, Response, Router, post
 
 from services.gateway.common.content import admit, chat_media
 from services.gateway.openai_api.errors import OPENAI_EXCEPTION_HANDLERS, bad_param, content_error, model_not_found
-from services.gateway.openai_api.schemas import PARSE_ERROR, chat_messages
+from services.gateway.openai_api.schemas import PARSE_ERROR, chat_messages, chat_turn
 from services.gateway.openai_api.tools import parse_tools
 from services.gateway.web.validation import MAX_INPUT_CHARS, Fields, parse_json_object
 from shared.messages import Tokenize
@@ -75,22 +75,14 @@ def _chat(data: dict[str, Any], f: Fields, gateway) -> Tokenize:
         raise bad_param("prompt", "give either prompt or messages, not both.")
     messages, listed = chat_messages(data.get("messages"))
     admit(listed, gateway.media_policy, content_error, gateway.modalities())
-    parts = chat_media(listed)
-    if parts and (f.boolean("add_generation_prompt") is False or f.boolean("continue_final_message")):
-        raise bad_param("messages", "messages with media are counted as a chat request renders them, with the "
-                                    "assistant's turn opened: leave add_generation_prompt and continue_final_message "
-                                    "out.")
     if f.boolean("add_special_tokens", False):
         raise bad_param("add_special_tokens", "add_special_tokens applies to a prompt; the chat template places the "
                                               "special tokens of messages.")
-    turn, final = bool(f.boolean("add_generation_prompt", True)), bool(f.boolean("continue_final_message", False))
-    if turn and final and data.get("add_generation_prompt") is not None:
-        raise bad_param("continue_final_message", "continue_final_message and add_generation_prompt cannot both be "
-                                                  "true.")
+    turn, final = chat_turn(data, f, listed)
     tools = parse_tools(data)
     return Tokenize(messages=messages, tools=tools.declared if tools else [], tool_choice=tools.choice if tools else "",
-                    chat_template_kwargs=f.obj("chat_template_kwargs").data, add_generation_prompt=turn and not final,
-                    continue_final_message=final, parts=parts)
+                    chat_template_kwargs=f.obj("chat_template_kwargs").data, add_generation_prompt=turn,
+                    continue_final_message=final, parts=chat_media(listed))
 
 
 ROUTES = [Router("/", route_handlers=[tokenize, detokenize], exception_handlers=OPENAI_EXCEPTION_HANDLERS)]
