@@ -67,6 +67,37 @@ def test_tensors_set_the_sampling_as_generate_parameters_do(tiny_stack):
         [generated(tiny_stack, 6, top_k=0, do_sample=True, temperature=0.9, seed=11)]
 
 
+def test_a_temperature_of_zero_is_greedy_as_the_llm_backends_take_it(tiny_stack):
+    """vLLM's and TensorRT-LLM's backends decode greedily at temperature 0 (MindIE's own parameters.temperature
+    keeps its range (0, max])."""
+    expected = generated(tiny_stack)
+    for inputs in ([tensor("temperature", "FP32", [0.0])],
+                   [tensor("sampling_parameters", "BYTES", [json.dumps({"temperature": 0, "seed": 3})])]):
+        body = {"inputs": [tensor("text_input", "BYTES", [PROMPT]), tensor("max_tokens", "INT32", [8]), *inputs]}
+        assert post_infer(tiny_stack, body).json()["outputs"][0]["data"] == [expected]
+
+
+def test_generates_top_level_fields_are_the_llm_backends_inputs(tiny_stack):
+    """Triton's generate extension: fields beside id and parameters are the model's inputs, as TensorRT-LLM's
+    documented body sends them; they override parameters; a field no backend input names is a 422."""
+    path = f"{tiny_stack.url}/v2/models/{tiny_stack.model}/generate"
+    expected = generated(tiny_stack, 5)
+    for body in ({"max_tokens": 5, "bad_words": "", "stop_words": "", "temperature": 0},
+                 {"sampling_parameters": json.dumps({"max_tokens": 5, "temperature": 0}), "stream": False},
+                 {"parameters": {"max_new_tokens": 50, "top_k": 1}, "max_tokens": 5, "bad_words": [""]}):
+        r = httpx.post(path, json={"text_input": PROMPT, **body}, timeout=60)
+        assert r.status_code == 200 and r.json()["text_output"] == expected, (body, r.text)
+    stop = expected.split()[1]
+    cut = httpx.post(path, json={"text_input": PROMPT, "max_tokens": 5, "temperature": 0, "stop_words": [stop]},
+                     timeout=60).json()["text_output"]
+    assert cut == expected[: expected.index(stop)]
+    for body, needle in (({"max_tokens": -1}, "max_new_tokens"), ({"beam_width": 2}, "beam_width"),
+                         ({"stream": True}, "generate_stream"), ({"bad_words": "Paris"}, "bad_words"),
+                         ({"exclude_input_in_output": False}, "exclude_input_in_output")):
+        r = httpx.post(path, json={"text_input": PROMPT, **body}, timeout=60)
+        assert r.status_code == 422 and needle in r.json()["error"], (body, r.text)
+
+
 def test_tritonclient_binary_text_tensors(tiny_stack):
     c = triton.InferenceServerClient(url=tiny_stack.url.removeprefix("http://"))
     text = triton.InferInput("text_input", [1], "BYTES")
@@ -93,7 +124,7 @@ def test_tritonclient_binary_text_tensors(tiny_stack):
     ([tensor("text_input", "INT32", [5])], None, "BYTES"),
     ([tensor("text_input", "BYTES", [PROMPT]), tensor("text_input", "BYTES", [PROMPT])], None, "twice"),
     ([{"name": "text_input", "shape": [2], "datatype": "BYTES", "data": [PROMPT]}], None, "shape"),
-    ([tensor("text_input", "BYTES", [PROMPT]), tensor("temperature", "FP32", [0.0])], None, "inputs.temperature"),
+    ([tensor("text_input", "BYTES", [PROMPT]), tensor("temperature", "FP32", [-1.0])], None, "inputs.temperature"),
     ([tensor("text_input", "BYTES", [PROMPT]), tensor("max_tokens", "FP32", [1.5])], None, "inputs.max_new_tokens"),
     ([tensor("text_input", "BYTES", [PROMPT]), tensor("sampling_parameters", "BYTES", ['{"best_of": 2}'])], None,
      "best_of"),

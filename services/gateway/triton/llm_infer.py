@@ -7,11 +7,10 @@ body is MindIE's token-id inference (``tensors.py``).
 
 Inputs (each one element unless said):
 * ``text_input`` BYTES (required): the prompt.
-* ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_k`` / ``runtime_top_k``,
-  ``top_p`` / ``runtime_top_p``, ``seed`` / ``random_seed``, ``repetition_penalty``: the Triton
-  ``parameters`` of the same meaning, checked with their ranges (``schemas.parse_options``).
-* ``stop_words`` BYTES (any count; empty strings are no stop): stop strings. ``bad_words`` may only be empty.
-* ``sampling_parameters`` BYTES: the vLLM backend's JSON object of the same sampling keys.
+* ``max_tokens``, ``temperature`` (0: greedy), ``top_k``, ``top_p``, ``seed``, ``repetition_penalty`` and their
+  aliases, ``stop_words`` BYTES (any count), ``bad_words`` (only empty), ``sampling_parameters`` BYTES (the vLLM
+  backend's JSON object): the Triton parameters of the same meaning (``llm_inputs.py``), checked with their
+  ranges (``schemas.parse_options``).
 * ``exclude_input_in_output`` BOOL (default true here, so litellm's chat text is the answer alone;
   false prepends the prompt, as the vLLM backend does by default).
 * ``return_finish_reason``, ``return_num_input_tokens``, ``return_num_output_tokens`` BOOL: add the
@@ -22,20 +21,17 @@ Any other input name is refused with the list of the ones taken.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from services.gateway.triton.binary import Tail, unpack_tensor
+from services.gateway.triton.llm_inputs import ALIASES, aliased, sampling_parameters, words
 from services.gateway.triton.schemas import Options, parse_options
 from services.gateway.web.validation import Fields, text_input
 from shared.errors import validation
 
 TEXT_INPUT = "text_input"
 TEXT_OUTPUT = "text_output"
-ALIASES = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens", "temperature": "temperature",
-           "top_k": "top_k", "runtime_top_k": "top_k", "top_p": "top_p", "runtime_top_p": "top_p", "seed": "seed",
-           "random_seed": "seed", "repetition_penalty": "repetition_penalty"}
 FLAGS = {"stream", "exclude_input_in_output", "return_finish_reason", "return_num_input_tokens",
          "return_num_output_tokens"}
 EXTRA_OUTPUTS = {"finish_reason": "return_finish_reason", "num_input_tokens": "return_num_input_tokens",
@@ -64,13 +60,17 @@ def parse_text_infer(data: dict[str, Any], tail: Tail, user_id: str | None, bina
     if flags.get("stream"):
         raise validation("stream is not supported on /infer (it answers whole); use "
                          "/v2/models/{model}/generate_stream for a stream.", "stream")
-    params = {**Fields(data).obj("parameters").data, **_sampling_parameters(tensors.pop("sampling_parameters", None))}
-    params.update(_stop(tensors))
+    params = dict(Fields(data).obj("parameters").data)
+    if "sampling_parameters" in tensors:
+        given = _string("sampling_parameters", _one("sampling_parameters", tensors.pop("sampling_parameters")))
+        params.update(sampling_parameters(given, "inputs."))
+    params.update(words([_string("stop_words", v) for v in tensors.pop("stop_words", [])],
+                        [_string("bad_words", v) for v in tensors.pop("bad_words", [])], "inputs."))
     for name, values in tensors.items():
         if name not in ALIASES:
             raise validation(f"inputs has a tensor named {name!r}, which this model does not take; it takes "
                              f"{', '.join(TAKEN)}.", "inputs")
-        params[ALIASES[name]] = _scalar(name, values)
+        aliased(params, name, _scalar(name, values))
     options = parse_options(Fields(params, "inputs."))
     return TextInferRequest(user_id, text, options, include_prompt=flags.get("exclude_input_in_output") is False,
                             outputs=_outputs(data.get("outputs"), flags, binary))
@@ -150,38 +150,6 @@ def _scalar(name: str, values: list) -> Any:
     if isinstance(value, bytes):
         raise validation(f"inputs.{name} must be a number tensor, not BYTES.", "inputs")
     return value
-
-
-def _stop(tensors: dict[str, list]) -> dict[str, Any]:
-    """``stop_words`` becomes ``stop``; ``bad_words`` is only accepted empty (TensorRT-LLM's clients send [""])."""
-    bad = [w for w in (_string("bad_words", v) for v in tensors.pop("bad_words", [])) if w]
-    if bad:
-        raise validation(f"inputs.bad_words is not supported (got {bad[:3]!r}); send it empty or leave it out.",
-                         "inputs")
-    stops = [w for w in (_string("stop_words", v) for v in tensors.pop("stop_words", [])) if w]
-    return {"stop": stops} if stops else {}
-
-
-def _sampling_parameters(values: list | None) -> dict[str, Any]:
-    """The vLLM backend's JSON object of sampling keys, in the Triton parameters' names."""
-    if values is None:
-        return {}
-    try:
-        data = json.loads(_string("sampling_parameters", _one("sampling_parameters", values)))
-    except json.JSONDecodeError:
-        raise validation("inputs.sampling_parameters must be a JSON object.", "inputs") from None
-    if not isinstance(data, dict):
-        raise validation("inputs.sampling_parameters must be a JSON object.", "inputs")
-    params: dict[str, Any] = {}
-    for key, value in data.items():
-        if key == "stop":
-            params["stop"] = value
-        elif key in ALIASES:
-            params[ALIASES[key]] = value
-        else:
-            raise validation(f"inputs.sampling_parameters.{key} is not supported; it takes stop, "
-                             f"{', '.join(sorted(ALIASES))}.", "inputs")
-    return params
 
 
 def _outputs(requested: Any, flags: dict[str, bool], binary: bool) -> list[tuple[str, bool]]:

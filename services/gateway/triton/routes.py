@@ -93,7 +93,7 @@ async def generate_stream(request: Request, model: FromPath[str]) -> Response:
 
 async def _text(request: Request, model: str, streaming: bool) -> Response:
     gateway = served(request, model)
-    req = parse_text_request(await request.body())
+    req = parse_text_request(await request.body(), streaming)
     admit([req.listed], gateway.media_policy, modalities=gateway.modalities())
     opts = req.options
     session = Session(gateway.context, req.text, opts.sampling, user_id=req.user_id, priority=opts.priority,

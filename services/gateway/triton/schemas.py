@@ -14,6 +14,7 @@ from typing import Any
 
 from services.gateway.common.content import ListInput, mindie_input
 from services.gateway.common.sampling import TRITON, mindie_sampling
+from services.gateway.triton.llm_inputs import generate_inputs
 from services.gateway.web.validation import INT32_MAX, Fields, parse_json_object, text_input
 from shared.errors import validation
 from shared.messages import Sampling
@@ -75,11 +76,13 @@ def parse_options(p: Fields) -> Options:
     )
 
 
-def parse_text_request(body: bytes) -> TextRequest:
+def parse_text_request(body: bytes, streaming: bool) -> TextRequest:
+    """``parameters``, overridden by the top-level inputs of Triton's LLM backends (``llm_inputs.py``)."""
     data = parse_json_object(body, PARSE_ERROR)
     user_id = optional_id(data)
     text, listed = _text_input(data.get("text_input"))
-    return TextRequest(user_id, text, parse_options(Fields(data).obj("parameters")), listed)
+    params = {**Fields(data).obj("parameters").data, **generate_inputs(data, streaming)}
+    return TextRequest(user_id, text, parse_options(Fields(params, "parameters.")), listed)
 
 
 def _text_input(value: Any) -> tuple[str, ListInput | None]:

@@ -1,0 +1,109 @@
+"""The inputs of Triton's LLM backends (vLLM's, TensorRT-LLM's) in the Triton ``parameters``' words, for the two
+routes that take them: ``/infer``'s text tensors (``llm_infer.py``) and ``/generate``'s top-level fields (Triton's
+generate extension: a body's fields other than ``id`` and ``parameters`` are the model's inputs, as
+TensorRT-LLM's documented ``{"text_input": …, "max_tokens": 20, "bad_words": "", "stop_words": ""}`` sends them).
+
+* ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_k`` / ``runtime_top_k``, ``top_p`` /
+  ``runtime_top_p``, ``seed`` / ``random_seed``, ``repetition_penalty``: the Triton parameter of the same meaning,
+  checked with its range; a ``temperature`` of 0 is greedy decoding, as those backends take it (MindIE's own
+  ``parameters.temperature`` stays in (0, max]).
+* ``stop_words``: stop strings (empty strings are no stop); ``bad_words`` may only be empty.
+* ``sampling_parameters``: the vLLM backend's JSON object of the same keys (and ``stop``).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from shared.errors import validation
+
+ALIASES = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens", "temperature": "temperature",
+           "top_k": "top_k", "runtime_top_k": "top_k", "top_p": "top_p", "runtime_top_p": "top_p", "seed": "seed",
+           "random_seed": "seed", "repetition_penalty": "repetition_penalty"}
+
+
+def aliased(params: dict[str, Any], name: str, value: Any) -> None:
+    """Input ``name`` (one of ``ALIASES``) into ``params`` under its parameter's name; temperature 0 is greedy."""
+    if ALIASES[name] == "temperature" and isinstance(value, (int, float)) and not isinstance(value, bool) \
+            and value == 0:
+        params.pop("temperature", None)
+        params["do_sample"] = False
+        return
+    params[ALIASES[name]] = value
+
+
+def words(stop: list[str], bad: list[str], where: str) -> dict[str, Any]:
+    """``stop_words`` as ``stop``; ``bad_words`` only empty (TensorRT-LLM's clients send [""] or "")."""
+    if any(bad):
+        raise validation(f"{where}bad_words is not supported (got {[w for w in bad if w][:3]!r}); send it empty or "
+                         "leave it out.", where.rstrip(".") or "bad_words")
+    stops = [w for w in stop if w]
+    return {"stop": stops} if stops else {}
+
+
+def sampling_parameters(text: str | dict[str, Any], where: str) -> dict[str, Any]:
+    """The vLLM backend's JSON object of sampling keys (as text, or already an object), in the Triton
+    parameters' names."""
+    data = text
+    if isinstance(text, str):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError:
+            data = None
+    if not isinstance(data, dict):
+        raise validation(f"{where}sampling_parameters must be a JSON object.", where.rstrip(".") or
+                         "sampling_parameters")
+    params: dict[str, Any] = {}
+    for key, value in data.items():
+        if key == "stop":
+            params["stop"] = value
+        elif key in ALIASES:
+            aliased(params, key, value)
+        else:
+            raise validation(f"{where}sampling_parameters.{key} is not supported; it takes stop, "
+                             f"{', '.join(sorted(ALIASES))}.", where.rstrip(".") or "sampling_parameters")
+    return params
+
+
+GENERATE_TAKES = sorted({"id", "parameters", "text_input", "stop_words", "bad_words", "sampling_parameters", "stream",
+                         "exclude_input_in_output", *ALIASES})
+
+
+def generate_inputs(data: dict[str, Any], streaming: bool) -> dict[str, Any]:
+    """``/generate``'s top-level inputs besides ``id``, ``parameters`` and ``text_input``, as parameters (which
+    they override). ``stream`` must say what the route does; ``exclude_input_in_output`` may only be true (the
+    answer is the generated text). Any other field is refused with the list of the ones taken."""
+    params: dict[str, Any] = {}
+    stop: list[str] = []
+    bad: list[str] = []
+    for name, value in data.items():
+        if name in ("id", "parameters", "text_input"):
+            continue
+        if name in ALIASES:
+            aliased(params, name, value)
+        elif name in ("stop_words", "bad_words"):
+            (stop if name == "stop_words" else bad).extend(_strings(name, value))
+        elif name == "sampling_parameters":
+            params.update(sampling_parameters(value, ""))
+        elif name == "stream":
+            if value is not streaming:
+                raise validation(f"stream must be {str(streaming).lower()} on this route (or left out): "
+                                 f"{'/generate_stream' if value else '/generate'} is the one that "
+                                 f"{'streams' if value else 'answers whole'}.", "stream")
+        elif name == "exclude_input_in_output":
+            if value is not True:
+                raise validation("exclude_input_in_output may only be true here: the answer is the generated text.",
+                                 "exclude_input_in_output")
+        else:
+            raise validation(f"the body has a field named {name!r}, which this model does not take; it takes "
+                             f"{', '.join(GENERATE_TAKES)}.", name)
+    params.update(words(stop, bad, ""))
+    return params
+
+
+def _strings(name: str, value: Any) -> list[str]:
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, str) for v in values):
+        raise validation(f"{name} must be a string or an array of strings.", name)
+    return values
