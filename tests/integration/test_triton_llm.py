@@ -84,13 +84,16 @@ def test_generates_top_level_fields_are_the_llm_backends_inputs(tiny_stack):
     expected = generated(tiny_stack, 5)
     for body in ({"max_tokens": 5, "bad_words": "", "stop_words": "", "temperature": 0},
                  {"sampling_parameters": json.dumps({"max_tokens": 5, "temperature": 0}), "stream": False},
-                 {"parameters": {"max_new_tokens": 50, "top_k": 1}, "max_tokens": 5, "bad_words": [""]}):
+                 {"parameters": {"max_new_tokens": 50, "top_k": 1}, "max_tokens": 5, "bad_words": [""]},
+                 {"parameters": {"max_tokens": 5, "bad_words": [""], "stop_words": [""], "temperature": 1e-9},
+                  "stream": False}):  # litellm's triton/ body
         r = httpx.post(path, json={"text_input": PROMPT, **body}, timeout=60)
         assert r.status_code == 200 and r.json()["text_output"] == expected, (body, r.text)
     stop = expected.split()[1]
-    cut = httpx.post(path, json={"text_input": PROMPT, "max_tokens": 5, "temperature": 0, "stop_words": [stop]},
-                     timeout=60).json()["text_output"]
-    assert cut == expected[: expected.index(stop)]
+    for body in ({"max_tokens": 5, "temperature": 0, "stop_words": [stop]},
+                 {"parameters": {"max_tokens": 5, "top_k": 1, "stop_words": [stop]}}):
+        cut = httpx.post(path, json={"text_input": PROMPT, **body}, timeout=60).json()["text_output"]
+        assert cut == expected[: expected.index(stop)], body
     for body, needle in (({"max_tokens": -1}, "max_new_tokens"), ({"beam_width": 2}, "beam_width"),
                          ({"stream": True}, "generate_stream"), ({"bad_words": "Paris"}, "bad_words"),
                          ({"exclude_input_in_output": False}, "exclude_input_in_output")):

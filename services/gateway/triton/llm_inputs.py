@@ -70,13 +70,14 @@ GENERATE_TAKES = sorted({"id", "parameters", "text_input", "stop_words", "bad_wo
                          "exclude_input_in_output", *ALIASES})
 
 
-def generate_inputs(data: dict[str, Any], streaming: bool) -> dict[str, Any]:
-    """``/generate``'s top-level inputs besides ``id``, ``parameters`` and ``text_input``, as parameters (which
-    they override). ``stream`` must say what the route does; ``exclude_input_in_output`` may only be true (the
-    answer is the generated text). Any other field is refused with the list of the ones taken."""
-    params: dict[str, Any] = {}
-    stop: list[str] = []
-    bad: list[str] = []
+def generate_inputs(data: dict[str, Any], parameters: dict[str, Any], streaming: bool) -> dict[str, Any]:
+    """``/generate``'s ``parameters`` with the body's top-level inputs besides ``id`` and ``text_input`` over
+    them. ``stream`` must say what the route does; ``exclude_input_in_output`` may only be true (the answer is
+    the generated text). Any other field is refused with the list of the ones taken. ``stop_words`` and
+    ``bad_words`` count among the parameters too (litellm's ``triton/`` client sends them there)."""
+    params = dict(parameters)
+    stop = _strings("parameters.stop_words", params.pop("stop_words", []))
+    bad = _strings("parameters.bad_words", params.pop("bad_words", []))
     for name, value in data.items():
         if name in ("id", "parameters", "text_input"):
             continue

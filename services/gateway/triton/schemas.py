@@ -81,7 +81,7 @@ def parse_text_request(body: bytes, streaming: bool) -> TextRequest:
     data = parse_json_object(body, PARSE_ERROR)
     user_id = optional_id(data)
     text, listed = _text_input(data.get("text_input"))
-    params = {**Fields(data).obj("parameters").data, **generate_inputs(data, streaming)}
+    params = generate_inputs(data, Fields(data).obj("parameters").data, streaming)
     return TextRequest(user_id, text, parse_options(Fields(params, "parameters.")), listed)
 
 
