@@ -43,7 +43,7 @@ async def test_counters_and_histograms_after_a_known_workload(metrics_stack):
     assert too_long.status_code == 422  # refused by the tokenizer: received and failed
     await asyncio.sleep(1.5)  # two heartbeats carry the engine's counters
     r = httpx.get(metrics_stack.metrics_url + "/metrics")
-    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    assert r.status_code == 200 and r.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
     assert 'model_name="' in r.text
     m = samples(r.text)
     base = '{"adapter": "", "api": "vllm"}'  # the request counters' LoRA adapter ("" for the base model) and API

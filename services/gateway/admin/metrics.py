@@ -20,7 +20,7 @@ from shared.messages import MetricsSnapshot, Ping, PrometheusText
 if TYPE_CHECKING:
     from services.gateway.core import Gateway
 
-PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+PROMETHEUS_TYPE = "text/plain; version=0.0.4"  # (Litestar adds "; charset=utf-8" to a text/ type)
 
 
 async def _ask(gateway: Gateway, subject: str, reply_type):
