@@ -187,14 +187,16 @@ class TopToken(msgspec.Struct, array_like=True):
     id: int
     text: str
     logprob: float
+    raw: bytes | None = None  # the token's own bytes (services/tokenizer/token_bytes.py)
 
 
 class TokenOut(msgspec.Struct, array_like=True):
     id: int
-    text: str
+    text: str  # what the token released into the answer's text (part of a character releases nothing yet)
     special: bool
     logprob: float | None = None
     top: list[TopToken] = []
+    raw: bytes | None = None  # with logprobs: the token's own bytes (services/tokenizer/token_bytes.py)
 
 
 class Started(Msg, tag="started"):

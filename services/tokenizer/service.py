@@ -28,6 +28,7 @@ from services.tokenizer.encoder import check_media_prompt, check_token_ids, enco
 from services.tokenizer.media.multimodal import MediaProcessor
 from services.tokenizer.cache_sync import CacheFollower
 from services.tokenizer.routing import Choice, EngineRouter
+from services.tokenizer.token_bytes import TokenBytes
 from services.tokenizer.tools import tool_format
 from shared import bus, subjects, telemetry
 from shared.config import Config
@@ -70,6 +71,7 @@ class TokenizerService:
         self.cfg = cfg
         self.nc = nc
         self.tok = tokenizer
+        self.token_bytes = TokenBytes(tokenizer)
         self.media = media or MediaProcessor(None)
         self.media_policy = MediaPolicy.from_config(cfg)
         self.model = cfg.model.model_name
@@ -347,8 +349,9 @@ class TokenizerService:
         special = token_id in self.special_ids
         if logprob is None:
             return TokenOut(token_id, text, special)
-        top = [TopToken(i, self.tok.decode([i]), lp) for i, lp in zip(logprob.top_ids, logprob.top_logprobs)]
-        return TokenOut(token_id, text, special, logprob.logprob, top)
+        top = [TopToken(i, self.tok.decode([i]), lp, self.token_bytes.of(i))
+               for i, lp in zip(logprob.top_ids, logprob.top_logprobs)]
+        return TokenOut(token_id, text, special, logprob.logprob, top, self.token_bytes.of(token_id))
 
     async def on_cancel(self, msg: NatsMsg) -> None:
         cancel = self.cancels.decode(msg.data)

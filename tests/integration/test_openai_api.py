@@ -313,3 +313,18 @@ def test_usage_reports_the_prompt_tokens_found_in_the_prefix_cache(tiny_stack):
     api.chat.completions.create(model=tiny_stack.model, messages=chat, max_tokens=2)
     done = api.chat.completions.create(model=tiny_stack.model, messages=chat, max_tokens=2)
     assert done.usage.prompt_tokens_details.cached_tokens >= 16
+
+
+def test_chat_logprobs_bytes_are_each_tokens_own(smol_stack):
+    """A character spread over several tokens (an emoji is 4 bytes, byte-level BPE gives them 2-3 tokens): each
+    token's entry has its own bytes even while its text is still empty, so the entries' bytes joined are the
+    content's UTF-8 (OpenAI's reading); the tokens' texts still add up to the content."""
+    answer = chat(smol_stack, messages=[{"role": "user", "content": "Repeat exactly: 🙂😀🎉 日本"}], temperature=0,
+                  max_tokens=24, logprobs=True, top_logprobs=2)["choices"][0]
+    content, entries = answer["message"]["content"], answer["logprobs"]["content"]
+    assert any(ord(c) > 0xFFFF for c in content), content  # an emoji in the answer: 4-byte characters
+    assert bytes(b for e in entries for b in e["bytes"]) == content.encode("utf-8")
+    assert "".join(e["token"] for e in entries) == content
+    assert any(e["token"] == "" and e["bytes"] for e in entries)  # part of a character: bytes, no text yet
+    for e in entries:
+        assert all(isinstance(t["bytes"], list) for t in e["top_logprobs"])

@@ -9,17 +9,19 @@ from services.gateway.openai_api.schemas import ChatRequest
 from services.gateway.openai_api.sse import Meta, UsagePlacement, sse
 from services.gateway.openai_api.tools import ToolStream, extract
 from services.gateway.request.call import Call
-from shared.messages import FinishReason, TokenOut
+from shared.messages import FinishReason, TokenOut, TopToken
 
 
-def _bytes(text: str) -> list[int]:
-    return list(text.encode("utf-8"))
+def _bytes(token: TokenOut | TopToken) -> list[int]:
+    return list(token.raw if token.raw is not None else token.text.encode("utf-8"))
 
 
 def logprob_entry(token: TokenOut) -> dict[str, Any]:
-    """``token`` is the text this token released into the content, so the entries add up to it."""
-    top = [{"token": t.text, "logprob": t.logprob, "bytes": _bytes(t.text)} for t in token.top]
-    return {"token": token.text, "logprob": token.logprob, "bytes": _bytes(token.text), "top_logprobs": top}
+    """``token`` is the text this token released into the content, so the entries' tokens add up to it;
+    ``bytes`` are the token's own (part of a character has bytes before it releases any text), so the
+    entries' bytes add up to the content's UTF-8."""
+    top = [{"token": t.text, "logprob": t.logprob, "bytes": _bytes(t)} for t in token.top]
+    return {"token": token.text, "logprob": token.logprob, "bytes": _bytes(token), "top_logprobs": top}
 
 
 def logprobs_json(req: ChatRequest, tokens: list[TokenOut]) -> dict[str, Any] | None:

@@ -1,0 +1,52 @@
+"""Each token's own bytes (OpenAI's logprobs ``bytes``), for the tokenizer kinds models ship: byte-level BPE (the
+default model's), SentencePiece-style byte fallback, and a decoder that is neither (the token's text)."""
+
+from __future__ import annotations
+
+from tokenizers import Tokenizer, decoders, models, normalizers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from services.tokenizer.token_bytes import TokenBytes
+
+TEXT = "hi 🙂 日本"
+
+
+def test_byte_level_tokens_are_their_vocabulary_bytes(smol_dir):
+    tokenizer = AutoTokenizer.from_pretrained(smol_dir)
+    of = TokenBytes(tokenizer)
+    ids = tokenizer(TEXT, add_special_tokens=False).input_ids
+    assert of.kind == "byte_level" and b"".join(of.of(i) for i in ids) == TEXT.encode()
+    assert any(of.of(i) and not tokenizer.decode([i]).strip("\ufffd") for i in ids)  # part of a character
+    assert of.of(tokenizer.convert_tokens_to_ids("<|im_end|>")) == b"<|im_end|>"
+
+
+def byte_fallback_tokenizer() -> PreTrainedTokenizerFast:
+    """A Llama-2-style SentencePiece BPE: "▁" for spaces, characters outside the vocabulary as <0xAB> bytes."""
+    vocab = {"<unk>": 0, "\u2581hi": 1, "\u2581": 2, "h": 3, "i": 4, "hi": 5, "\u2581h": 6,
+             **{f"<0x{b:02X}>": 7 + b for b in range(256)}}
+    merges = [("h", "i"), ("\u2581", "hi")]
+    model = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True))
+    model.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    model.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                       decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=model, unk_token="<unk>")
+
+
+def test_byte_fallback_tokens_are_their_bytes_and_spaces():
+    tokenizer = byte_fallback_tokenizer()
+    of = TokenBytes(tokenizer)
+    ids = tokenizer(TEXT, add_special_tokens=False).input_ids
+    assert of.kind == "byte_fallback"
+    assert b"".join(of.of(i) for i in ids) == (" " + TEXT).encode()  # (the leading space SentencePiece adds)
+    assert of.of(vocab_id(tokenizer, "<0xF0>")) == b"\xf0"
+
+
+def test_other_decoders_give_the_tokens_text():
+    tokenizer = byte_fallback_tokenizer()
+    tokenizer.backend_tokenizer.decoder = decoders.Fuse()
+    of = TokenBytes(tokenizer)
+    assert of.kind == "text" and of.of(vocab_id(tokenizer, "h")) == b"h"
+
+
+def vocab_id(tokenizer, piece: str) -> int:
+    return tokenizer.convert_tokens_to_ids(piece)
