@@ -59,10 +59,14 @@ def sizes_for(max_rows: int) -> list[int]:
 
 def reserve_bytes(config, max_rows: int, dtype: torch.dtype) -> int:
     """Device memory the graphs' activations and workspaces may take, set aside before the KV cache is
-    sized: the largest batch's intermediate tensors (qkv, gate/up, the activation, float logits),
+    sized: the largest batch's intermediate tensors (qkv, gate/up, the activation, float logits) and the
+    decode attention's pieces (up to 16 float32 softmax states a row and query head: triton_ops.DECODE_SPLITS),
     twice for the allocator's slack, plus 256 MiB for cuBLAS and Triton workspaces."""
     rows = min(max_rows, MAX_GRAPH_ROWS)
     width = (3 * config.hidden_size + 3 * config.intermediate_size) * dtype.itemsize + 6 * config.vocab_size
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    width += 16 * heads * (head_dim + 2) * 4
     return 2 * rows * width + (256 << 20)
 
 
