@@ -4,6 +4,8 @@
 # machine lacks) and .gpu/smollm2/ (SmolLM2's config.json and tokenizer files). Output under $OUT.
 #   [BENCH_TIMEOUT=480] bash bench/gpu_run.sh [tests|bench|all|linears|attention] [gpu_bench.py (gpu_linears.py, gpu_attention.py) arguments...]
 #   e.g. the quantized formats (issue 25): bash bench/gpu_run.sh bench --shapes 8b --levels 1,16 --hf-batches "" --step-rows "" --quantizations int4,fp8
+#   e.g. fp8_gemv's tiles (issue 25): bash bench/gpu_run.sh linears --sweep --rows 1,16
+#   e.g. the decode attention in pieces or whole, by context: bash bench/gpu_run.sh attention
 #   e.g. steps launched ahead against each step read back (issue 23): bash bench/gpu_run.sh bench --shapes 8b --levels 1,16 --sync-levels 1,16 --hf-batches 1,16 --step-rows 1,16,64
 set -uo pipefail
 what=${1:-all}; shift || true

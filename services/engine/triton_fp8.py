@@ -12,6 +12,7 @@ GEMM kernel made for many rows leaves most of them idle at one row), the parts' 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -23,13 +24,22 @@ FP8_MM_N, FP8_MM_K = 64, FP8_GROUP  # fp8_mm, fp8_gemv: output channels per prog
 LOCKS = 1 << 16  # arrival counters a device has (fp8_gemv: output tiles, up to 4M channels; paged_decode: programs)
 
 
-def fp8_split(n: int, k: int, device: torch.device) -> tuple[int, int]:
-    """How many parts ``fp8_mm`` splits the columns into (and the columns of each, whole iterations):
-    enough that the output tiles times the parts give each processor two programs, each part at least
-    four iterations long."""
+class GemvTile(NamedTuple):
+    """How ``fp8_gemv`` cuts a product: output channels per program, warps per program, programs per processor
+    (the column splits make up the rest). ``bench/gpu_linears.py --sweep`` times the choices on a GPU."""
+
+    block_n: int = FP8_MM_N
+    warps: int = 4
+    per_processor: int = 2
+
+
+def fp8_split(n: int, k: int, device: torch.device, block_n: int = FP8_MM_N, per_processor: int = 2) -> tuple[int, int]:
+    """How many parts ``fp8_mm`` (``fp8_gemv``) splits the columns into (and the columns of each, whole
+    iterations): enough that the output tiles times the parts give each processor ``per_processor`` programs,
+    each part at least four iterations long."""
     processors = _processors(device.index or 0) if device.type == "cuda" else 2
-    tiles = triton.cdiv(n, FP8_MM_N)
-    splits = max(1, min(triton.cdiv(2 * processors, tiles), k // (4 * FP8_MM_K)))
+    tiles = triton.cdiv(n, block_n)
+    splits = max(1, min(triton.cdiv(per_processor * processors, tiles), k // (4 * FP8_MM_K)))
     return splits, triton.cdiv(triton.cdiv(k, splits), FP8_MM_K) * FP8_MM_K
 
 
@@ -204,24 +214,24 @@ def fp8_mm(rows: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, row_scale: 
     return out[0] if splits == 1 else out.sum(dim=0).to(dtype)
 
 
-def fp8_gemv(rows: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
-             out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def fp8_gemv(rows: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype | None = None,
+             tile: GemvTile = GemvTile()) -> torch.Tensor:
     """TorchOps.fp8_gemv in one launch: the rows' quantization to e4m3 (a scale per 128 columns of a row), the
-    product and, when the columns are split (``fp8_split``, as ``fp8_mm``'s), the parts' sum. The split tiles
-    count their arrivals in ``arrival_counters``."""
+    product and, when the columns are split (``fp8_split``), the parts' sum. The split tiles count their
+    arrivals in ``arrival_counters`` (split only when there are few tiles: far fewer than LOCKS)."""
     m, k = rows.shape
     n = q.shape[0]
     dtype = out_dtype or rows.dtype
     out = torch.empty(m, n, device=rows.device, dtype=dtype)
     if m == 0:
         return out
-    splits, k_per_split = fp8_split(n, k, rows.device)
-    tiles = triton.cdiv(n, FP8_MM_N)  # (split only when fewer than 2 per processor: far fewer than LOCKS)
+    splits, k_per_split = fp8_split(n, k, rows.device, tile.block_n, tile.per_processor)
     parts = torch.empty(splits if splits > 1 else 0, m, n, device=rows.device, dtype=torch.float32)
-    _fp8_gemv_kernel[(tiles, splits)](rows, q, scale, out, parts, arrival_counters(rows.device), m, n, k, k_per_split, splits,
-                                      rows.stride(0), q.stride(0), out.stride(0), FP8_MAX, FP8_TINY,
-                                      BLOCK_M=max(16, pow2(m)), BLOCK_N=FP8_MM_N, BLOCK_K=FP8_MM_K,
-                                      EMULATE=rows.device.type == "cpu")
+    grid = (triton.cdiv(n, tile.block_n), splits)
+    _fp8_gemv_kernel[grid](rows, q, scale, out, parts, arrival_counters(rows.device), m, n, k, k_per_split, splits,
+                           rows.stride(0), q.stride(0), out.stride(0), FP8_MAX, FP8_TINY, BLOCK_M=max(16, pow2(m)),
+                           BLOCK_N=tile.block_n, BLOCK_K=FP8_MM_K, EMULATE=rows.device.type == "cpu",
+                           num_warps=tile.warps)
     return out
 
 

@@ -82,7 +82,8 @@ def test_fp8_gemv_quantizes_the_rows_and_adds_the_splits_in_one_launch(n, splits
     """fp8's decode products in one launch: each 128 columns of a row quantized to e4m3 over their own scale
     as they load (a group of 1e-4-sized values among them: e4m3's subnormal codes), the columns split in parts
     whose last program to arrive adds them, or not split; edges that are no whole tile or group. The split
-    counters are left at zero for the next product, which gives the same numbers."""
+    counters are left at zero for the next product, which gives the same numbers; other tiles (channels per
+    program, programs per processor) give them too."""
     torch.manual_seed(0)
     k = 1100
     assert triton_fp8.fp8_split(n, k, torch.device("cpu"))[0] == splits
@@ -90,8 +91,8 @@ def test_fp8_gemv_quantizes_the_rows_and_adds_the_splits_in_one_launch(n, splits
     x = torch.randn(rows, k, dtype=torch.bfloat16) * torch.logspace(-2, 1, rows, dtype=torch.bfloat16)[:, None]
     x[0, 128:256] *= 1e-4
     want = REF.fp8_gemv(x, codes, scale.reshape(-1), torch.float32)
-    for _ in range(2):
-        got = OPS.fp8_gemv(x, codes, scale.reshape(-1), torch.float32)
+    for tile in (triton_fp8.GemvTile(), triton_fp8.GemvTile(), triton_fp8.GemvTile(32, 8, 8)):  # (the bench's sweep)
+        got = OPS.fp8_gemv(x, codes, scale.reshape(-1), torch.float32, tile)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
         assert not triton_fp8.arrival_counters(torch.device("cpu")).any()
     assert OPS.fp8_gemv(x, codes, scale.reshape(-1)).dtype == torch.bfloat16
