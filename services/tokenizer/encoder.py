@@ -42,6 +42,15 @@ def check_token_ids(ids: list[int], vocab_size: int) -> None:
         raise validation(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
 
 
+def template_turn(req: GenerateRequest | Tokenize) -> dict[str, bool]:
+    """How the rendered conversation ends: the assistant's turn opened (the default), no turn added, or the
+    last (assistant) message left open for the answer to continue (vLLM's continue_final_message; Anthropic's
+    prefill)."""
+    if req.continue_final_message:
+        return {"add_generation_prompt": False, "continue_final_message": True}
+    return {"add_generation_prompt": req.add_generation_prompt}
+
+
 def render_chat(tokenizer, req: GenerateRequest | Tokenize) -> list[int]:
     """The conversation through the model's chat template, ending with the assistant's turn opened (or, as the
     request asks, with no turn added, or the last message left open for the answer to continue)."""
@@ -53,10 +62,8 @@ def render_chat(tokenizer, req: GenerateRequest | Tokenize) -> list[int]:
     elif not takes_tools(tokenizer):
         messages = plain(req.messages)
     try:
-        turn = {"add_generation_prompt": req.add_generation_prompt}
-        if req.continue_final_message:
-            turn = {"add_generation_prompt": False, "continue_final_message": True}
-        text = tokenizer.apply_chat_template(messages, tokenize=False, **turn, **extra, **req.chat_template_kwargs)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, **template_turn(req), **extra,
+                                             **req.chat_template_kwargs)
     except Exception as exc:  # a template error is the caller's messages not fitting the template
         raise validation(f"the messages do not fit the model's chat template: {exc}") from None
     return tokenizer(text, add_special_tokens=False).input_ids

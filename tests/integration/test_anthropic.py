@@ -89,6 +89,20 @@ def test_a_forced_tool_call_its_result_and_the_final_answer(smol_stack):
     jsonschema.validate([b for b in streamed.content if b.type == "tool_use"][0].input, WEATHER["input_schema"])
 
 
+def test_a_final_assistant_message_is_a_prefill_the_answer_continues(smol_stack):
+    """Anthropic's prefill: the assistant's last words are left open (the chat template's continue_final_message)
+    and the answer goes on from them, without repeating them; count_tokens counts the same prompt."""
+    api = client(smol_stack)
+    prefill = [*ASK, {"role": "assistant", "content": "The capital of France is"}]
+    answer = api.messages.create(model=smol_stack.model, max_tokens=8, system=SYSTEM, messages=prefill, **GREEDY)
+    text = answer.content[0].text
+    assert "Paris" in text and not text.lstrip().startswith("The capital"), text
+    counted = api.messages.count_tokens(model=smol_stack.model, system=SYSTEM, messages=prefill)
+    assert counted.input_tokens == answer.usage.input_tokens
+    opened = api.messages.count_tokens(model=smol_stack.model, system=SYSTEM, messages=ASK)
+    assert counted.input_tokens > opened.input_tokens  # the prefill's words, without a closed turn
+
+
 def test_a_forced_tool_call_cut_by_max_tokens_is_left_out_not_shown_as_text(smol_stack):
     """A call forced by tool_choice "any" and cut by max_tokens has no input object yet: the answer says
     max_tokens and has no tool_use, and the grammar's JSON never reaches the user as text (streamed or not)."""
@@ -117,6 +131,9 @@ def test_count_tokens_equals_the_requests_input_tokens(smol_stack, tools):
     ({"max_tokens": 5, "messages": ASK, "thinking": {"type": "enabled", "budget_tokens": 1024}}, 400, "thinking"),
     ({"max_tokens": 5, "messages": [{"role": "robot", "content": "hi"}]}, 400, "role"),
     ({"max_tokens": 5, "messages": []}, 400, "messages"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": ""}]}, 400, "non-empty"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "text", "text": ""}]}]}, 400, "non-empty"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": []}, *ASK]}, 400, "non-empty content"),
     ({"max_tokens": 5, "messages": ASK, "temperature": 1.5}, 400, "temperature"),
     ({"max_tokens": 5, "messages": ASK, "model": "no-such-model"}, 404, "no-such-model"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "document"}]}]}, 400, "document"),

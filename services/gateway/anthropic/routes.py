@@ -23,7 +23,7 @@ async def messages(request: Request) -> Response:
     gateway = request.app.state.gateway
     req = parse_messages(await request.body(), gateway.cfg, gateway.served())
     admit(req.listed, gateway.media_policy, content_error, gateway.modalities())
-    prompt = {"messages": req.messages, "truncate": req.common.truncate, "parts": chat_media(req.listed)}
+    prompt = {"messages": req.messages, "truncate": req.common.truncate, "parts": chat_media(req.listed), **req.turn}
     if req.tools is not None:
         prompt.update(tools=req.tools.declared, tool_choice=req.tools.choice)
     call = build_call(gateway.context, [prompt], req.common.sampling, 1, req.common.adapter, "anthropic")
@@ -38,7 +38,8 @@ async def count_tokens(request: Request) -> Response:
     admit(req.listed, gateway.media_policy, content_error, gateway.modalities())
     tools = req.tools
     counted = await gateway.tokenize(Tokenize(messages=req.messages, tools=tools.declared if tools else [],
-                                              tool_choice=tools.choice if tools else "", parts=chat_media(req.listed)))
+                                              tool_choice=tools.choice if tools else "", parts=chat_media(req.listed),
+                                              **req.turn))
     return Response({"input_tokens": len(counted.ids)}, media_type="application/json")
 
 

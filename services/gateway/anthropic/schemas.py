@@ -4,8 +4,9 @@ The conversation becomes the OpenAI chat messages ``/v1/chat/completions`` would
 first message, text blocks the content, ``image`` blocks image parts through the same media checks,
 ``tool_use`` blocks an assistant's ``tool_calls``, ``tool_result`` blocks ``tool`` messages), and the tools
 and ``tool_choice`` (``auto``, ``any`` → required, ``tool`` → named, ``none``) OpenAI's; so the model sees
-exactly what a chat completion of the same conversation shows it. A field the server cannot honour
-(``thinking``, ``container``, …) is a 400 naming it.
+exactly what a chat completion of the same conversation shows it. A last message of the assistant's is a
+prefill: its turn is left open and the answer continues it (vLLM's continue_final_message). Empty text is a
+400, in Anthropic's words. A field the server cannot honour (``thinking``, ``container``, …) is a 400 naming it.
 """
 
 from __future__ import annotations
@@ -37,6 +38,12 @@ class MessagesRequest:
     messages: list[dict[str, Any]]  # as /v1/chat/completions reads them
     listed: tuple[ListInput, ...]
     tools: Tools | None
+    prefill: bool = False  # the last message is the assistant's words: the answer continues them
+
+    @property
+    def turn(self) -> dict[str, bool]:
+        """How the rendered conversation ends: the assistant's turn opened, or its prefill left open."""
+        return {"add_generation_prompt": not self.prefill, "continue_final_message": self.prefill}
 
 
 def parse_messages(body: bytes, cfg: Config, served: Served, counting: bool = False) -> MessagesRequest:
@@ -62,7 +69,9 @@ def parse_messages(body: bytes, cfg: Config, served: Served, counting: bool = Fa
     if grammar is not None:  # "any" or a named tool: the output is the call, constrained as a chat's is
         common = replace(common, sampling=msgspec.structs.replace(common.sampling, grammar=grammar))
     messages, listed = chat_messages(openai_messages(data.get("system"), data.get("messages")))
-    return MessagesRequest(common, messages, listed, tools)
+    last = messages[-1]
+    prefill = last["role"] == "assistant" and bool(last["content"]) and not last.get("tool_calls")
+    return MessagesRequest(common, messages, listed, tools, prefill)
 
 
 def _check_metadata(value: Any) -> None:
@@ -90,14 +99,22 @@ def openai_messages(system: Any, messages: Any) -> list[dict[str, Any]]:
     if not isinstance(messages, list) or not messages:
         raise invalid("messages: must be a non-empty array of {role, content}")
     for i, message in enumerate(messages):
-        out.extend(_message(message, f"messages.{i}"))
+        out.extend(_message(message, f"messages.{i}", last=i == len(messages) - 1))
     return out
 
 
-def _message(message: Any, where: str) -> list[dict[str, Any]]:
+EMPTY_TEXT = "messages: text content blocks must be non-empty"  # Anthropic's words
+
+
+def _message(message: Any, where: str, last: bool = False) -> list[dict[str, Any]]:
     if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
         raise invalid(f"{where}.role: must be \"user\" or \"assistant\"")
     role, content = message["role"], message.get("content")
+    if content == "" or content == []:
+        if not (last and role == "assistant"):
+            raise invalid(EMPTY_TEXT if content == "" else f"{where}: all messages must have non-empty content "
+                                                         "except for the optional final assistant message")
+        return []  # an empty final assistant turn: nothing to continue from
     if isinstance(content, str):
         return [{"role": role, "content": content}]
     if not isinstance(content, list):
@@ -120,6 +137,8 @@ def _block(block: Any, where: str, role: str) -> tuple[str, dict[str, Any]]:
     if kind == "text":
         if not isinstance(block.get("text"), str):
             raise invalid(f"{where}.text: must be a string")
+        if not block["text"]:
+            raise invalid(EMPTY_TEXT)
         return "part", {"type": "text", "text": block["text"]}
     if kind == "image" and role == "user":
         return "part", {"type": "image_url", "image_url": {"url": _image_url(block.get("source"), f"{where}.source")}}

@@ -68,19 +68,16 @@ def parse_chat(body: bytes, cfg: Config, served: Served) -> ChatRequest:
     if tools is not None:
         _tool_roles(messages)
     kwargs = f.obj("chat_template_kwargs").data
-    return ChatRequest(common, messages, logprobs, top, kwargs, listed, tools, chat_turn(data, f, listed))
+    return ChatRequest(common, messages, logprobs, top, kwargs, listed, tools, chat_turn(data, f))
 
 
-def chat_turn(data: dict[str, Any], f: Fields, listed: tuple[ListInput, ...]) -> tuple[bool, bool]:
+def chat_turn(data: dict[str, Any], f: Fields) -> tuple[bool, bool]:
     """vLLM's ``add_generation_prompt`` (default true) and ``continue_final_message`` (default false; it wins over
     an add_generation_prompt left out): how the rendered conversation ends."""
     turn, final = bool(f.boolean("add_generation_prompt", True)), bool(f.boolean("continue_final_message", False))
     if turn and final and data.get("add_generation_prompt") is not None:
         raise bad_param("continue_final_message", "continue_final_message and add_generation_prompt cannot both be "
                                                   "true.")
-    if (final or not turn) and any(item.has_media for item in listed):
-        raise bad_param("messages", "messages with media are rendered with the assistant's turn opened: leave "
-                                    "add_generation_prompt and continue_final_message out.")
     return turn and not final, final
 
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from services.tokenizer.encoder import template_turn
 from services.tokenizer.media.fetch import fetch_refs
 from shared.errors import validation
 from shared.media import MediaPolicy
@@ -104,7 +105,7 @@ class MediaProcessor:
         template, a raw prompt's text items joined around the processor's placeholders."""
         if req.messages is not None:
             try:
-                return tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False,
+                return tokenizer.apply_chat_template(req.messages, tokenize=False, **template_turn(req),
                                                      **req.chat_template_kwargs)
             except Exception as exc:  # a template error is the caller's messages not fitting the template
                 raise validation(f"the messages do not fit the model's chat template: {exc}") from None
