@@ -33,11 +33,16 @@ def aliased(params: dict[str, Any], name: str, value: Any) -> None:
     params[ALIASES[name]] = value
 
 
+def _param(where: str, name: str) -> str:
+    """The error's param: the tensors' ``inputs`` (``where`` "inputs."), else the body's field ``name``."""
+    return where.rstrip(".") or name
+
+
 def words(stop: list[str], bad: list[str], where: str) -> dict[str, Any]:
     """``stop_words`` as ``stop``; ``bad_words`` only empty (TensorRT-LLM's clients send [""] or "")."""
     if any(bad):
         raise validation(f"{where}bad_words is not supported (got {[w for w in bad if w][:3]!r}); send it empty or "
-                         "leave it out.", where.rstrip(".") or "bad_words")
+                         "leave it out.", _param(where, "bad_words"))
     stops = [w for w in stop if w]
     return {"stop": stops} if stops else {}
 
@@ -52,8 +57,7 @@ def sampling_parameters(text: str | dict[str, Any], where: str) -> dict[str, Any
         except json.JSONDecodeError:
             data = None
     if not isinstance(data, dict):
-        raise validation(f"{where}sampling_parameters must be a JSON object.", where.rstrip(".") or
-                         "sampling_parameters")
+        raise validation(f"{where}sampling_parameters must be a JSON object.", _param(where, "sampling_parameters"))
     params: dict[str, Any] = {}
     for key, value in data.items():
         if key == "stop":
@@ -62,7 +66,7 @@ def sampling_parameters(text: str | dict[str, Any], where: str) -> dict[str, Any
             aliased(params, key, value)
         else:
             raise validation(f"{where}sampling_parameters.{key} is not supported; it takes stop, "
-                             f"{', '.join(sorted(ALIASES))}.", where.rstrip(".") or "sampling_parameters")
+                             f"{', '.join(sorted(ALIASES))}.", _param(where, "sampling_parameters"))
     return params
 
 
