@@ -286,7 +286,8 @@ def test_the_host_tier_brings_evicted_prefixes_back_with_the_same_tokens(model_d
 
 class Dequantized(torch.nn.Module):
     """A GPU-format layer's reference: its dequantized weight in float32 times the activations it multiplies
-    (fp8: each row rounded to e4m3 with its scale, as the layer does)."""
+    (fp8: rounded to e4m3 as the layer rounds them: a decode step's rows by 128 columns, ``TorchOps.fp8_gemv``,
+    in float32; more rows each with its scale)."""
 
     def __init__(self, layer):
         super().__init__()
@@ -299,6 +300,9 @@ class Dequantized(torch.nn.Module):
 
         a = x.float()
         if isinstance(self.layer, Fp8Linear):
+            if self.layer._as_gemv(x):
+                return TorchOps.fp8_gemv(x, self.layer.weight_t.T, self.layer.scale.reshape(-1),
+                                         torch.float32).to(x.dtype)
             q, scale = TorchOps.fp8_rows(x)
             a = q.float() * scale
         return (a @ self.weight.T).to(x.dtype)
