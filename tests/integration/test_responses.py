@@ -117,11 +117,42 @@ def test_previous_response_id_retrieve_and_delete(smol_stack):
     ({"input": ASK, "text": {"format": {"type": "yaml"}}}, "text.format"),
     ({"input": ASK, "tools": [{"type": "web_search"}]}, "tools[0]"),
     ({"input": [{"type": "computer_call"}]}, "input[0].type"),
+    ({"input": ASK, "include": ["message.output_text.logprobs"]}, "include"),
+    ({"input": ASK, "background": True}, "background"),
+    ({"input": ASK, "prompt_cache_key": 7}, "prompt_cache_key"),
 ])
 def test_bad_bodies_get_openai_shaped_400s(tiny_stack, body, param):
     r = httpx.post(tiny_stack.url + "/v1/responses", json={"model": tiny_stack.model, **body}, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_a_call_cut_by_max_output_tokens_is_incomplete(smol_stack):
+    """A forced call whose arguments max_output_tokens cut short is an "incomplete" item (an agent loop must not
+    run it); the whole ones before it stay "completed"."""
+    api = client(smol_stack)
+    cut = api.responses.create(model=smol_stack.model, input="What is the weather in Paris?", tools=[WEATHER],
+                               tool_choice="required", max_output_tokens=40, temperature=0, store=False)
+    calls = [item for item in cut.output if item.type == "function_call"]
+    assert cut.status == "incomplete" and calls
+    for call in calls:
+        try:
+            json.loads(call.arguments)
+            assert call.status == "completed"
+        except ValueError:
+            assert call.status == "incomplete"
+    assert calls[-1].status == "incomplete"
+
+
+def test_fields_at_their_defaults_and_hints_are_taken(tiny_stack):
+    """What Responses clients send beside the conversation: fields at their defaults (null, empty) and hints that
+    change nothing in an answer here (a prompt-cache key, a service tier, an end user's id)."""
+    body = {"model": tiny_stack.model, "input": ASK, "max_output_tokens": 2, "store": False, "include": [],
+            "reasoning": None, "stream_options": None, "conversation": None, "prompt": None, "top_logprobs": 0,
+            "max_tool_calls": None, "background": False, "prompt_cache_key": "conversation-7",
+            "service_tier": "auto", "safety_identifier": "user-1"}
+    r = httpx.post(tiny_stack.url + "/v1/responses", json=body, timeout=30)
+    assert r.status_code == 200 and r.json()["status"] in ("completed", "incomplete"), r.text
 
 
 def test_stored_responses_are_shared_by_gateways_and_outlive_a_restart(tmp_path, tiny_model_dir):

@@ -57,7 +57,7 @@ class Builder:
             text = content or ""
         status = "incomplete" if cut else "completed"
         out = [message_item(text, status)] if text or not calls else []
-        return out + [{"id": new_id("fc"), "type": "function_call", "status": "completed", "call_id": c["id"],
+        return out + [{"id": new_id("fc"), "type": "function_call", "status": _call_status(c, cut), "call_id": c["id"],
                        "name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in calls]
 
     def end(self, call: Call, end: End, output: list[dict[str, Any]]) -> dict[str, Any]:
@@ -170,3 +170,15 @@ def _whole_item(event: Events, index: int, item: dict[str, Any]) -> list[bytes]:
                   text=part["text"], logprobs=[]),
             event("response.content_part.done", item_id=item_id, output_index=index, content_index=0, part=part),
             event("response.output_item.done", output_index=index, item=item)]
+
+
+def _call_status(call: dict[str, Any], cut: bool) -> str:
+    """A call cut short by max_output_tokens (its arguments no whole JSON yet) is "incomplete", so an agent loop
+    does not run it; every other call is "completed"."""
+    if not cut:
+        return "completed"
+    try:
+        json.loads(call["function"]["arguments"])
+    except ValueError:
+        return "incomplete"
+    return "completed"

@@ -40,11 +40,20 @@ class ResponsesRequest:
         return self.chat.common.stream
 
 
+# Hints that change nothing in an answer here: a prompt-cache routing key (the fleet routes by cache on its own),
+# a service tier, an end user's id for abuse monitoring. Checked for their type, then set aside.
+HINTS = {"prompt_cache_key": str, "safety_identifier": str, "service_tier": str}
+# Fields this server takes only at their default (absent, null or empty): anything else is a 400 naming them.
+DEFAULT_ONLY = {"include", "reasoning", "stream_options", "conversation", "prompt", "top_logprobs", "max_tool_calls",
+                "background"}
+
+
 def read_body(body: bytes) -> dict[str, Any]:
     data = parse_json_object(body, PARSE_ERROR)
-    unknown = sorted(set(data) - FIELDS)
+    unknown = sorted(set(data) - FIELDS - set(HINTS) - DEFAULT_ONLY)
     if unknown:
         raise bad_param(unknown[0], f"{unknown[0]} is not supported by this server.")
+    _set_aside(data)
     if data.get("truncation") not in (None, "disabled"):
         raise bad_param("truncation", 'truncation must be "disabled": a conversation is never cut here.')
     for key in ("store", "stream", "parallel_tool_calls"):
@@ -53,6 +62,22 @@ def read_body(body: bytes) -> dict[str, Any]:
     if data.get("previous_response_id") is not None and not isinstance(data["previous_response_id"], str):
         raise bad_param("previous_response_id", "previous_response_id must be a string.")
     return data
+
+
+def _set_aside(data: dict[str, Any]) -> None:
+    """Take the hints and the default-only fields out of ``data`` (Responses clients send them at their defaults:
+    ``include: []``, ``reasoning: null``, ``store`` with ``prompt_cache_key``)."""
+    for key, kind in HINTS.items():
+        value = data.pop(key, None)
+        if value is not None and not isinstance(value, kind):
+            raise bad_param(key, f"{key} must be a string.")
+    for key in sorted(DEFAULT_ONLY & set(data)):
+        value = data.pop(key)
+        if key == "stream_options" and isinstance(value, dict) and not value.get("include_obfuscation"):
+            continue  # (no obfuscation is added to this server's events)
+        if value not in (None, [], {}, 0, False):
+            raise bad_param(key, f"{key} is not supported by this server: leave it out or at its default "
+                                 f"(null or empty), got {value!r}.")
 
 
 def parse_responses(data: dict[str, Any], previous: list[dict[str, Any]], cfg: Config, served: Served) -> ResponsesRequest:
