@@ -135,6 +135,9 @@ def test_bodies_are_checked_with_mindies_answers(stack, adapters):
         assert f"{key} 'other-model'" in r.text
     r = load(stack, stack.model, path)
     assert r.status_code == 200 and r.text.startswith(message(Outcome.INVALID, stack.model)), r.text
+    r = load(stack, "None", path)  # TGI's adapter_id and vLLM's model say "None" for the base model
+    assert r.status_code == 200 and r.text.startswith(message(Outcome.INVALID, "None")), r.text
+    assert "None" not in [m["id"] for m in httpx.get(stack.url + "/v1/models").json()["data"]]
 
 
 def test_pd_split_mode_refuses_adapters(stack, adapters):

@@ -77,6 +77,9 @@ def _check_master(data: dict[str, Any], name: str, model: str) -> None:
                                            detail=f"{key} '{shown}' is not the served model '{model}'.")))
 
 
+NO_ADAPTER = "None"  # TGI's adapter_id and vLLM /generate's model default (reference §3.22, §3.23b): the base model
+
+
 def parse_load(body: bytes, model: str, pd_split: bool) -> Load:
     """The adapter to load, or :class:`Refused` with MindIE's answer (checked in MindIE's order: JSON,
     name, path, then what only this server checks: the master model, the name, PD split mode)."""
@@ -86,6 +89,9 @@ def parse_load(body: bytes, model: str, pd_split: bool) -> Load:
     if name == model:
         raise Refused(Answer(200, lora.message(Outcome.INVALID, name,
                                                detail=f"'{name}' is the name of the served model.")))
+    if name == NO_ADAPTER:
+        raise Refused(Answer(200, lora.message(Outcome.INVALID, name, detail=f"'{name}' is the name TGI's "
+                                               "adapter_id and vLLM's model use for no adapter (the base model).")))
     if pd_split:
         raise Refused(Answer(200, f"{FAILED}{PD_SPLIT}."))
     return Load(name, path)
