@@ -338,7 +338,10 @@ class TokenizerService:
         for i, token_id in enumerate(event.token_ids):
             state.generated += 1
             final = event.finish_reason is not None and i == len(event.token_ids) - 1
-            delta = state.decoder.add(token_id) + (state.decoder.flush() if final else "")
+            if final and _ended_on_stop_id(state.request.sampling, token_id, event.finish_reason):
+                delta = state.decoder.flush()  # vLLM leaves a stop token's text out unless asked to keep it
+            else:
+                delta = state.decoder.add(token_id) + (state.decoder.flush() if final else "")
             text, stopped = state.stops.feed(delta, final)
             tokens.append(self.token_out(token_id, text, event.logprobs[i] if event.logprobs else None))
             if stopped:
@@ -395,3 +398,10 @@ async def serve(cfg: Config, nats_url: str, stop: asyncio.Event, ready=lambda: N
 
 
 __all__ = ["TokenizerService", "serve"]
+
+
+def _ended_on_stop_id(sampling, token_id: int, reason: FinishReason) -> bool:
+    """The answer ended on one of the request's ``stop_token_ids``, whose text stays out of it (unless
+    ``include_stop_str_in_output``, as vLLM reads that flag for stop ids too)."""
+    return (reason is FinishReason.EOS_TOKEN and token_id in sampling.stop_token_ids
+            and not sampling.include_stop_str_in_output)

@@ -199,6 +199,10 @@ def test_stop_reason_names_the_stop_string_or_token_id_that_ended_the_answer(tin
     fifth = tokenizer_ids(tiny_stack, first)[4]
     choice = complete(tiny_stack, **seeded, stop_token_ids=[fifth])["choices"][0]
     assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", fifth)
+    # the stop token's text stays out of the answer, as vLLM leaves it, unless include_stop_str_in_output
+    assert choice["text"] == "".join(first["logprobs"]["tokens"][:4])
+    kept = complete(tiny_stack, **seeded, stop_token_ids=[fifth], include_stop_str_in_output=True)["choices"][0]
+    assert kept["text"] == "".join(first["logprobs"]["tokens"][:5])
 
 
 def tokenizer_ids(stack, choice: dict) -> list[int]:

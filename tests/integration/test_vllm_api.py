@@ -66,9 +66,16 @@ def test_stop_and_stop_token_ids(tiny_stack):
     ids = post(tiny_stack, "/infer", {"inputs": PROMPT, "parameters": {
         "do_sample": False, "max_new_tokens": 6, "details": True}}).json()["details"]["generated_token_ids"]
     one = post(tiny_stack, "/generate", {"prompt": PROMPT, **GREEDY, "stop_token_ids": [ids[1], -5]}).json()
-    upto = post(tiny_stack, "/infer", {"inputs": PROMPT, "parameters": {
-        "do_sample": False, "max_new_tokens": ids.index(ids[1]) + 1}})
-    assert one["text"][0] == f"{PROMPT} {upto.json()['generated_text']}"
+    kept = post(tiny_stack, "/generate", {"prompt": PROMPT, **GREEDY, "stop_token_ids": [ids[1]],
+                                          "include_stop_str_in_output": True}).json()
+
+    def upto(n: int) -> str:  # the first n greedy tokens' text
+        return post(tiny_stack, "/infer", {"inputs": PROMPT, "parameters": {
+            "do_sample": False, "max_new_tokens": n}}).json()["generated_text"] if n else ""
+
+    # the stop token's text is left out unless include_stop_str_in_output (reference §3.23b: read with stop ids too)
+    assert one["text"][0] == f"{PROMPT} {upto(ids.index(ids[1]))}"
+    assert kept["text"][0] == f"{PROMPT} {upto(ids.index(ids[1]) + 1)}"
 
 
 @pytest.mark.parametrize("body, message", [
