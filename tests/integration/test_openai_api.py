@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import httpx
@@ -332,3 +333,32 @@ def test_chat_logprobs_bytes_are_each_tokens_own(smol_stack):
     assert any(e["token"] == "" and e["bytes"] for e in entries)  # part of a character: bytes, no text yet
     for e in entries:
         assert all(isinstance(t["bytes"], list) for t in e["top_logprobs"])
+
+
+def test_vllms_guided_decoding_fields_hold_the_output(tiny_stack):
+    """guided_choice, guided_regex, guided_json and structured_outputs (vLLM's) constrain chat, completions and
+    vLLM /generate through the grammar engine; two ways at once, a bad grammar and fields not honoured here are
+    400s naming them (they were taken and ignored)."""
+    seeded = {"seed": 5, "max_tokens": 12}
+    choice = complete(tiny_stack, guided_choice=["yes", "no"], **seeded)["choices"][0]["text"]
+    assert choice in ("yes", "no"), choice
+    digits = chat(tiny_stack, guided_regex="[0-9]{3}", **seeded)["choices"][0]["message"]["content"]
+    assert re.fullmatch("[0-9]{3}", digits), digits
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    answer = json.loads(chat(tiny_stack, guided_json=schema, **{**seeded, "max_tokens": 24})["choices"][0]["message"][
+        "content"])
+    assert isinstance(answer["ok"], bool)
+    picked = complete(tiny_stack, structured_outputs={"choice": ["left", "right"]}, **seeded)["choices"][0]["text"]
+    assert picked in ("left", "right"), picked
+    generated = post(tiny_stack, "/generate", {"prompt": PROMPT, "guided_regex": "[a-c]{4}", "max_tokens": 8,
+                                               "seed": 5}).json()["text"][0]
+    assert re.fullmatch("[a-c]{4}", generated[len(PROMPT) + 1:]), generated
+    for body, param in (({"guided_regex": "[0-9]", "guided_choice": ["a"]}, "guided_choice"),
+                        ({"guided_regex": "("}, "guided_regex"), ({"guided_choice": []}, "guided_choice"),
+                        ({"guided_json": {"type": "object"}, "response_format": {"type": "json_object"}},
+                         "response_format"),
+                        ({"bad_words": ["Paris"]}, "bad_words"), ({"allowed_token_ids": [5]}, "allowed_token_ids"),
+                        ({"prompt_logprobs": 1}, "prompt_logprobs")):
+        r = post(tiny_stack, "/v1/completions", {"model": tiny_stack.model, "prompt": PROMPT, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from services.gateway.common.guided import guided
 from services.gateway.web.validation import FLT_MAX, INT32_MAX, UINT64_MAX, Fields
 from shared.errors import validation
 from shared.messages import Sampling
@@ -97,6 +98,7 @@ def vllm_sampling(f: Fields, dialect: VllmDialect, logprobs: int | None = None) 
         ignore_eos=bool(f.boolean("ignore_eos", False)),
         include_stop_str_in_output=bool(f.boolean("include_stop_str_in_output", False)),
         logprobs=logprobs,
+        grammar=guided(f),
     )
 
 
@@ -152,3 +154,9 @@ def _refuse_unsupported(f: Fields) -> None:
         raise validation("logit_bias is not supported.", "logit_bias")
     if f.integer("min_tokens", 0, 0, INT32_MAX):
         raise validation("min_tokens is not supported.", "min_tokens")
+    for name in ("bad_words", "allowed_token_ids"):
+        if f.data.get(name):
+            raise validation(f"{name} is not supported.", name)
+    if f.data.get("prompt_logprobs") is not None:
+        raise validation("prompt_logprobs is not supported here; /v1/completions with echo and logprobs gives the "
+                         "prompt's tokens with their logprobs.", "prompt_logprobs")

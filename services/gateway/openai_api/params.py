@@ -46,6 +46,9 @@ def parse_common(data: dict[str, Any], cfg: Config, served: Served, logprobs: in
     sampling = vllm_sampling(f, dialect, logprobs)
     grammar = response_format(f.data.get("response_format"))
     if grammar is not None:
+        if sampling.grammar is not None:
+            raise bad_param("response_format", "response_format cannot be combined with vLLM's guided decoding "
+                                               "fields: give one.")
         sampling = msgspec.structs.replace(sampling, grammar=grammar)
     n = _n(f, cfg, sampling)
     return Common(model, n, stream, _include_usage(f, stream), sampling, _truncate(f, cfg), adapter)
