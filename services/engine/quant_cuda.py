@@ -117,7 +117,8 @@ def int4_mm(rows: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor
 
 
 class Fp8Linear(nn.Module):
-    """``y = x W^T + b`` with W in float8 e4m3 (a scale per output channel) and x quantized per row on the fly."""
+    """``y = x W^T + b`` with W in float8 e4m3 (a scale per output channel) and x quantized on the fly (a decode
+    step's rows by 128 columns, a prompt's by row)."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None, ops=None):
         """``q``: float8 e4m3 [n, k]; ``scale``: float32 [n]; ``ops``: what quantizes the activations and runs

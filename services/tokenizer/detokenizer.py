@@ -43,13 +43,19 @@ class IncrementalDecoder:
 class StopMatcher:
     """Accumulates generated text and releases what is safe to send."""
 
-    def __init__(self, stops: list[str], include: bool = False):
+    def __init__(self, stops: list[str], include: bool = False, stop_ids: list[int] = ()):
         self.stops = [s for s in stops if s]
         self.include = include  # keep the stop string itself in the output (vLLM include_stop_str_in_output)
+        self.stop_ids = frozenset(stop_ids)
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.text = ""
         self.released = 0
         self.matched = ""  # the stop string that ended the text, once one has
+
+    def hides(self, token_id: int) -> bool:
+        """Whether an answer that ended on ``token_id`` leaves its text out: one of the request's stop ids, whose
+        text vLLM drops unless include_stop_str_in_output (the flag it reads for stop ids too)."""
+        return token_id in self.stop_ids and not self.include
 
     def feed(self, delta: str, final: bool) -> tuple[str, bool]:
         """(text to release now, whether a stop string was hit)."""

@@ -230,7 +230,7 @@ class TokenizerService:
 
     def pending_state(self, req: GenerateRequest, ids: list[int], span) -> Pending:
         """A new request's detokenizer state; a resumed one's rebuilt from the tokens its client has."""
-        stops = StopMatcher(req.sampling.stop, req.sampling.include_stop_str_in_output)
+        stops = StopMatcher(req.sampling.stop, req.sampling.include_stop_str_in_output, req.sampling.stop_token_ids)
         state = Pending(req, IncrementalDecoder(self.tok, ids), stops, span)
         if req.sampling.prompt_logprobs is not None:
             state.prompt_ids = ids
@@ -338,8 +338,8 @@ class TokenizerService:
         for i, token_id in enumerate(event.token_ids):
             state.generated += 1
             final = event.finish_reason is not None and i == len(event.token_ids) - 1
-            if final and _ended_on_stop_id(state.request.sampling, token_id, event.finish_reason):
-                delta = state.decoder.flush()  # vLLM leaves a stop token's text out unless asked to keep it
+            if final and event.finish_reason is FinishReason.EOS_TOKEN and state.stops.hides(token_id):
+                delta = state.decoder.flush()  # the stop token's own text stays out
             else:
                 delta = state.decoder.add(token_id) + (state.decoder.flush() if final else "")
             text, stopped = state.stops.feed(delta, final)
@@ -398,10 +398,3 @@ async def serve(cfg: Config, nats_url: str, stop: asyncio.Event, ready=lambda: N
 
 
 __all__ = ["TokenizerService", "serve"]
-
-
-def _ended_on_stop_id(sampling, token_id: int, reason: FinishReason) -> bool:
-    """The answer ended on one of the request's ``stop_token_ids``, whose text stays out of it (unless
-    ``include_stop_str_in_output``, as vLLM reads that flag for stop ids too)."""
-    return (reason is FinishReason.EOS_TOKEN and token_id in sampling.stop_token_ids
-            and not sampling.include_stop_str_in_output)

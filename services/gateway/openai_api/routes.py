@@ -72,8 +72,7 @@ async def chat_completions(request: Request) -> Response:
     req = parse_chat(await request.body(), gateway.cfg, gateway.served())
     admit(req.listed, gateway.media_policy, content_error, gateway.modalities())
     prompt = {"messages": req.messages, "chat_template_kwargs": req.chat_template_kwargs,
-              "truncate": req.common.truncate, "parts": chat_media(req.listed),
-              "add_generation_prompt": req.turn[0], "continue_final_message": req.turn[1]}
+              "truncate": req.common.truncate, "parts": chat_media(req.listed), **req.turn}
     if req.tools is not None:
         prompt.update(tools=req.tools.declared, tool_choice=req.tools.choice)
     call = build_call(gateway.context, [prompt], req.common.sampling, req.common.n, req.common.adapter, "openai-chat")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgspec
@@ -28,7 +28,7 @@ class ChatRequest:
     chat_template_kwargs: dict[str, Any]
     listed: tuple[ListInput, ...] = ()  # the contents given as lists (each message's ``content`` is its joined text)
     tools: Tools | None = None  # declared tools and tool_choice (openai_api/tools.py)
-    turn: tuple[bool, bool] = (True, False)  # add_generation_prompt, continue_final_message (vLLM's)
+    turn: dict[str, bool] = field(default_factory=dict)  # add_generation_prompt, continue_final_message (vLLM's)
 
 
 @dataclass(frozen=True)
@@ -71,14 +71,14 @@ def parse_chat(body: bytes, cfg: Config, served: Served) -> ChatRequest:
     return ChatRequest(common, messages, logprobs, top, kwargs, listed, tools, chat_turn(data, f))
 
 
-def chat_turn(data: dict[str, Any], f: Fields) -> tuple[bool, bool]:
+def chat_turn(data: dict[str, Any], f: Fields) -> dict[str, bool]:
     """vLLM's ``add_generation_prompt`` (default true) and ``continue_final_message`` (default false; it wins over
-    an add_generation_prompt left out): how the rendered conversation ends."""
+    an add_generation_prompt left out): how the rendered conversation ends, as the request's fields."""
     turn, final = bool(f.boolean("add_generation_prompt", True)), bool(f.boolean("continue_final_message", False))
     if turn and final and data.get("add_generation_prompt") is not None:
         raise bad_param("continue_final_message", "continue_final_message and add_generation_prompt cannot both be "
                                                   "true.")
-    return turn and not final, final
+    return {"add_generation_prompt": turn and not final, "continue_final_message": final}
 
 
 TOOL_ROLES = ("system", "user", "assistant", "tool")

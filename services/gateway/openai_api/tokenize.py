@@ -78,11 +78,10 @@ def _chat(data: dict[str, Any], f: Fields, gateway) -> Tokenize:
     if f.boolean("add_special_tokens", False):
         raise bad_param("add_special_tokens", "add_special_tokens applies to a prompt; the chat template places the "
                                               "special tokens of messages.")
-    turn, final = chat_turn(data, f)
+    turn = chat_turn(data, f)
     tools = parse_tools(data)
     return Tokenize(messages=messages, tools=tools.declared if tools else [], tool_choice=tools.choice if tools else "",
-                    chat_template_kwargs=f.obj("chat_template_kwargs").data, add_generation_prompt=turn,
-                    continue_final_message=final, parts=chat_media(listed))
+                    chat_template_kwargs=f.obj("chat_template_kwargs").data, parts=chat_media(listed), **turn)
 
 
 ROUTES = [Router("/", route_handlers=[tokenize, detokenize], exception_handlers=OPENAI_EXCEPTION_HANDLERS)]
