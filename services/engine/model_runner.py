@@ -109,10 +109,10 @@ class ModelRunner:
         self._rope_tables(1024)
         self.lora = LoraSet(config, self.device, self.dtype, max_loras, max_lora_rank)
         self.mrope_axes = mrope_axes(self.model.model.rotary_emb, self.head_dim // 2, self.device)
+        self.loop = layer_loop.build(self)  # decode steps' layers in one C++ call (cpu); before the graphs' passes
         self.graphs = DecodeGraphs(self, graphs) if graphs is not None else None
         self.pieces = (step_graphs.StepGraphs(self, graphs.max_tokens, graphs.capture)
                        if graphs is not None and graphs.max_tokens else None)
-        self.loop = layer_loop.build(self)  # decode steps' layers in one C++ call (cpu)
         log.info("model runner ready", extra={"dtype": str(self.dtype), "fused_ops": self.ops.fused,
                                                "layer_loop": self.loop is not None,
                                                "decode_graphs": bool(self.graphs and self.graphs.graphs),

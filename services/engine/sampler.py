@@ -235,5 +235,5 @@ def typical_p(logits: torch.Tensor, mass: float) -> torch.Tensor:
     sorted_shifted, order = shifted.sort()
     cumulative = probs.gather(-1, order).cumsum(dim=-1)
     last = (cumulative < mass).sum().clamp(max=len(cumulative) - 1)  # a tensor: no host sync
-    remove = sorted_shifted > sorted_shifted[last]
+    remove = sorted_shifted > sorted_shifted.index_select(0, last.reshape(1))  # (indexing by a tensor syncs)
     return logits.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
