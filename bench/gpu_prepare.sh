@@ -24,6 +24,6 @@ rm -f "$reqs"
 for have in torch nvidia_ triton numpy pillow safetensors httpx httpcore h11 anyio idna certifi prometheus_client \
             pyyaml PyYAML requests urllib3 charset_normalizer filelock fsspec jinja2 MarkupSafe networkx sympy mpmath \
             packaging tqdm regex typing_extensions setuptools; do
-  rm -f .whl/${have}*.whl
+  case $have in *_) rm -f .whl/${have}*.whl ;; *) rm -f .whl/${have}-*.whl ;; esac  # (httpx-, not httpx2-)
 done
 echo "$(ls .whl | wc -l) wheels, $(du -sh .whl | cut -f1) in .whl; $(ls .gpu/smollm2 | wc -l) files in .gpu/smollm2"
