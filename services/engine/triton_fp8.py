@@ -5,7 +5,7 @@ quantization to e4m3 with its scale, and the products of a decode step's few row
 are the output tiles times enough splits of the columns to give each of the device's processors two (a
 GEMM kernel made for many rows leaves most of them idle at one row), the parts' float32 sums added after.
 
-``to_dtype`` and ``pow2`` are the helpers the other kernels (``triton_ops.py``) share with these.
+``to_dtype``, ``rounded`` and ``pow2`` are the helpers the other kernels (``triton_ops.py``) share with these.
 ``TRITON_INTERPRET=1`` must be set before this module is imported, as for ``triton_ops``.
 """
 
@@ -121,6 +121,22 @@ def _fp8_mm_kernel(x_ptr, x_scale_ptr, w_ptr, scale_ptr, out_ptr, rows, n, k, k_
         acc *= tl.load(x_scale_ptr + m, mask=m < rows, other=0.0)[:, None]
     tl.store(out_ptr + tl.program_id(1) * stride_split + m[:, None] * stride_out + cols_n[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=(m[:, None] < rows) & (cols_n[None, :] < n))
+
+
+@triton.jit
+def rounded(x, dtype: tl.constexpr, EMULATE: tl.constexpr):
+    # float32 x in dtype, rounded to the nearest value, ties to even, as a GPU's cast and PyTorch's round (and held
+    # at e4m3's largest value, as PyTorch's cast holds it). EMULATE: rounded in float32 arithmetic first, where the
+    # interpreter's casts would not (its bfloat16 casts truncate; its e4m3 casts drop a carry)
+    if dtype == tl.float8e4nv:
+        x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+        if EMULATE:
+            x = _e4m3_round(x)
+    elif dtype == tl.bfloat16:
+        if EMULATE:
+            bits = x.to(tl.int32, bitcast=True)
+            x = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -0x10000).to(tl.float32, bitcast=True)
+    return x.to(dtype)
 
 
 @triton.jit

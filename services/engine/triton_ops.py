@@ -29,7 +29,7 @@ import triton.language as tl
 
 from services.engine import triton_fp8
 from services.engine.kernels import TorchOps
-from services.engine.triton_fp8 import pow2, to_dtype
+from services.engine.triton_fp8 import pow2, rounded, to_dtype
 
 
 PREFILL_ROWS, PREFILL_TILE = 32, 32  # paged prefill: query rows per program, keys per iteration
@@ -246,7 +246,9 @@ def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, width, BLOCK: tl.cons
 def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, k_ptr, v_ptr,
                        stride_qkv, stride_table, stride_kv_head,
                        NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-                       HALF_P: tl.constexpr):
+                       HALF_P: tl.constexpr, EMULATE: tl.constexpr):
+    # each product and sum rounded to the rows' dtype as TorchOps.rotate's operations round them (HF's rotary
+    # embedding too), so the values, and the e4m3 codes of an fp8 cache, are PyTorch's exactly
     row = tl.program_id(0)
     head = tl.program_id(1)  # q heads, then k heads, then v heads
     i = tl.arange(0, HALF_P)
@@ -254,24 +256,33 @@ def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, k_ptr, v_p
     base = qkv_ptr + row * stride_qkv + head * (2 * HALF)
     a = tl.load(base + i, mask=ok, other=0.0)
     b = tl.load(base + HALF + i, mask=ok, other=0.0)
+    dt = a.dtype
     slot = tl.load(slots_ptr + row).to(tl.int64)
     if head < NUM_HEADS + NUM_KV_HEADS:
         pos = tl.load(pos_ptr + row).to(tl.int64)
-        c = tl.load(cos_ptr + pos * stride_table + i, mask=ok, other=0.0).to(a.dtype).to(tl.float32)
-        s = tl.load(sin_ptr + pos * stride_table + i, mask=ok, other=0.0).to(a.dtype).to(tl.float32)
+        c = tl.load(cos_ptr + pos * stride_table + i, mask=ok, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + pos * stride_table + i, mask=ok, other=0.0).to(tl.float32)
+        c, s = rounded(c, dt, EMULATE).to(tl.float32), rounded(s, dt, EMULATE).to(tl.float32)
         af, bf = a.to(tl.float32), b.to(tl.float32)
-        a = (af * c - bf * s).to(a.dtype)
-        b = (bf * c + af * s).to(b.dtype)
+        a = rounded(_product(af, c, dt, EMULATE) - _product(bf, s, dt, EMULATE), dt, EMULATE)
+        b = rounded(_product(bf, c, dt, EMULATE) + _product(af, s, dt, EMULATE), dt, EMULATE)
         tl.store(base + i, a, mask=ok)
         tl.store(base + HALF + i, b, mask=ok)
-        if head >= NUM_HEADS:  # the cache in its own dtype (fp8 e4m3: rounded from float32)
+        if head >= NUM_HEADS:  # the cache in its own dtype (fp8 e4m3: rounded from the rows' dtype)
             dest = k_ptr + (head - NUM_HEADS) * stride_kv_head + slot * (2 * HALF)
-            tl.store(dest + i, to_dtype(a, k_ptr.dtype.element_ty), mask=ok)
-            tl.store(dest + HALF + i, to_dtype(b, k_ptr.dtype.element_ty), mask=ok)
+            tl.store(dest + i, rounded(a.to(tl.float32), k_ptr.dtype.element_ty, EMULATE), mask=ok)
+            tl.store(dest + HALF + i, rounded(b.to(tl.float32), k_ptr.dtype.element_ty, EMULATE), mask=ok)
     else:
         dest = v_ptr + (head - NUM_HEADS - NUM_KV_HEADS) * stride_kv_head + slot * (2 * HALF)
-        tl.store(dest + i, to_dtype(a, v_ptr.dtype.element_ty), mask=ok)
-        tl.store(dest + HALF + i, to_dtype(b, v_ptr.dtype.element_ty), mask=ok)
+        tl.store(dest + i, rounded(a.to(tl.float32), v_ptr.dtype.element_ty, EMULATE), mask=ok)
+        tl.store(dest + HALF + i, rounded(b.to(tl.float32), v_ptr.dtype.element_ty, EMULATE), mask=ok)
+
+
+@triton.jit
+def _product(x, y, dt: tl.constexpr, EMULATE: tl.constexpr):
+    # x * y rounded to dt, back in float32 (in 16 bits, a product rounded also keeps a GPU from fusing the sum that
+    # takes it into an fma)
+    return rounded(x * y, dt, EMULATE).to(tl.float32)
 
 
 class TritonOps(TorchOps):
@@ -321,7 +332,8 @@ class TritonOps(TorchOps):
         half = head_dim // 2
         _rope_store_kernel[(qkv.shape[0], num_heads + 2 * num_kv_heads)](
             qkv, cos, sin, positions, slots, k_cache, v_cache, qkv.stride(0), cos.stride(0), k_cache.stride(0),
-            NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, HALF_P=pow2(half))
+            NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, HALF_P=pow2(half),
+            EMULATE=qkv.device.type == "cpu", enable_fp_fusion=False)  # (a product fused into an fma skips a rounding)
 
     @staticmethod
     def prefill_plan(chunks, block_size: int, device) -> PrefillPlan:

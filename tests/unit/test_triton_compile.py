@@ -26,7 +26,7 @@ from services.engine import triton_fp8 as F, triton_ops as T
 SCALARS = {"scale": "fp32", "eps": "fp32", "fp8_max": "fp32", "tiny": "fp32"}
 
 
-def build(kernel, pointers, constants, arch):
+def build(kernel, pointers, constants, arch, **options):
     signature = {}
     for name in kernel.arg_names:
         if name in constants:
@@ -35,8 +35,10 @@ def build(kernel, pointers, constants, arch):
             signature[name] = "*" + pointers.get(name, "bf16")
         else:
             signature[name] = SCALARS.get(name, "i32")
-    triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants), target=GPUTarget("cuda", arch, 32))
+    built = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
+                           target=GPUTarget("cuda", arch, 32), options=options)
     print(kernel.__name__, arch, flush=True)
+    return built
 
 
 for arch in (90, 89):
@@ -57,8 +59,12 @@ for arch in (90, 89):
     for kv in ("bf16", "fp8e4nv"):
         cache = {"k_ptr": kv, "v_ptr": kv}
         tables = {"cos_ptr": "fp32", "sin_ptr": "fp32", "pos_ptr": "i64", "slots_ptr": "i64"}
-        build(T._rope_store_kernel, {**cache, **tables}, {"NUM_HEADS": 32, "NUM_KV_HEADS": 8, "HALF": 64, "HALF_P": 64},
-              arch)
+        rope = build(T._rope_store_kernel, {**cache, **tables},
+                     {"NUM_HEADS": 32, "NUM_KV_HEADS": 8, "HALF": 64, "HALF_P": 64, "EMULATE": False}, arch,
+                     enable_fp_fusion=False)  # (as TritonOps.rope_store launches it)
+        # each product rounded to bfloat16 as PyTorch rounds it (sm89 has no bfloat16 mul or sub: it writes them as
+        # fmas with -0 or +-1, which round once as they do)
+        assert arch < 90 or "fma" not in rope.asm["ptx"]
         build(T._paged_decode_kernel, {**cache, "tables_ptr": "i32", "lens_ptr": "i32", "part_ptr": "fp32",
                                        "stats_ptr": "fp32", "lock_ptr": "i32"},
               {"GROUP": 4, "PER_PROGRAM": 4, "PER_PROGRAM_P": 4, "HEAD_DIM": 128, "DIM_P": 128, "TILE": 32,

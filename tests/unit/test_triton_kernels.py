@@ -125,6 +125,29 @@ def test_rope_store_rotates_in_place_and_writes_the_cache(dtype):
     check_rope_store(OPS, dtype)
 
 
+@pytest.mark.parametrize("cache", [torch.bfloat16, torch.float8_e4m3fn])
+def test_rope_store_rounds_as_the_pytorch_operations_do(cache):
+    """In bfloat16 the kernel rounds each product and sum as ``TorchOps.rotate``'s operations do (HF's rotary
+    embedding too): the rotated rows are PyTorch's exactly, and so are an fp8 cache's e4m3 codes (large values
+    held at 448), which a value one bfloat16 step off would change where it sits near a midpoint of e4m3's."""
+    torch.manual_seed(6)
+    heads, kv_heads, dim = 8, 2, 64
+    qkv = torch.randn(6, (heads + 2 * kv_heads) * dim, dtype=torch.bfloat16) * 3
+    qkv[0, -dim:] = torch.linspace(-900, 900, dim)  # V beyond e4m3's range
+    cos, sin = torch.rand(64, dim // 2), torch.rand(64, dim // 2)
+    positions, slots = torch.tensor([0, 3, 9, 33, 63, 20]), torch.tensor([4, 17, 40, 2, 9, 31])
+    written = []
+    for ops in (OPS, REF):
+        rows = qkv.clone()
+        k, v = (torch.zeros(kv_heads, 48, dim, dtype=cache) for _ in range(2))
+        ops.rope_store(rows, cos, sin, positions, k, v, slots, heads, kv_heads, dim)
+        written.append((rows, k.view(torch.int8) if cache != torch.bfloat16 else k,
+                        v.view(torch.int8) if cache != torch.bfloat16 else v))
+    for got, want in zip(*written):
+        assert torch.equal(got, want)
+    assert (written[0][2].view(cache).float().abs().amax() == 448) == (cache != torch.bfloat16)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(HEADS, KV_HEADS, DIM), (4, 4, 12), (8, 1, 16)])
 def test_paged_decode_matches_gathered_attention(dtype, heads, kv_heads, dim):
