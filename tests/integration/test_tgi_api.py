@@ -167,7 +167,13 @@ def test_health_and_info_on_the_management_plane(tiny_stack):
     assert httpx.get(mgmt + "/health").status_code == 200
     assert httpx.get(mgmt + "/v2/health/live").status_code == 200
     assert httpx.get(mgmt + "/v2/health/ready").status_code == 200
-    info = httpx.get(mgmt + "/info").json()
+    # HEAD answers as GET does, with no body (curl -I, probes that send HEAD); a POST-only route stays 405
+    head, get = httpx.head(mgmt + "/info"), httpx.get(mgmt + "/info")
+    assert head.status_code == 200 and head.content == b""
+    assert head.headers["content-type"] == get.headers["content-type"]
+    assert httpx.head(tiny_stack.url + "/v1/models").status_code == 200
+    assert httpx.head(tiny_stack.url + "/generate").status_code == 405
+    info = get.json()
     assert info["max_input_length"] == 64 and info["max_best_of"] == 1
     model = info["models"][0]
     assert model["model_id"] == tiny_stack.model and model["model_dtype"] == "float32"

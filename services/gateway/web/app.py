@@ -33,7 +33,7 @@ METRICS_ROUTES = [*metrics.METRICS_ROUTES]
 class Listener:
     host: str
     port: int
-    app: Litestar
+    app: ASGIApp  # the Litestar app, HEAD answered around it
     planes: tuple[str, ...] = ("business",)  # which planes' routes it serves: business, management, metrics
 
 
@@ -60,7 +60,8 @@ def listeners(gateway: Gateway) -> list[Listener]:
     by_address: dict[tuple[str, int], list[str]] = {}
     for name, (address, _) in planes.items():
         by_address.setdefault(address, []).append(name)
-    return [Listener(host, port, create_app(gateway, [r for name in names for r in planes[name][1]]), tuple(names))
+    return [Listener(host, port, head_middleware(create_app(gateway, [r for name in names for r in planes[name][1]])),
+                     tuple(names))
             for (host, port), names in by_address.items()]
 
 
@@ -85,5 +86,27 @@ def request_uuid_middleware(app: ASGIApp) -> ASGIApp:
             await send(message)
 
         await app(scope, receive, send_with_uuid)
+
+    return middleware
+
+
+def head_middleware(app: ASGIApp) -> ASGIApp:
+    """HEAD answers as GET does, without the body (as Starlette's and axum's GET routes do, so ``curl -I`` and
+    probes that send HEAD see the same status and headers as vLLM's and TGI's give them). Around the app: Litestar
+    matches a route's methods before its own middleware runs."""
+
+    async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            await app(scope, receive, send)
+            return
+
+        async def send_without_body(message: Message) -> None:
+            if message["type"] == "http.response.body":
+                if message.get("more_body"):
+                    return
+                message = {"type": "http.response.body", "body": b"", "more_body": False}
+            await send(message)
+
+        await app({**scope, "method": "GET"}, receive, send_without_body)
 
     return middleware
