@@ -116,6 +116,9 @@ def test_previous_response_id_retrieve_and_delete(smol_stack):
     ({"input": ASK, "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": ASK, "text": {"format": {"type": "yaml"}}}, "text.format"),
     ({"input": ASK, "tools": [{"type": "web_search"}]}, "tools[0]"),
+    # the chat checks' errors name the Responses fields (flat tools and text.format)
+    ({"input": ASK, "tools": [{"type": "function", "name": "no spaces"}]}, "tools[0].name"),
+    ({"input": ASK, "text": {"format": {"type": "json_schema", "name": "x", "schema": 3}}}, "text.format.schema"),
     ({"input": [{"type": "computer_call"}]}, "input[0].type"),
     ({"input": ASK, "include": ["message.output_text.logprobs"]}, "include"),
     ({"input": ASK, "background": True}, "background"),

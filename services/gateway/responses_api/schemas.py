@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import re
+
 import msgspec
 
 from services.gateway.common.served import Served
@@ -26,7 +28,11 @@ PARSE_ERROR = "The request body must be a JSON object."
 FIELDS = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice",
           "text", "stream", "store", "previous_response_id", "metadata", "parallel_tool_calls", "user", "truncation",
           "seed"}  # seed: vLLM's extension, as on chat completions
-CHAT_NAMES = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
+# a chat field's name (the start of a parameter's path) as the Responses request names it
+CHAT_NAMES = [(re.compile(r"^max_tokens\b"), "max_output_tokens"),
+              (re.compile(r"^response_format(\.json_schema)?\b"), "text.format"),
+              (re.compile(r"^(tools\[\d+\])\.function\b"), r"\1"),  # Responses' tools are flat
+              (re.compile(r"^tool_choice\.function\b"), "tool_choice")]
 
 
 @dataclass(frozen=True)
@@ -95,10 +101,25 @@ def parse_responses(data: dict[str, Any], previous: list[dict[str, Any]], cfg: C
     try:
         req = parse_chat(msgspec.json.encode({k: v for k, v in chat.items() if v is not None}), cfg, served)
     except SwitchboardError as exc:
-        name = CHAT_NAMES.get(exc.param or "", exc.param)
+        name = responses_name(exc.param, len(messages) - len(history) + len(previous))
         raise OpenAIError(exc.kind, exc.message.replace(exc.param or "\0", name or ""), name,
                           getattr(exc, "code", None)) from None
     return ResponsesRequest(data, req, history)
+
+
+def responses_name(param: str | None, before: int) -> str | None:
+    """The Responses field a chat error's ``param`` names: ``messages[i]`` is ``input[i - before]`` (``before``:
+    the messages ahead of the input's own, instructions and a previous response's), or ``input`` itself."""
+    if not param:
+        return param
+    if param.startswith("messages"):
+        index = re.match(r"^messages\[(\d+)\]", param)
+        if index is None or int(index[1]) < before:
+            return "input"
+        return f"input[{int(index[1]) - before}]" + param[index.end():]
+    for pattern, name in CHAT_NAMES:
+        param = pattern.sub(name, param)
+    return param
 
 
 # ---- input ------------------------------------------------------------------------------------
