@@ -20,8 +20,31 @@ PENDING_MSGS = 1_000_000
 PENDING_BYTES = 1024 * 1024 * 1024
 
 
-async def connect(url: str, name: str) -> Client:
-    """Connect with error/disconnect/reconnect callbacks that log and never raise."""
+class Stopped(Exception):
+    """The service was told to stop before it reached NATS."""
+
+
+async def connect(url: str, name: str, stop: asyncio.Event | None = None) -> Client:
+    """Connect with error/disconnect/reconnect callbacks that log and never raise. The first connection is tried
+    until it succeeds, or until ``stop`` is set (SIGTERM while NATS is down): then ``Stopped``."""
+    attempt = asyncio.ensure_future(_connect(url, name))
+    if stop is None:
+        return await attempt
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait([attempt, stopped], return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        attempt.cancel()
+        raise
+    finally:
+        stopped.cancel()
+    if attempt.done():
+        return attempt.result()
+    attempt.cancel()
+    raise Stopped(f"{name} stopped before it reached NATS at {url}")
+
+
+async def _connect(url: str, name: str) -> Client:
 
     async def on_error(exc: Exception) -> None:
         log.warning("nats error", extra={"service": name, "error": repr(exc)})

@@ -94,7 +94,7 @@ async def _run(children: list[Child], cfg: Config, stop: asyncio.Event) -> int:
 
 
 async def _until_ready(children: list[Child], stop: asyncio.Event) -> Child | None:
-    all_ready = asyncio.ensure_future(asyncio.gather(*(c.ready.wait() for c in children)))
+    all_ready = asyncio.ensure_future(_all_ready(children))
     try:
         done = await _first_of([all_ready, asyncio.ensure_future(stop.wait())], children, READY_TIMEOUT_S)
     finally:
@@ -105,6 +105,11 @@ async def _until_ready(children: list[Child], stop: asyncio.Event) -> Child | No
         stop.set()
         print(f"switchboard: services not ready after {READY_TIMEOUT_S:.0f}s", file=sys.stderr)
     return None
+
+
+async def _all_ready(children: list[Child]) -> None:
+    for child in children:  # (a task, not a gather: a gather cancelled here logged "exception never retrieved")
+        await child.ready.wait()
 
 
 async def _first_death_or_stop(children: list[Child], stop: asyncio.Event) -> Child | None:
@@ -136,14 +141,13 @@ async def shutdown(children: list[Child]) -> None:
     for child in reversed(children):
         if child.proc.returncode is None:
             child.proc.terminate()
-    waits = [c.proc.wait() for c in children]
-    try:
-        await asyncio.wait_for(asyncio.gather(*waits), STOP_GRACE_S)
-    except asyncio.TimeoutError:
+    waits = [asyncio.ensure_future(c.proc.wait()) for c in children]
+    _, late = await asyncio.wait(waits, timeout=STOP_GRACE_S)
+    if late:
         for child in children:
             if child.proc.returncode is None:
                 child.proc.kill()
-        await asyncio.gather(*(c.proc.wait() for c in children))
+        await asyncio.gather(*late)
 
 
 def business_url(cfg: Config) -> str:

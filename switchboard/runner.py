@@ -39,13 +39,18 @@ async def _main(serve, cfg: Config, nats_url: str) -> None:
     watcher = asyncio.create_task(_stop_on_shutdown(nats_url, stop))
     try:
         await serve(cfg, nats_url, stop, announce_ready)
+    except bus.Stopped:
+        pass  # (SIGTERM while NATS was down: nothing was started)
     finally:
         watcher.cancel()
 
 
 async def _stop_on_shutdown(nats_url: str, stop: asyncio.Event) -> None:
     """Stop this service when the gateway broadcasts the end of a /stopService drain."""
-    nc = await bus.connect(nats_url, "switchboard-control")
+    try:
+        nc = await bus.connect(nats_url, "switchboard-control", stop)
+    except bus.Stopped:
+        return
 
     async def on_shutdown(_msg) -> None:
         stop.set()

@@ -324,7 +324,7 @@ async def serve(cfg: Config, nats_url: str, stop: asyncio.Event, ready=lambda: N
     # of a step's ~300 regions pays a futex wake-up (a decode step measured 1.5-2x slower).
     stepper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
     engine, device_label = await asyncio.get_running_loop().run_in_executor(stepper, build_engine, cfg)
-    nc = await bus.connect(nats_url, "switchboard-engine")
+    nc = await bus.connect(nats_url, "switchboard-engine", stop)
     service = EngineService(cfg, nc, engine, device_label, stepper)
     await service.start()
     ready()

@@ -21,7 +21,7 @@ log = logging.getLogger("switchboard.gateway")
 
 async def serve(cfg: Config, nats_url: str, stop: asyncio.Event, ready=lambda: None) -> None:
     contexts = server_contexts(cfg)  # plane -> SSLContext with httpsEnabled, else {}
-    nc = await bus.connect(nats_url, "switchboard-gateway")
+    nc = await bus.connect(nats_url, "switchboard-gateway", stop)
     gateway = Gateway(cfg, nc)
     await gateway.start()
     limits = ClientLimits.from_config(cfg)

@@ -48,7 +48,7 @@ class MetricsService:
 
 
 async def serve(cfg: Config, nats_url: str, stop: asyncio.Event, ready=lambda: None) -> None:
-    nc = await bus.connect(nats_url, "switchboard-metrics")
+    nc = await bus.connect(nats_url, "switchboard-metrics", stop)
     await MetricsService(nc, cfg.model.model_name, cfg.switchboard.lease_seconds).start()
     ready()
     log.info("metrics ready")

@@ -384,7 +384,7 @@ class TokenizerService:
 async def serve(cfg: Config, nats_url: str, stop: asyncio.Event, ready=lambda: None) -> None:
     tokenizer = await asyncio.to_thread(load_tokenizer, str(cfg.model_path))
     media = await asyncio.to_thread(MediaProcessor.load, str(cfg.model_path))
-    nc = await bus.connect(nats_url, "switchboard-tokenizer")
+    nc = await bus.connect(nats_url, "switchboard-tokenizer", stop)
     service = TokenizerService(cfg, nc, tokenizer, media)
     await service.start()
     heartbeat = asyncio.create_task(service.heartbeat(stop))

@@ -10,7 +10,7 @@ import time
 
 import httpx
 
-from tests.conftest import write_config
+from tests.conftest import free_port, write_config
 from tests.integration.stack import READY_PREFIX, Stack
 
 
@@ -85,3 +85,27 @@ def test_a_dying_service_is_reported_with_its_last_error(tmp_path, tiny_model_di
     assert "engine service exited" in result.stderr
     assert "unsupported model architecture" in result.stderr
     assert "LlamaForCausalLM" in result.stderr
+
+
+def test_sigterm_while_nats_is_down_stops_everything_at_once(tmp_path, tiny_model_dir):
+    """``Switchboard.natsUrl`` names a NATS that is not there: the services keep trying to reach it, and a SIGTERM
+    still stops them all at once (~2 s; not after the launcher's 10 s grace and SIGKILL), with no
+    traceback or "exception was never retrieved" in the output."""
+    path = write_config(tmp_path, tiny_model_dir, Switchboard={"natsUrl": f"nats://127.0.0.1:{free_port()}"})
+    proc = subprocess.Popen([sys.executable, "-m", "switchboard.cli", "serve", "--config", str(path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(processes_mentioning(str(path))) < 5 and time.monotonic() < deadline:  # launcher + 4 services
+            time.sleep(0.2)
+        time.sleep(2)  # the services are past their imports, in their first connection's retries
+        assert len(processes_mentioning(str(path))) == 5
+        started = time.monotonic()
+        proc.terminate()
+        output, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 0
+        assert time.monotonic() - started < 8, output[-3000:]  # (2 s alone; a busy 2-core machine is slower)
+    finally:
+        proc.kill()
+    assert "Traceback" not in output and "never retrieved" not in output, output[-3000:]
+    assert processes_mentioning(str(path)) == []
