@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any, Awaitable, Callable
 
 import msgspec
@@ -44,15 +45,27 @@ async def connect(url: str, name: str, stop: asyncio.Event | None = None) -> Cli
     raise Stopped(f"{name} stopped before it reached NATS at {url}")
 
 
+REPEAT_LOG_S = 30.0  # the same nats error again (a retry every 0.5 s while NATS is down) is logged this often
+
+
 async def _connect(url: str, name: str) -> Client:
+    last = {"error": "", "at": 0.0, "repeats": 0}
 
     async def on_error(exc: Exception) -> None:
-        log.warning("nats error", extra={"service": name, "error": repr(exc)})
+        error, now = repr(exc), time.monotonic()
+        if error == last["error"] and now - last["at"] < REPEAT_LOG_S:
+            last["repeats"] += 1
+            return
+        repeats = last["repeats"] if error == last["error"] else 0
+        log.warning("nats error", extra={"service": name, "error": error, "url": url,
+                                         **({"repeated": repeats} if repeats else {})})
+        last.update(error=error, at=now, repeats=0)
 
     async def on_disconnect() -> None:
         log.info("nats disconnected", extra={"service": name})
 
     async def on_reconnect() -> None:
+        last.update(error="", repeats=0)
         log.info("nats reconnected", extra={"service": name})
 
     return await nats.connect(
