@@ -197,6 +197,13 @@ class TokenOut(msgspec.Struct, array_like=True):
     logprob: float | None = None
     top: list[TopToken] = []
     raw: bytes | None = None  # with logprobs: the token's own bytes (services/tokenizer/token_bytes.py)
+    own: str | None = None  # the token's own text, where ``text`` differs (a stop string's hold-back moved it)
+
+    @property
+    def own_text(self) -> str:
+        """The text this token decodes to (TGI's and MindIE's per-token ``text``): what a hold-back for a stop
+        string released on a later token (or left out, as the stop string) is still this token's."""
+        return self.text if self.own is None else self.own
 
 
 class Started(Msg, tag="started"):

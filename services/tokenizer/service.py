@@ -343,7 +343,9 @@ class TokenizerService:
             else:
                 delta = state.decoder.add(token_id) + (state.decoder.flush() if final else "")
             text, stopped = state.stops.feed(delta, final)
-            tokens.append(self.token_out(token_id, text, event.logprobs[i] if event.logprobs else None))
+            token = self.token_out(token_id, text, event.logprobs[i] if event.logprobs else None)
+            token.own = delta if delta != text else None
+            tokens.append(token)
             if stopped:
                 return tokens, True
         return tokens, False

@@ -51,6 +51,10 @@ def test_infer_stream_events_carry_timings_and_a_final_event(tiny_stack):
     assert final["token"]["text"] is None and len(final["token"]["id"]) == 1
     assert final["generated_text"].startswith("".join(e["token"]["text"] for e in tokens))
     assert final["details"]["generated_tokens"] == len(tokens) + 1
+    # with a stop string that never comes, each token still carries its own text (seed 003), not text held back
+    held = sse_events(post(tiny_stack, "/infer", {"inputs": PROMPT, "stream": True, "parameters": {
+        **GREEDY, "details": True, "stop": ["\u2603\u2603 never"]}}).text)
+    assert [e["token"] for e in held] == [e["token"] for e in events]
 
 
 @pytest.fixture(scope="module")

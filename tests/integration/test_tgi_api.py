@@ -96,7 +96,17 @@ def test_stop_sequence_cuts_the_text(tiny_stack):
     stream = sse_events(post(tiny_stack, "/generate_stream", {"inputs": PROMPT, "parameters": {
         **GREEDY, "max_new_tokens": 16, "stop": stop, "details": True}}).text)
     assert stream[-1]["generated_text"] == text[: text.index(stop)]
-    assert "".join(e["token"]["text"] for e in stream) == text[: text.index(stop)]
+    # each token's text is its own, as TGI's (the stop string's too): not text held back from earlier tokens
+    # while a stop string might be forming, and not the end of the text on a special EOS token
+    tokens = "".join(e["token"]["text"] for e in stream)
+    assert tokens.startswith(text[: text.index(stop)] + stop) and text.startswith(tokens)
+    assert [t["text"] for t in body["details"]["tokens"]] == [e["token"]["text"] for e in stream]
+    never = post(tiny_stack, "/generate_stream", {"inputs": PROMPT, "parameters": {
+        **GREEDY, "max_new_tokens": 16, "stop": ["\u2603\u2603\u2603 never"]}})
+    events = sse_events(never.text)
+    assert [e["token"]["text"] for e in events] == [e["token"]["text"] for e in sse_events(post(
+        tiny_stack, "/generate_stream", {"inputs": PROMPT, "parameters": {**GREEDY, "max_new_tokens": 16}}).text)]
+    assert "".join(e["token"]["text"] for e in events if not e["token"]["special"]) == events[-1]["generated_text"]
 
 
 BAD_PARAMETERS = [

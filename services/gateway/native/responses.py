@@ -60,7 +60,7 @@ async def stream_events(call: Call, req: NativeRequest, full_text_mode: bool) ->
         for index, token in enumerate(step.tokens):
             text += token.text
             if step.end is None or index < len(step.tokens) - 1:
-                shown = text if full_text_mode else token.text
+                shown = text if full_text_mode else token.own_text  # (seed 003: the token's own text)
                 yield sse({**clock.times(), "token": {"id": [token.id], "text": shown}})
         if step.end is not None:
             last = [step.tokens[-1].id] if step.tokens else []

@@ -16,8 +16,9 @@ from shared.messages import Started, TokenOut
 
 
 def token_json(token: TokenOut) -> dict[str, Any]:
-    """``logprob`` is the sampled token's (TGI reports it on every token)."""
-    return {"id": token.id, "text": token.text, "logprob": token.logprob, "special": token.special}
+    """``text`` is the token's own (with stop strings too, as TGI's; ``generated_text`` leaves the stop string out,
+    reference §3.22); ``logprob`` is the sampled token's (TGI reports it on every token)."""
+    return {"id": token.id, "text": token.own_text, "logprob": token.logprob, "special": token.special}
 
 
 def top_json(token: TokenOut) -> list[dict[str, Any]]:
