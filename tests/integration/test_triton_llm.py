@@ -86,7 +86,11 @@ def test_generates_top_level_fields_are_the_llm_backends_inputs(tiny_stack):
                  {"sampling_parameters": json.dumps({"max_tokens": 5, "temperature": 0}), "stream": False},
                  {"parameters": {"max_new_tokens": 50, "top_k": 1}, "max_tokens": 5, "bad_words": [""]},
                  {"parameters": {"max_tokens": 5, "bad_words": [""], "stop_words": [""], "temperature": 1e-9},
-                  "stream": False}):  # litellm's triton/ body
+                  "stream": False},  # litellm's triton/ body
+                 {"max_tokens": 5, "temperature": 0, "stop_words": None, "bad_words": None,
+                  "sampling_parameters": None, "stream": None},  # null is the default (§2.4)
+                 # the vLLM backend's own sample client: numbers as strings; its top_k -1 is "all tokens"
+                 {"sampling_parameters": json.dumps({"temperature": "0", "max_tokens": "5", "top_k": -1})}):
         r = httpx.post(path, json={"text_input": PROMPT, **body}, timeout=60)
         assert r.status_code == 200 and r.json()["text_output"] == expected, (body, r.text)
     stop = expected.split()[1]
@@ -132,6 +136,11 @@ def test_tritonclient_binary_text_tensors(tiny_stack):
     ([tensor("text_input", "BYTES", [PROMPT]), tensor("sampling_parameters", "BYTES", ['{"best_of": 2}'])], None,
      "best_of"),
     ([tensor("text_input", "BYTES", [""])], None, "text_input"),
+    ([tensor("text_input", "BYTES", [PROMPT]), tensor("sampling_parameters", "BYTES", ['{"temperature": NaN}'])],
+     None, "sampling_parameters"),
+    ([tensor("text_input", "BYTES", [PROMPT]), tensor("sampling_parameters", "BYTES", ['{"top_p": "x"}'])], None,
+     "sampling_parameters.top_p"),
+    ([tensor("text_input", "BYTES", [PROMPT]), tensor("temperature", "FP32", [None])], None, "null"),
     ([tensor("text_input", "BYTES", [PROMPT])], [{"name": "output0"}], "output0"),
 ])
 def test_bad_text_tensors_are_422_naming_the_problem(tiny_stack, inputs, outputs, needle):
@@ -149,3 +158,18 @@ def test_tritonclient_reports_a_bad_text_tensor(tiny_stack):
     with pytest.raises(InferenceServerException) as err:
         c.infer(tiny_stack.model, [text])
     assert err.value.status() == "422" and "UTF-8" in err.value.message()
+
+
+@pytest.mark.parametrize("name, datatype", [("temperature", np.float32), ("top_p", np.float64),
+                                             ("repetition_penalty", np.float32)])
+def test_a_nan_in_a_binary_tensor_is_a_422(tiny_stack, name, datatype):
+    """JSON has no NaN, but a binary tensor does: it is refused before anything runs (it reached the engine and
+    failed there, a 500)."""
+    c = triton.InferenceServerClient(url=tiny_stack.url.removeprefix("http://"))
+    text = triton.InferInput("text_input", [1], "BYTES")
+    text.set_data_from_numpy(np.array([PROMPT.encode()], dtype=object), binary_data=True)
+    value = triton.InferInput(name, [1], "FP32" if datatype == np.float32 else "FP64")
+    value.set_data_from_numpy(np.array([np.nan], dtype=datatype), binary_data=True)
+    with pytest.raises(InferenceServerException) as err:
+        c.infer(tiny_stack.model, [text, value])
+    assert err.value.status() == "422" and "finite" in err.value.message()

@@ -149,6 +149,8 @@ def _scalar(name: str, values: list) -> Any:
     value = _one(name, values)
     if isinstance(value, bytes):
         raise validation(f"inputs.{name} must be a number tensor, not BYTES.", "inputs")
+    if value is None:  # (a JSON tensor's null element: not "use the default", which is leaving the tensor out)
+        raise validation(f"inputs.{name} must hold a number, got null.", "inputs")
     return value
 
 

@@ -8,7 +8,9 @@ TensorRT-LLM's documented ``{"text_input": …, "max_tokens": 20, "bad_words": "
   checked with its range; a ``temperature`` of 0 is greedy decoding, as those backends take it (MindIE's own
   ``parameters.temperature`` stays in (0, max]).
 * ``stop_words``: stop strings (empty strings are no stop); ``bad_words`` may only be empty.
-* ``sampling_parameters``: the vLLM backend's JSON object of the same keys (and ``stop``).
+* ``sampling_parameters``: the vLLM backend's JSON object of the same keys (and ``stop``). Its numbers may be
+  strings, as the backend reads them with ``float()`` / ``int()`` (its own sample client sends
+  ``{"temperature": "0.1", "max_tokens": "100"}``), and ``top_k`` -1 (or 0) is vLLM's "all tokens".
 """
 
 from __future__ import annotations
@@ -53,8 +55,8 @@ def sampling_parameters(text: str | dict[str, Any], where: str) -> dict[str, Any
     data = text
     if isinstance(text, str):
         try:
-            data = json.loads(text)
-        except json.JSONDecodeError:
+            data = json.loads(text, parse_constant=_not_json)
+        except ValueError:  # (JSONDecodeError, and NaN / Infinity, which JSON does not have)
             data = None
     if not isinstance(data, dict):
         raise validation(f"{where}sampling_parameters must be a JSON object.", _param(where, "sampling_parameters"))
@@ -63,11 +65,32 @@ def sampling_parameters(text: str | dict[str, Any], where: str) -> dict[str, Any
         if key == "stop":
             params["stop"] = value
         elif key in ALIASES:
-            aliased(params, key, value)
+            value = _backend_number(key, value, where)
+            if not (ALIASES[key] == "top_k" and value in (-1, 0)):  # (vLLM's "all tokens": no top_k)
+                aliased(params, key, value)
         else:
             raise validation(f"{where}sampling_parameters.{key} is not supported; it takes stop, "
                              f"{', '.join(sorted(ALIASES))}.", _param(where, "sampling_parameters"))
     return params
+
+
+INTEGER_KEYS = {"max_new_tokens", "top_k", "seed"}
+
+
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not JSON")
+
+
+def _backend_number(key: str, value: Any, where: str) -> Any:
+    """A number given as a string, as the vLLM backend reads it (``int()`` for counts, ``float()`` else)."""
+    if not isinstance(value, str):
+        return value
+    kind = int if ALIASES[key] in INTEGER_KEYS else float
+    try:
+        return kind(value.strip())
+    except ValueError:
+        raise validation(f"{where}sampling_parameters.{key} must be {'an integer' if kind is int else 'a number'}"
+                         f" (or a string of one), got {value!r}.", _param(where, "sampling_parameters")) from None
 
 
 GENERATE_TAKES = sorted({"id", "parameters", "text_input", "stop_words", "bad_words", "sampling_parameters", "stream",
@@ -80,11 +103,11 @@ def generate_inputs(data: dict[str, Any], parameters: dict[str, Any], streaming:
     the generated text). Any other field is refused with the list of the ones taken. ``stop_words`` and
     ``bad_words`` count among the parameters too (litellm's ``triton/`` client sends them there)."""
     params = dict(parameters)
-    stop = _strings("parameters.stop_words", params.pop("stop_words", []))
-    bad = _strings("parameters.bad_words", params.pop("bad_words", []))
+    stop = _strings("parameters.stop_words", params.pop("stop_words", None))
+    bad = _strings("parameters.bad_words", params.pop("bad_words", None))
     for name, value in data.items():
-        if name in ("id", "parameters", "text_input"):
-            continue
+        if name in ("id", "parameters", "text_input") or (value is None and name in GENERATE_TAKES):
+            continue  # (null is the default, §2.4)
         if name in ALIASES:
             aliased(params, name, value)
         elif name in ("stop_words", "bad_words"):
@@ -108,6 +131,8 @@ def generate_inputs(data: dict[str, Any], parameters: dict[str, Any], streaming:
 
 
 def _strings(name: str, value: Any) -> list[str]:
+    if value is None:
+        return []
     values = value if isinstance(value, list) else [value]
     if not all(isinstance(v, str) for v in values):
         raise validation(f"{name} must be a string or an array of strings.", name)

@@ -6,6 +6,7 @@ an out-of-range value names the range and the value. Every failure is a 422 vali
 
 from __future__ import annotations
 
+import math
 import re
 from itertools import accumulate
 from typing import Any
@@ -183,6 +184,8 @@ class Fields:
             return default
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise validation(f"{self._name(key)} must be float type.", self._name(key))
+        if not math.isfinite(value):  # (JSON has no NaN, but binary tensors and JSON-in-a-string do)
+            raise validation(f"{self._name(key)} must be a finite number, got {value!r}.", self._name(key))
         self._check_range(key, value, lo, hi, lo_open, hi_open)
         return float(value)
 
