@@ -196,3 +196,36 @@ def test_dtype_auto_picks_bfloat16_only_with_native_bfloat16():
     assert not cpu_has_native_bf16("flags : fpu avx2 fma avx512f avx512bw")
     expected = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     assert resolve_device("cpu", "auto").dtype == expected
+
+
+def test_the_kernels_let_other_threads_run_python(cpu_ops):
+    """A kernel releases the GIL while it runs: the engine's event loop (its heartbeats) keeps running while a
+    step runs on the engine's thread, instead of waiting for each kernel to end."""
+    import threading
+    import time
+
+    heads, kv_heads, dim, block = 8, 2, 64, 16
+    dtype = torch.float32 if cpu_ops.module.prefill_supported(torch.float32, dim) else None
+    if dtype is None:
+        pytest.skip("this CPU's build attends prompts with SDPA")
+    n = 4096  # (~0.1 s a call on a 2-core EPYC)
+    k_cache, v_cache = (torch.randn(kv_heads, n, dim) for _ in range(2))
+    q, out = torch.randn(n, heads * dim), torch.empty(n, heads * dim)
+    plan = cpu_ops.prefill_plan([(0, 0, n, list(range(n // block)))], block, q.device)
+    done, ticks = threading.Event(), []
+
+    def attend():
+        for _ in range(3):
+            cpu_ops.paged_prefill(q, k_cache, v_cache, plan, out, block, heads, kv_heads, dim, dim ** -0.5)
+        done.set()
+
+    started = time.monotonic()
+    worker = threading.Thread(target=attend)
+    worker.start()
+    while not done.is_set():  # the "event loop": a tick every millisecond it is given the GIL
+        ticks.append(time.monotonic())
+        time.sleep(0.001)
+    worker.join()
+    took = time.monotonic() - started
+    gaps = [b - a for a, b in zip([started, *ticks], ticks)]
+    assert max(gaps) < 0.5 * took / 3, (took, max(gaps))  # (holding the GIL, the longest gap was a whole call)

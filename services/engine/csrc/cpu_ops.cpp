@@ -631,23 +631,26 @@ void register_layer_loop(pybind11::module& m);
 void register_prefill(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm);
-  m.def("add_rms_norm", &add_rms_norm);
-  m.def("silu_mul", &silu_mul);
-  m.def("rope_store", &rope_store);
-  m.def("paged_decode", &paged_decode);
-  m.def("rope_store_q8", &rope_store_q8);
-  m.def("paged_decode_q8", &paged_decode_q8);
-  m.def("lora_apply", &lora_apply);
-  m.def("q8_linear", &q8_linear);
-  m.def("q4_linear", &q4_linear);
-  m.def("q4_operands", &q4_operands);
-  m.def("q8_dequant", &q8_dequant);
-  m.def("q8_int8_activations", &q8_int8_activations);
-  m.def("q8_activations", &q8_activations);
-  m.def("q4_dequant", &q4_dequant);
+  // every kernel runs without the GIL (tensors only): the engine's event loop keeps its heartbeats going
+  // while a step runs on the engine's thread (a long prefill held it for seconds on a busy 2-core machine)
+  const auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();
+  m.def("rms_norm", &rms_norm, nogil);
+  m.def("add_rms_norm", &add_rms_norm, nogil);
+  m.def("silu_mul", &silu_mul, nogil);
+  m.def("rope_store", &rope_store, nogil);
+  m.def("paged_decode", &paged_decode, nogil);
+  m.def("rope_store_q8", &rope_store_q8, nogil);
+  m.def("paged_decode_q8", &paged_decode_q8, nogil);
+  m.def("lora_apply", &lora_apply, nogil);
+  m.def("q8_linear", &q8_linear, nogil);
+  m.def("q4_linear", &q4_linear, nogil);
+  m.def("q4_operands", &q4_operands, nogil);
+  m.def("q8_dequant", &q8_dequant, nogil);
+  m.def("q8_int8_activations", &q8_int8_activations, nogil);
+  m.def("q8_activations", &q8_activations, nogil);
+  m.def("q4_dequant", &q4_dequant, nogil);
   m.def("q4_packed", &q4_packed);
-  m.def("q4p_linear", &q4p_linear);
+  m.def("q4p_linear", &q4p_linear, nogil);
   register_layer_loop(m);
   register_prefill(m);
 }

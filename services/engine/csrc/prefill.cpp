@@ -351,5 +351,5 @@ void paged_prefill(const torch::Tensor& q, const torch::Tensor& k_cache, const t
 
 void register_prefill(pybind11::module& m) {
   m.def("prefill_supported", &prefill_supported);
-  m.def("paged_prefill", &paged_prefill);
+  m.def("paged_prefill", &paged_prefill, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
