@@ -96,9 +96,11 @@ class Failover:
                 session.ask_resume(reason)
 
     async def wait_serving(self, context: str) -> None:
-        """Raise 503 unless a live engine and tokenizer can take a resumed request. Right after the bus came
-        back, every lease may have run out during the outage: give the instances one lease to be heard again."""
-        deadline = max(time.monotonic(), self.reconnected_at + 2 * self.lease_s)
+        """Raise 503 unless a live engine and tokenizer can take a resumed request within a lease: an instance
+        whose lease just ran out may only be late (an engine on an overloaded machine), and one restarted by its
+        supervisor may come up meanwhile. Right after the bus came back, every lease may have run out during
+        the outage: the instances get two leases from then to be heard again."""
+        deadline = max(time.monotonic() + self.lease_s, self.reconnected_at + 2 * self.lease_s)
         while not self.nc.is_closed:
             try:
                 return self.require_serving(context)
