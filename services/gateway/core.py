@@ -59,6 +59,7 @@ class Gateway:
         self._stops = decoder(StopInfer)
         self.inflight = InFlight()  # every in-flight Session (the stop drain waits on it; stopInfer finds by it)
         self.stopping = False  # set by /stopService: new inference is refused
+        self.stop_scope = ""  # then: "deployment" (MindIE's stop: everything goes) or "instance" (this gateway)
         sb = cfg.switchboard
         self.roles = Roles(cfg, nc, self.instance, lambda: self.stopping)  # PD role (/v1/role), peers, gateways heard
         self.failover = Failover(nc, self.model, sb.lease_seconds, sb.heartbeat_s, self.engines, self.inflight,
@@ -151,6 +152,11 @@ class Gateway:
         """All live engines as one (``shared.engines.combined``: loads and capacities summed), or None when
         no engine is live."""
         return combined(self.live_engines().values())
+
+    def refuse_stopped(self) -> None:
+        """After /stopService the status routes answer 503 "The service has been stopped." (reference §2.3)."""
+        if self.stopping:
+            raise SwitchboardError(ErrorKind.UNAVAILABLE, "The service has been stopped.")
 
     def require_engine(self) -> None:
         """Refuse new inference at once (503) while stopping or when no engine or tokenizer is live."""

@@ -46,7 +46,12 @@ async def test_drain_finishes_streams_then_every_service_exits_zero(own_stack):
         assert refused.status_code == 503
         assert refused.json() == {"error": "The service has been stopped", "error_type": "Service Unavailable"}
         assert (await client.get(own_stack.mgmt_url + "/stopService")).status_code == 500  # already stopping
-        assert (await client.get(own_stack.mgmt_url + "/health")).status_code == 503
+        # the status routes, as MindIE's after its stop flag (reference §2.3); /health/timed stays healthy
+        for path in ("/health", "/v2/health/live", "/v2/health/ready", "/info", "/metrics-json", "/v1/status"):
+            gated = await client.get(own_stack.mgmt_url + path)
+            assert gated.status_code == 503, path
+            assert gated.json() == {"error": "The service has been stopped.", "error_type": "Service Unavailable"}
+        assert (await client.get(own_stack.mgmt_url + "/health/timed-5")).json() == {"status": "healthy"}
         stopped = await stopping
         assert stopped.status_code == 200
         assert all(s.done() for s in streams)  # the 200 comes after the drain

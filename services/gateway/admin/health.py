@@ -23,6 +23,7 @@ def _links_down(gateway: Gateway) -> Response | None:
 
 @get("/health")
 async def health(request: Request) -> Response:
+    request.app.state.gateway.refuse_stopped()
     if (down := _links_down(request.app.state.gateway)) is not None:
         return down
     ready = await request.app.state.gateway.is_ready()
@@ -30,12 +31,17 @@ async def health(request: Request) -> Response:
 
 
 @get("/v2/health/live")
-async def live() -> Response:
+async def live(request: Request) -> Response:
+    """200, also while this gateway alone drains (``/stopService?scope=instance``: a Kubernetes liveness probe
+    must not restart the pod it is draining); after MindIE's own stop, 503 as the other status routes."""
+    if request.app.state.gateway.stop_scope == "deployment":
+        request.app.state.gateway.refuse_stopped()
     return Response(b"", status_code=200)
 
 
 @get("/v2/health/ready")
 async def ready(request: Request) -> Response:
+    request.app.state.gateway.refuse_stopped()
     if (down := _links_down(request.app.state.gateway)) is not None:
         return down
     ready = await request.app.state.gateway.is_ready()
@@ -45,6 +51,7 @@ async def ready(request: Request) -> Response:
 @get("/info")
 async def info(request: Request) -> Response:
     gateway = request.app.state.gateway
+    gateway.refuse_stopped()
     engine = gateway.engine_info()
     if engine is None:
         return mindie_error(ErrorKind.UNAVAILABLE, "the engine service is not answering")

@@ -33,6 +33,7 @@ async def _ask(gateway: Gateway, subject: str, reply_type):
 @get("/metrics-json")
 async def metrics_json(request: Request) -> Response:
     gateway = request.app.state.gateway
+    gateway.refuse_stopped()
     snapshot: MetricsSnapshot = await _ask(gateway, subjects.METRICS_SNAPSHOT, MetricsSnapshot)
     engine = combined(gateway.role_engines().values())  # in dmi mode: the engines of this server's role
     if engine is None:

@@ -58,8 +58,7 @@ async def config(request: Request) -> Response:
 def _engines(request: Request) -> dict[str, EngineInfo]:
     """Every live engine by instance; 503 while stopping or when none is live."""
     gateway = request.app.state.gateway
-    if gateway.stopping:
-        raise SwitchboardError(ErrorKind.UNAVAILABLE, "The service has been stopped.")
+    gateway.refuse_stopped()
     engines = gateway.role_engines()
     if not engines:
         raise SwitchboardError(ErrorKind.UNAVAILABLE, "no engine is serving; status is unknown")

@@ -57,7 +57,7 @@ async def stop_service(request: Request, mode: FromQuery[str | None] = None) -> 
         return mindie_error(ErrorKind.VALIDATION, f"scope must be one of {', '.join(SCOPES)}, got {scope!r}")
     if gateway.stopping:
         return Response(b"", status_code=500)
-    gateway.stopping = True
+    gateway.stopping, gateway.stop_scope = True, scope or "deployment"
     instance = scope == "instance"
     if mode != "Force":
         done = instance_drained if instance else drained

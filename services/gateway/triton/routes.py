@@ -123,13 +123,16 @@ async def stop_infer(request: Request, model: FromPath[str]) -> Response:
 
 @get(model_paths("/ready"))
 async def model_ready(request: Request, model: FromPath[str]) -> Response:
-    ready = await served(request, model).is_ready()
+    gateway = served(request, model)
+    gateway.refuse_stopped()
+    ready = await gateway.is_ready()
     return Response(b"", status_code=200 if ready else 503)
 
 
 @get(model_paths("/getSlotCount"))
 async def slot_count(request: Request, model: FromPath[str]) -> Response:
     gateway = served(request, model)
+    gateway.refuse_stopped()
     engine = gateway.engine_info()
     if engine is None:
         return mindie_error(ErrorKind.UNAVAILABLE, "the engine service is not answering")
