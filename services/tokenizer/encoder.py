@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+
 from shared.config import ModelDeployConfig
 from shared.errors import ErrorInfo, ErrorKind, validation
 from services.tokenizer.tools import plain, takes_tools, with_tools
 from shared.messages import EngineRequest, GenerateRequest, Tokenize, encode
 
 MAX_TOKENS_NUM = 1048576
+SHORTEN = "shorten it (TGI's routes keep its last tokens with parameters.truncate, at most {limit})"
 
 
 def encode_prompt(tokenizer, req: GenerateRequest, deploy: ModelDeployConfig) -> list[int]:
@@ -16,12 +19,29 @@ def encode_prompt(tokenizer, req: GenerateRequest, deploy: ModelDeployConfig) ->
     elif req.messages is not None:
         ids = render_chat(tokenizer, req)
     else:
+        refuse_surely_too_long(tokenizer, req, deploy)
         ids = tokenizer(req.prompt).input_ids
     if not ids:
         raise validation("the prompt is empty after tokenization")
     if req.truncate and req.truncate < len(ids):
         ids = ids[-req.truncate :]
     return apply_length_limit(ids, deploy)
+
+
+def refuse_surely_too_long(tokenizer, req: GenerateRequest, deploy: ModelDeployConfig) -> None:
+    """Refuse, before tokenizing it, a prompt longer than the limit's tokens could hold even at the vocabulary's
+    longest token (twice over, for normalizers): a 4 MiB prompt took the tokenizer ~4 s, and every other request
+    waited behind it. A prompt that is to be cut (``truncate``, or a deployment that truncates) is tokenized."""
+    limit = min(deploy.effective_max_input_len, MAX_TOKENS_NUM)
+    if not (deploy.truncates or req.truncate) and len(req.prompt) > 2 * limit * longest_token(tokenizer):
+        raise validation(f"the prompt has {len(req.prompt)} characters: more than the limit of {limit} tokens "
+                         f"(min(maxInputTokenLen, maxSeqLen - 1)) can hold; {SHORTEN.format(limit=limit)}")
+
+
+@functools.cache
+def longest_token(tokenizer) -> int:
+    """The most characters one token of the vocabulary (added tokens too) stands for."""
+    return max((len(piece) for piece in tokenizer.get_vocab()), default=1)
 
 
 def apply_length_limit(ids: list[int], deploy: ModelDeployConfig) -> list[int]:
@@ -31,7 +51,7 @@ def apply_length_limit(ids: list[int], deploy: ModelDeployConfig) -> list[int]:
     if not deploy.truncates:
         raise validation(
             f"the prompt has {len(ids)} tokens, more than the limit of {limit} "
-            "(min(maxInputTokenLen, maxSeqLen - 1)); shorten it or pass truncate"
+            f"(min(maxInputTokenLen, maxSeqLen - 1)); {SHORTEN.format(limit=limit)}"
         )
     return ids[-limit:] if deploy.truncates_left else ids[:limit]
 

@@ -114,6 +114,8 @@ def test_multimodal_items_name_the_limitation(tiny_stack):
     ({"inputs": PROMPT, "parameters": {"timeout": 0}}, "timeout must be in (0, 3600], got 0."),
     ({"inputs": PROMPT, "parameters": {"timeout": 3601}}, "timeout must be in (0, 3600], got 3601."),
     ({"inputs": "word " * 200}, "more than the limit of 64"),
+    # more characters than 64 tokens can hold: refused before it is tokenized (the tokenizer is not held up)
+    ({"inputs": "a " * 200_000}, "400000 characters: more than the limit of 64 tokens"),
 ])
 def test_bad_bodies_get_422_and_the_server_keeps_serving(tiny_stack, body, message):
     r = post(tiny_stack, "/infer_token" if isinstance(body, dict) and "input_id" in body else "/infer", body)

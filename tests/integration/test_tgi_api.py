@@ -163,6 +163,9 @@ def test_truncate_keeps_the_last_tokens(tiny_stack):
                                                                            "details": True}})
     assert r.status_code == 200, r.text
     assert r.json()["details"]["prompt_tokens"] == 10
+    long = post(tiny_stack, "/generate", {"inputs": "word " * 20_000, "parameters": {**GREEDY, "truncate": 10,
+                                                                                  "details": True}})
+    assert long.status_code == 200 and long.json()["details"]["prompt_tokens"] == 10, long.text
 
 
 def test_body_over_max_request_length_is_413(tiny_stack):
