@@ -98,7 +98,8 @@ def test_generates_top_level_fields_are_the_llm_backends_inputs(tiny_stack):
                  {"parameters": {"max_tokens": 5, "top_k": 1, "stop_words": [stop]}}):
         cut = httpx.post(path, json={"text_input": PROMPT, **body}, timeout=60).json()["text_output"]
         assert cut == expected[: expected.index(stop)], body
-    for body, needle in (({"max_tokens": -1}, "max_new_tokens"), ({"beam_width": 2}, "beam_width"),
+    for body, needle in (({"max_tokens": -1}, "max_tokens must"), ({"random_seed": -1}, "random_seed must"),
+                         ({"beam_width": 2}, "beam_width"),
                          ({"stream": True}, "generate_stream"), ({"bad_words": "Paris"}, "bad_words"),
                          ({"exclude_input_in_output": False}, "exclude_input_in_output")):
         r = httpx.post(path, json={"text_input": PROMPT, **body}, timeout=60)
@@ -132,7 +133,9 @@ def test_tritonclient_binary_text_tensors(tiny_stack):
     ([tensor("text_input", "BYTES", [PROMPT]), tensor("text_input", "BYTES", [PROMPT])], None, "twice"),
     ([{"name": "text_input", "shape": [2], "datatype": "BYTES", "data": [PROMPT]}], None, "shape"),
     ([tensor("text_input", "BYTES", [PROMPT]), tensor("temperature", "FP32", [-1.0])], None, "inputs.temperature"),
-    ([tensor("text_input", "BYTES", [PROMPT]), tensor("max_tokens", "FP32", [1.5])], None, "inputs.max_new_tokens"),
+    ([tensor("text_input", "BYTES", [PROMPT]), tensor("max_tokens", "FP32", [1.5])], None, "inputs.max_tokens must"),
+    ([tensor("text_input", "BYTES", [PROMPT]), tensor("sampling_parameters", "BYTES", ['{"top_p": 2}'])], None,
+     "inputs.sampling_parameters.top_p must"),  # (errors name the field as it was sent)
     ([tensor("text_input", "BYTES", [PROMPT]), tensor("sampling_parameters", "BYTES", ['{"best_of": 2}'])], None,
      "best_of"),
     ([tensor("text_input", "BYTES", [""])], None, "text_input"),

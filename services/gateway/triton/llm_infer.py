@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.gateway.triton.binary import Tail, unpack_tensor
-from services.gateway.triton.llm_inputs import ALIASES, aliased, sampling_parameters, words
+from services.gateway.triton.llm_inputs import ALIASES, aliased, as_sent, sampling_parameters, words
 from services.gateway.triton.schemas import Options, parse_options
 from services.gateway.web.validation import Fields, text_input
 from shared.errors import validation
@@ -60,18 +60,18 @@ def parse_text_infer(data: dict[str, Any], tail: Tail, user_id: str | None, bina
     if flags.get("stream"):
         raise validation("stream is not supported on /infer (it answers whole); use "
                          "/v2/models/{model}/generate_stream for a stream.", "stream")
-    params = dict(Fields(data).obj("parameters").data)
+    params, sent = dict(Fields(data).obj("parameters").data), {}
     if "sampling_parameters" in tensors:
         given = _string("sampling_parameters", _one("sampling_parameters", tensors.pop("sampling_parameters")))
-        params.update(sampling_parameters(given, "inputs."))
+        params.update(sampling_parameters(given, "inputs.", sent))
     params.update(words([_string("stop_words", v) for v in tensors.pop("stop_words", [])],
                         [_string("bad_words", v) for v in tensors.pop("bad_words", [])], "inputs."))
     for name, values in tensors.items():
         if name not in ALIASES:
             raise validation(f"inputs has a tensor named {name!r}, which this model does not take; it takes "
                              f"{', '.join(TAKEN)}.", "inputs")
-        aliased(params, name, _scalar(name, values))
-    options = parse_options(Fields(params, "inputs."))
+        aliased(params, name, _scalar(name, values), sent, f"inputs.{name}")
+    options = as_sent(lambda: parse_options(Fields(params, "inputs.")), sent, "inputs.")
     return TextInferRequest(user_id, text, options, include_prompt=flags.get("exclude_input_in_output") is False,
                             outputs=_outputs(data.get("outputs"), flags, binary))
 

@@ -16,23 +16,39 @@ TensorRT-LLM's documented ``{"text_input": …, "max_tokens": 20, "bad_words": "
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Callable
 
-from shared.errors import validation
+from shared.errors import SwitchboardError, validation
 
 ALIASES = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens", "temperature": "temperature",
            "top_k": "top_k", "runtime_top_k": "top_k", "top_p": "top_p", "runtime_top_p": "top_p", "seed": "seed",
            "random_seed": "seed", "repetition_penalty": "repetition_penalty"}
 
 
-def aliased(params: dict[str, Any], name: str, value: Any) -> None:
-    """Input ``name`` (one of ``ALIASES``) into ``params`` under its parameter's name; temperature 0 is greedy."""
+def aliased(params: dict[str, Any], name: str, value: Any, sent: dict[str, str] | None = None,
+            sent_as: str = "") -> None:
+    """Input ``name`` (one of ``ALIASES``) into ``params`` under its parameter's name; temperature 0 is greedy.
+    ``sent``: each parameter's name as the request gave it (``sent_as``, else ``name``), for its errors."""
     if ALIASES[name] == "temperature" and isinstance(value, (int, float)) and not isinstance(value, bool) \
             and value == 0:
         params.pop("temperature", None)
         params["do_sample"] = False
         return
     params[ALIASES[name]] = value
+    if sent is not None:
+        sent[ALIASES[name]] = sent_as or name
+
+
+def as_sent(parse: Callable[[], Any], sent: dict[str, str], where: str) -> Any:
+    """``parse()``, its validation error naming the field as the request sent it (``max_tokens``, not the
+    ``parameters.max_new_tokens`` it was read as)."""
+    try:
+        return parse()
+    except SwitchboardError as exc:
+        name = (exc.param or "").removeprefix(where)
+        if not exc.param or not exc.param.startswith(where) or name not in sent:
+            raise
+        raise validation(exc.message.replace(exc.param, sent[name]), sent[name]) from None
 
 
 def _param(where: str, name: str) -> str:
@@ -49,9 +65,9 @@ def words(stop: list[str], bad: list[str], where: str) -> dict[str, Any]:
     return {"stop": stops} if stops else {}
 
 
-def sampling_parameters(text: str | dict[str, Any], where: str) -> dict[str, Any]:
+def sampling_parameters(text: str | dict[str, Any], where: str, sent: dict[str, str] | None = None) -> dict[str, Any]:
     """The vLLM backend's JSON object of sampling keys (as text, or already an object), in the Triton
-    parameters' names."""
+    parameters' names (``sent``: as ``aliased``)."""
     data = text
     if isinstance(text, str):
         try:
@@ -67,7 +83,7 @@ def sampling_parameters(text: str | dict[str, Any], where: str) -> dict[str, Any
         elif key in ALIASES:
             value = _backend_number(key, value, where)
             if not (ALIASES[key] == "top_k" and value in (-1, 0)):  # (vLLM's "all tokens": no top_k)
-                aliased(params, key, value)
+                aliased(params, key, value, sent, f"{where}sampling_parameters.{key}")
         else:
             raise validation(f"{where}sampling_parameters.{key} is not supported; it takes stop, "
                              f"{', '.join(sorted(ALIASES))}.", _param(where, "sampling_parameters"))
@@ -97,7 +113,8 @@ GENERATE_TAKES = sorted({"id", "parameters", "text_input", "stop_words", "bad_wo
                          "exclude_input_in_output", *ALIASES})
 
 
-def generate_inputs(data: dict[str, Any], parameters: dict[str, Any], streaming: bool) -> dict[str, Any]:
+def generate_inputs(data: dict[str, Any], parameters: dict[str, Any], streaming: bool,
+                    sent: dict[str, str] | None = None) -> dict[str, Any]:
     """``/generate``'s ``parameters`` with the body's top-level inputs besides ``id`` and ``text_input`` over
     them. ``stream`` must say what the route does; ``exclude_input_in_output`` may only be true (the answer is
     the generated text). Any other field is refused with the list of the ones taken. ``stop_words`` and
@@ -109,11 +126,11 @@ def generate_inputs(data: dict[str, Any], parameters: dict[str, Any], streaming:
         if name in ("id", "parameters", "text_input") or (value is None and name in GENERATE_TAKES):
             continue  # (null is the default, §2.4)
         if name in ALIASES:
-            aliased(params, name, value)
+            aliased(params, name, value, sent)
         elif name in ("stop_words", "bad_words"):
             (stop if name == "stop_words" else bad).extend(_strings(name, value))
         elif name == "sampling_parameters":
-            params.update(sampling_parameters(value, ""))
+            params.update(sampling_parameters(value, "", sent))
         elif name == "stream":
             if value is not streaming:
                 raise validation(f"stream must be {str(streaming).lower()} on this route (or left out): "

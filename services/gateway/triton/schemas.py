@@ -14,7 +14,7 @@ from typing import Any
 
 from services.gateway.common.content import ListInput, mindie_input
 from services.gateway.common.sampling import TRITON, mindie_sampling
-from services.gateway.triton.llm_inputs import generate_inputs
+from services.gateway.triton.llm_inputs import as_sent, generate_inputs
 from services.gateway.web.validation import INT32_MAX, Fields, parse_json_object, text_input
 from shared.errors import validation
 from shared.messages import Sampling
@@ -81,8 +81,10 @@ def parse_text_request(body: bytes, streaming: bool) -> TextRequest:
     data = parse_json_object(body, PARSE_ERROR)
     user_id = optional_id(data)
     text, listed = _text_input(data.get("text_input"))
-    params = generate_inputs(data, Fields(data).obj("parameters").data, streaming)
-    return TextRequest(user_id, text, parse_options(Fields(params, "parameters.")), listed)
+    sent: dict[str, str] = {}
+    params = generate_inputs(data, Fields(data).obj("parameters").data, streaming, sent)
+    options = as_sent(lambda: parse_options(Fields(params, "parameters.")), sent, "parameters.")
+    return TextRequest(user_id, text, options, listed)
 
 
 def _text_input(value: Any) -> tuple[str, ListInput | None]:
