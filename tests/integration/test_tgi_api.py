@@ -186,6 +186,7 @@ def test_health_and_info_on_the_management_plane(tiny_stack):
     assert head.headers["content-type"] == get.headers["content-type"]
     assert httpx.head(tiny_stack.url + "/v1/models").status_code == 200
     assert httpx.head(tiny_stack.url + "/generate").status_code == 405
+    assert httpx.head(mgmt + "/stopService").status_code == 405  # a GET that acts is not run by a HEAD
     info = get.json()
     assert info["max_input_length"] == 64 and info["max_best_of"] == 1
     model = info["models"][0]

@@ -90,13 +90,16 @@ def request_uuid_middleware(app: ASGIApp) -> ASGIApp:
     return middleware
 
 
+NOT_HEAD = frozenset({"/stopService"})  # a GET that acts: HEAD, which must not, stays 405 there
+
+
 def head_middleware(app: ASGIApp) -> ASGIApp:
     """HEAD answers as GET does, without the body (as Starlette's and axum's GET routes do, so ``curl -I`` and
     probes that send HEAD see the same status and headers as vLLM's and TGI's give them). Around the app: Litestar
     matches a route's methods before its own middleware runs."""
 
     async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "HEAD":
+        if scope["type"] != "http" or scope["method"] != "HEAD" or scope["path"] in NOT_HEAD:
             await app(scope, receive, send)
             return
 
