@@ -90,7 +90,7 @@ class ModelConfig(Struct, kw_only=True):
     """One element of ModelDeployConfig.ModelConfig (reference §1.4)."""
 
     model_instance_type: Literal["Standard", "StandardMock", "TargetModel", "AssistantModel"] = "Standard"
-    model_name: Annotated[str, Meta(pattern=r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,254}[A-Za-z0-9])?$")]
+    model_name: Annotated[str, Meta(pattern=r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,254}[A-Za-z0-9])?\Z")]
     model_weight_path: Annotated[str, Meta(min_length=1)]
     world_size: Annotated[int, Meta(ge=1)] = 1
     cpu_mem_size: U32 = 0
@@ -102,7 +102,7 @@ class ModelConfig(Struct, kw_only=True):
 class LoraModule(Struct, kw_only=True):
     """One element of ModelDeployConfig.LoraModules: an adapter loaded at start (reference §1.4)."""
 
-    name: Annotated[str, Meta(pattern=r"^[a-zA-Z0-9_-]{1,256}$")]
+    name: Annotated[str, Meta(pattern=r"^[a-zA-Z0-9_-]{1,256}\Z")]
     path: Annotated[str, Meta(min_length=1)]
     """the PEFT adapter folder; relative to the config file's folder, as modelWeightPath."""
     base_model_name: str = ""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 import re
 
-NAME = re.compile(r"^[a-zA-Z0-9_-]{1,256}$")  # lora_name (load and unload), LoraModules[].name
+NAME = re.compile(r"^[a-zA-Z0-9_-]{1,256}\Z")  # lora_name (load and unload), LoraModules[].name
 INVALID_NAME = "Input invalid lora name"  # 503, plain text
 INVALID_PATH = "Input invalid lora path"  # 503, plain text
 NOT_JSON = "Req body converts to json fail."  # 200, plain text

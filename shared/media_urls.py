@@ -18,7 +18,7 @@ import msgspec
 from shared.errors import validation
 
 DOMAINS_ENV = "ALLOWED_MEDIA_DOMAINS_ENV"
-_LABEL = re.compile(r"^[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?$")
+_LABEL = re.compile(r"^[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?\Z")
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
 _PRINTABLE = "".join(chr(c) for c in range(33, 127))  # kept as is in a request line; the rest is %-encoded
 

@@ -15,7 +15,8 @@ from typing import Any
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
 JSON_FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "special_tokens_map.json",
-              "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
+              "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json", "tokenizer.json",
+              "model.safetensors.index.json")
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "tokenizer_config.json")
 
 
@@ -54,6 +55,8 @@ def check(folder: Path, quantization: str = "none") -> None:
         raise ModelFolderError(f"{folder}: holds no tokenizer (one of {', '.join(TOKENIZER_FILES)})")
     if not list(folder.glob("*.safetensors")) and not list(folder.glob("*.bin")):
         raise ModelFolderError(f"{folder}: holds no weights (*.safetensors or *.bin files)")
+    for weights in sorted(folder.glob("*.safetensors")):
+        check_safetensors(weights)
     method = checkpoint_quantization(config, folder / "config.json")
     if method and quantization != "none":
         raise ModelFolderError(f"{folder / 'config.json'}: the folder's weights are already {method.upper()} "
@@ -62,6 +65,28 @@ def check(folder: Path, quantization: str = "none") -> None:
     if gguf and len(list(folder.glob("*.gguf"))) != 1:
         raise ModelFolderError(f"{folder}: Switchboard.quantization \"gguf\" needs exactly one *.gguf file here, "
                                f"found {len(list(folder.glob('*.gguf')))}")
+
+
+def check_safetensors(path: Path) -> None:
+    """A safetensors file whose header parses and whose tensors' bytes are all there (a copy cut short, or a
+    file that is not safetensors, is named here instead of failing deep in the engine's load)."""
+    try:
+        with path.open("rb") as f:
+            prefix = f.read(8)
+            size = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+            total = path.stat().st_size
+            if not 2 <= size <= min(total - 8, 100 * 1024 * 1024):
+                raise ModelFolderError(f"{path}: is not a safetensors file (its 8-byte header length is {size}, "
+                                       f"the file has {total} bytes)")
+            header = json.loads(f.read(size))
+    except OSError as exc:
+        raise ModelFolderError(f"{path}: cannot be read ({exc.strerror})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelFolderError(f"{path}: its safetensors header is not valid JSON ({exc})") from None
+    ends = [t.get("data_offsets", [0, 0])[1] for k, t in header.items() if k != "__metadata__" and isinstance(t, dict)]
+    if max(ends, default=0) > total - 8 - size:
+        raise ModelFolderError(f"{path}: is cut short: its tensors need {8 + size + max(ends)} bytes, the file has "
+                               f"{total} (an interrupted download or copy?)")
 
 
 CHECKPOINT_METHODS = ("awq", "gptq")  # 4-bit checkpoints the engine converts at load (services/engine/prequantized.py)

@@ -75,7 +75,9 @@ def ensure_model(cfg: Config) -> None:
         if cfg.switchboard.quantization == "gguf":
             add_gguf(path, progress=lambda line: print(f"[model] {line}", flush=True))
     elif not (path / "config.json").exists():
-        print(f"switchboard: ModelConfig.modelWeightPath: {path} holds no config.json", file=sys.stderr)
+        what = ("does not exist" if not path.exists() else "is a file, not the model's folder" if not path.is_dir()
+                else "holds no config.json")
+        print(f"switchboard: ModelConfig.modelWeightPath: {path} {what}", file=sys.stderr)
         raise SystemExit(2)
     check_model(cfg)
 

@@ -131,6 +131,9 @@ async def _first_of(waiters: list[asyncio.Future], children: list[Child], timeou
 
 
 def _report_death(child: Child) -> int:
+    if child.proc.returncode == 2 and child.last_lines:  # a start-up error: its one line names the key or file
+        print(child.last_lines[-1], file=sys.stderr, flush=True)
+        return 2
     print(f"switchboard: the {child.name} service exited with code {child.proc.returncode}; "
           f"its last output:\n{child.last_error()}", file=sys.stderr, flush=True)
     return 1

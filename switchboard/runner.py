@@ -8,7 +8,7 @@ import signal
 import sys
 
 from shared import bus, subjects
-from shared.config import Config
+from shared.config import Config, ConfigError
 from shared.logs import setup_logging
 from shared.model_folder import ModelFolderError
 from shared.telemetry import setup_tracing
@@ -27,6 +27,9 @@ def run_service(name: str, cfg: Config, nats_url: str, label: str | None = None)
         asyncio.run(_main(module.serve, cfg, nats_url))
     except ModelFolderError as exc:  # a file of the model folder the service read at start
         print(f"switchboard {label or name}: ModelConfig.modelWeightPath: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except ConfigError as exc:  # a setting the service found it cannot run with (fp8 on cpu, an adapter, ...)
+        print(f"switchboard {label or name}: {exc}", file=sys.stderr, flush=True)
         return 2
     return 0
 

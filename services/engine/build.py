@@ -10,7 +10,7 @@ from services.engine.engine import Engine
 from services.engine.graphs import GraphPlan
 from services.engine.model_runner import ModelRunner
 from services.engine.scheduler import Limits
-from shared.config import Config
+from shared.config import Config, ConfigError
 
 
 def build_engine(cfg: Config) -> tuple[Engine, str]:
@@ -69,7 +69,7 @@ def check_host_tier(cfg: Config, device_kind: str) -> None:
     """Refuse a host tier where it cannot work, before the model loads."""
     mb = cfg.switchboard.host_kv_cache_memory_mb
     if mb and device_kind == "cpu":
-        raise ValueError("Switchboard.hostKvCacheMemoryMb: the engine runs on cpu, whose K/V cache is host memory "
+        raise ConfigError("Switchboard.hostKvCacheMemoryMb: the engine runs on cpu, whose K/V cache is host memory "
                          "already (one tier); give the memory to Switchboard.kvCacheMemoryMb instead")
     if mb and not cfg.schedule.enable_prefix_cache:
         raise ValueError("Switchboard.hostKvCacheMemoryMb: the host tier holds the prefix cache's evicted blocks; "
@@ -81,7 +81,7 @@ def load_lora_modules(runner: ModelRunner, cfg: Config) -> None:
     for i, module in enumerate(cfg.deploy.lora_modules):
         reply = runner.lora.load(module.name, str(cfg.resolve_path(module.path)))
         if not reply.outcome.ok:
-            raise RuntimeError(f"BackendConfig.ModelDeployConfig.LoraModules[{i}] ({module.name}): {reply.message}")
+            raise ConfigError(f"BackendConfig.ModelDeployConfig.LoraModules[{i}] ({module.name}): {reply.message}")
 
 
 def eos_token_ids(runner: ModelRunner) -> set[int]:

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.config import ConfigError
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -30,7 +32,7 @@ def resolve_device(kind: str, dtype: str) -> Device:
     if kind == "npu":
         importlib.import_module("torch_npu")  # registers the npu device with torch
     if kind == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("Switchboard.device is 'cuda' but torch sees no CUDA device")
+        raise ConfigError("Switchboard.device is 'cuda' but torch sees no CUDA device")
     if dtype == "auto":
         dtype = "bfloat16" if kind != "cpu" or cpu_has_native_bf16() else "float32"
     return Device(kind, DTYPES[dtype])

@@ -18,12 +18,13 @@ import numpy as np
 import torch
 
 from services.engine.quant import Q4Linear, Q8Linear, QuantLinear, merge
+from shared.model_folder import ModelFolderError
 
 NAMES = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output", "gate": "ffn_gate", "up": "ffn_up",
          "down": "ffn_down"}
 
 
-class GgufError(ValueError):
+class GgufError(ModelFolderError):
     """The model folder's GGUF file is missing, unreadable or does not match the model."""
 
 

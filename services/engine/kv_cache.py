@@ -22,6 +22,8 @@ from typing import NamedTuple
 
 import torch
 
+from shared.config import ConfigError
+
 KV_DTYPES = ("auto", "int8", "fp8_e4m3")
 SCALE_DTYPE = torch.float16
 FP8 = torch.float8_e4m3fn
@@ -104,7 +106,7 @@ def check_dtype(kv_dtype: str, device: torch.device) -> None:
                          f" (on cuda: \"fp8_e4m3\")")
     if kv_dtype == "fp8_e4m3":
         if device.type != "cuda":
-            raise ValueError(f"Switchboard.kvCacheDtype \"fp8_e4m3\" runs on cuda only; the engine's device is "
+            raise ConfigError(f"Switchboard.kvCacheDtype \"fp8_e4m3\" runs on cuda only; the engine's device is "
                              f"{device.type} (on cpu: \"int8\")")
         if torch.cuda.get_device_capability(device) < (8, 9):
             raise ValueError("Switchboard.kvCacheDtype \"fp8_e4m3\" needs a GPU of compute capability 8.9 or newer")

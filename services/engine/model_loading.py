@@ -10,6 +10,7 @@ import torch
 
 from services.engine import prequantized
 from services.engine.multimodal import FAMILIES, MediaEncoder, TextView, family_of
+from shared.model_folder import ModelFolderError
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -24,8 +25,8 @@ VISION_LANGUAGE = tuple(FAMILIES)
 TEXT_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_vl_text", "qwen2_5_vl_text")
 
 
-class UnsupportedModel(RuntimeError):
-    pass
+class UnsupportedModel(ModelFolderError):
+    """The folder's model is not one the engine runs (a start-up error: one line, exit 2)."""
 
 
 def prequantized_config(path: str) -> dict | None:
@@ -43,9 +44,9 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype, checkpoint: 
     vision-language model its media encoder (else None), and for an AWQ or GPTQ folder (``checkpoint``: its
     quantization_config) the source of its packed layers (else None)."""
     import transformers
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(path)
+    config = read_config(path)
     check_architecture(config)
     family = family_of(config)
     if checkpoint is not None:
@@ -60,6 +61,20 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype, checkpoint: 
     model_class = getattr(transformers, next(a for a in config.architectures if a in FAMILIES))
     full = model_class.from_pretrained(path, dtype=dtype).to(device).eval().requires_grad_(False)
     return TextView(full, family), MediaEncoder(full, family, device, dtype), None
+
+
+def read_config(path: str):
+    """transformers' config of the folder; ModelFolderError naming config.json when transformers refuses it (a
+    hidden size that is not a multiple of the heads, ...), with the reason at the bottom of its chain."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (ValueError, TypeError, KeyError, OSError) as exc:
+        cause = exc
+        while cause.__cause__ is not None or cause.__context__ is not None:
+            cause = cause.__cause__ or cause.__context__
+        raise ModelFolderError(f"{Path(path) / 'config.json'}: transformers cannot read it: {cause}") from exc
 
 
 def check_architecture(config) -> None:

@@ -35,6 +35,7 @@ from services.engine.kv_cache import KvCache, token_bytes
 from services.engine.lora import GroupStack, LoraSet
 from services.engine.model_loading import UnsupportedModel, load_model, prequantized_config
 from services.engine.model_parts import layer_norms, mrope_axes
+from shared.config import ConfigError
 from services.engine.scheduler import Scheduled
 
 log = logging.getLogger("switchboard.engine")
@@ -46,7 +47,7 @@ def check_format(quantization: str, device: torch.device) -> None:
         return
     if device.type == "cpu":
         if quantization == "fp8":
-            raise ValueError(f"Switchboard.quantization {quantization!r} runs on cuda only (a GPU of compute "
+            raise ConfigError(f"Switchboard.quantization {quantization!r} runs on cuda only (a GPU of compute "
                              f"capability 8.9 or newer); on cpu: int8, int4 or gguf")
         return
     why = quant_cuda.unsupported(quantization, device)

@@ -6,6 +6,7 @@ import functools
 
 from shared.config import ModelDeployConfig
 from shared.errors import ErrorInfo, ErrorKind, validation
+from shared.model_folder import ModelFolderError
 from services.tokenizer.tools import plain, takes_tools, with_tools
 from shared.messages import EngineRequest, GenerateRequest, Tokenize, encode
 
@@ -69,6 +70,21 @@ def template_turn(req: GenerateRequest | Tokenize) -> dict[str, bool]:
     if req.continue_final_message:
         return {"add_generation_prompt": False, "continue_final_message": True}
     return {"add_generation_prompt": req.add_generation_prompt}
+
+
+def check_chat_template(tokenizer, folder: str) -> None:
+    """The model's chat template compiles (a start-up error naming it, not a 400 on every chat request)."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    template = getattr(tokenizer, "chat_template", None)
+    for name, text in (template.items() if isinstance(template, dict) else [("", template)]):
+        if not isinstance(text, str):
+            continue
+        try:
+            _compile_jinja_template(text)
+        except Exception as exc:  # noqa: BLE001 - jinja's TemplateSyntaxError and whatever its parser raises
+            where = "chat_template.jinja or tokenizer_config.json's chat_template" + (f" ({name})" if name else "")
+            raise ModelFolderError(f"{folder}: the chat template ({where}) does not compile: {exc}") from None
 
 
 def render_chat(tokenizer, req: GenerateRequest | Tokenize) -> list[int]:

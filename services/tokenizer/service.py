@@ -24,7 +24,7 @@ from nats.aio.msg import Msg as NatsMsg
 
 from services.tokenizer.detokenizer import IncrementalDecoder, StopMatcher
 from services.tokenizer import counting
-from services.tokenizer.encoder import check_media_prompt, check_token_ids, encode_prompt, too_large
+from services.tokenizer.encoder import check_chat_template, check_media_prompt, check_token_ids, encode_prompt, too_large
 from services.tokenizer.media.multimodal import MediaProcessor
 from services.tokenizer.cache_sync import CacheFollower
 from services.tokenizer.routing import Choice, EngineRouter
@@ -48,7 +48,9 @@ log = logging.getLogger("switchboard.tokenizer")
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    check_chat_template(tokenizer, path)
+    return tokenizer
 
 
 @dataclass

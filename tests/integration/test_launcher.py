@@ -69,7 +69,7 @@ def test_missing_model_folder_is_reported(tmp_path):
     path = write_config(tmp_path, tmp_path / "no-such-model")
     result = serve(path)
     assert result.returncode == 2
-    assert "modelWeightPath" in result.stderr
+    assert "modelWeightPath" in result.stderr and "does not exist" in result.stderr
 
 
 def test_a_dying_service_is_reported_with_its_last_error(tmp_path, tiny_model_dir):
@@ -81,10 +81,9 @@ def test_a_dying_service_is_reported_with_its_last_error(tmp_path, tiny_model_di
     for name in ("tokenizer.json", "tokenizer_config.json", "model.safetensors"):  # a whole folder: it starts
         (model / name).write_bytes((tiny_model_dir / name).read_bytes())
     result = serve(write_config(tmp_path, model))
-    assert result.returncode == 1
-    assert "engine service exited" in result.stderr
-    assert "unsupported model architecture" in result.stderr
-    assert "LlamaForCausalLM" in result.stderr
+    assert result.returncode == 2  # a start-up error: one line naming it, no traceback
+    assert "switchboard engine: ModelConfig.modelWeightPath: unsupported model architecture" in result.stderr
+    assert "LlamaForCausalLM" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_sigterm_while_nats_is_down_stops_everything_at_once(tmp_path, tiny_model_dir):
@@ -111,3 +110,42 @@ def test_sigterm_while_nats_is_down_stops_everything_at_once(tmp_path, tiny_mode
     assert processes_mentioning(str(path)) == []
     # each connection says once that NATS is not there (then every 30 s), not at each retry (every 0.5 s)
     assert 1 <= output.count('"msg": "nats error"') <= 8, output[-3000:]
+
+
+def broken_copy(tmp_path, tiny_model_dir, name: str, content: bytes):
+    """The tiny model's folder with file ``name`` replaced by ``content``."""
+    model = tmp_path / "broken"
+    model.mkdir()
+    for file in tiny_model_dir.iterdir():
+        (model / file.name).write_bytes(content if file.name == name else file.read_bytes())
+    return model
+
+
+def test_broken_model_files_are_named_before_anything_starts(tmp_path, tiny_model_dir):
+    """A tokenizer.json that is not JSON, weights cut short, weights that are not safetensors: exit 2 with one
+    line naming the file (they were tracebacks from the services, exit 1, naming no file)."""
+    weights = (tiny_model_dir / "model.safetensors").read_bytes()
+    for name, content, needle in (("tokenizer.json", b'{"version": "1.0", "model": {', "is not valid JSON"),
+                                  ("model.safetensors", weights[: len(weights) // 2], "is cut short"),
+                                  ("model.safetensors", bytes(range(256)) * 4, "is not a safetensors file")):
+        case = tmp_path / f"{name}-{needle[:6]}"
+        case.mkdir()
+        result = serve(write_config(case, broken_copy(case, tiny_model_dir, name, content)))
+        assert result.returncode == 2 and f"{name}: {needle}" in result.stderr, result.stderr[-2000:]
+        assert "Traceback" not in result.stderr
+
+
+def test_settings_a_service_cannot_run_with_stop_the_start_in_one_line(tmp_path, tiny_model_dir):
+    """Found by a service as it starts (fp8 on cpu; a chat template that does not compile): exit 2 with the
+    service's one line, no traceback (they were 35-line tracebacks and exit 1)."""
+    path = write_config(tmp_path, tiny_model_dir, Switchboard={"kvCacheDtype": "fp8_e4m3"})
+    result = serve(path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert 'switchboard engine: Switchboard.kvCacheDtype "fp8_e4m3" runs on cuda only' in result.stderr
+    assert "Traceback" not in result.stderr
+    case = tmp_path / "template"
+    case.mkdir()
+    model = broken_copy(case, tiny_model_dir, "chat_template.jinja", b"{% for m in messages %}{{ m.content ")
+    result = serve(write_config(case, model))
+    assert result.returncode == 2 and "the chat template" in result.stderr and "does not compile" in result.stderr, \
+        result.stderr[-2000:]

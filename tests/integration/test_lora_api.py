@@ -126,6 +126,7 @@ def test_bodies_are_checked_with_mindies_answers(stack, adapters):
         said(manage(stack, route, b"not json"), 200, lora.NOT_JSON)
         said(manage(stack, route, b"[1]"), 200, lora.NOT_JSON)
         said(manage(stack, route, {"lora_name": "bad name", "lora_path": path}), 503, lora.INVALID_NAME)
+        said(manage(stack, route, {"lora_name": "x\n", "lora_path": path}), 503, lora.INVALID_NAME)  # ($ took it)
         said(manage(stack, route, {"lora_path": path}), 503, lora.INVALID_NAME)
     said(load(stack, "ok", "/adapters/../first"), 503, lora.INVALID_PATH)
     said(manage(stack, "/v1/load_lora_adapter", {"lora_name": "ok"}), 503, lora.INVALID_PATH)

@@ -34,7 +34,7 @@ from shared.pd_messages import EngineRole
 if TYPE_CHECKING:
     from services.gateway.core import Gateway
 
-TIMED = re.compile(r"^timed(?:-(\d+))?$")
+TIMED = re.compile(r"^timed(?:-(\d+))?\Z")
 ROLE_422_TYPE = "Input validation error"  # the PD role endpoints' own casing (reference §4.2)
 
 

@@ -12,7 +12,7 @@ from services.gateway.openai_api.errors import bad_param
 from shared.grammar import json_schema, problem
 from shared.messages import Grammar
 
-NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}\Z")
 ANY_OBJECT = {"type": "object"}
 
 

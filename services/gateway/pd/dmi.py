@@ -39,7 +39,7 @@ from shared.errors import SwitchboardError, validation
 from shared.pd_messages import DResultFrame
 
 log = logging.getLogger("switchboard.gateway")
-HEX = re.compile(r"^[0-9a-fA-F]+$")
+HEX = re.compile(r"^[0-9a-fA-F]+\Z")
 MAX_REQ_ID = 1024
 
 

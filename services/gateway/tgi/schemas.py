@@ -18,7 +18,7 @@ from shared.messages import Grammar, Sampling
 
 PARSE_ERROR = "Failed to parse context to json body"
 MAX_TOP_N_TOKENS = 5  # TGI's default --max-top-n-tokens
-ADAPTER_ID = re.compile(r"^[a-zA-Z0-9_./-]{1,256}$")
+ADAPTER_ID = re.compile(r"^[a-zA-Z0-9_./-]{1,256}\Z")
 
 
 @dataclass(frozen=True)

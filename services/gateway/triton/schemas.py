@@ -20,7 +20,7 @@ from shared.errors import validation
 from shared.messages import Sampling
 
 PARSE_ERROR = "Failed to parse context to json body."
-ID_PATTERN = re.compile(r"^[a-zA-Z0-9_-]{1,256}$")
+ID_PATTERN = re.compile(r"^[a-zA-Z0-9_-]{1,256}\Z")
 ID_ERROR = ("The id can contain only digits, letters, underscores(_), hyphens(-) "
             "and no more than 256 characters in length.")
 DEFAULT_PRIORITY = 5
