@@ -68,6 +68,13 @@ def test_the_keys_switchboard_does_not_use_are_listed():
     assert "BackendConfig.ModelDeployConfig.ModelConfig[0].pluginParams" in unused
     assert not any(key.startswith("Switchboard") for key in unused)
     assert unused_keys(json.dumps(BASE).encode()) == [k for k in unused if "pluginParams" not in k]
+    # keys the schema checks but nothing reads: listed once set to anything but their default
+    data = patched(**{"BackendConfig.ModelDeployConfig.ModelConfig.0": {"trustRemoteCode": True},
+                      "BackendConfig.ScheduleConfig": {"supportSelectBatch": True, "prefillTimeMsPerReq": 150}})
+    unused = unused_keys(json.dumps(data).encode())
+    assert "BackendConfig.ModelDeployConfig.ModelConfig[0].trustRemoteCode" in unused
+    assert "BackendConfig.ScheduleConfig.supportSelectBatch" in unused
+    assert "BackendConfig.ScheduleConfig.prefillTimeMsPerReq" not in unused  # (its default)
 
 
 def test_prepare_model_exits_2_naming_the_bad_file(folder, tmp_path):
