@@ -239,8 +239,16 @@ def _readable(msg: str) -> str:
     if text.startswith("Object contains unknown field `"):
         key = text.split("`")[1]
         return f"{path}.{key}: not a key of the {path} section (its keys: {', '.join(_keys(path))})"
+    if path in PATTERN_HINTS and "matching regex" in text:
+        return f"{path}: {PATTERN_HINTS[path]}"
     allowed = _allowed(path)
     return f"{path}: {text}" + (f" (allowed: {allowed})" if allowed else "")
+
+
+PATTERN_HINTS = {  # what a key's pattern means, said instead of the regex
+    "Switchboard.natsUrl": 'must be "" (the launcher starts an embedded nats-server) or one NATS URL: nats://, '
+                           "tls://, ws:// or wss:// and a host",
+}
 
 
 def _keys(path: str) -> list[str]:

@@ -38,7 +38,7 @@ class SwitchboardConfig(msgspec.Struct, rename="camel", kw_only=True, forbid_unk
     """Keys MindIE lacks: the bus, the torch device, observability. A key this section does not know is an
     error (a misspelt key would otherwise change nothing in silence)."""
 
-    nats_url: str = ""
+    nats_url: Annotated[str, Meta(pattern=r"^(?:(?:nats|tls|ws|wss)://\S+)?\Z")] = ""  # "" = embedded
     """NATS server URL; empty = the launcher starts an embedded nats-server on a free loopback port."""
     device: Literal["cpu", "cuda", "npu", "auto"] = "cpu"
     """torch device of the engine; npu imports torch_npu only when chosen."""

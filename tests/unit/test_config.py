@@ -319,3 +319,12 @@ def test_missing_file_is_refused(tmp_path):
 
 def test_config_error_is_a_value_error():
     assert issubclass(ConfigError, ValueError)
+
+
+@pytest.mark.parametrize("url", ["not a url", "127.0.0.1:4222", "nats://", "nats://a:4222\n"])
+def test_a_nats_url_that_is_not_one_is_refused(url):
+    """It was taken, and the services tried to reach it for ever (the start never ended)."""
+    with pytest.raises(ConfigError, match=r'Switchboard.natsUrl: must be "" .* or one NATS URL'):
+        parse_config(json.dumps(patched(Switchboard={"natsUrl": url})).encode())
+    for good in ("", "nats://nats:4222", "tls://10.0.0.1:4222"):
+        parse_config(json.dumps(patched(Switchboard={"natsUrl": good})).encode())
