@@ -11,6 +11,9 @@ from shared.ends import FinishReason
 from shared.messages import Msg
 
 
+PROBE_API = "health"  # the ``api`` of /health/timed's one-token probe: counted, but not in latencies or averages
+
+
 class Received(Msg, tag="received"):
     model: str
     adapter: str = ""  # the request's LoRA adapter ("" = base model): a label on the request counters

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 
 from shared.messages import MetricsSnapshot
-from shared.metrics_messages import Finished, FirstToken, MetricsEvent
+from shared.metrics_messages import PROBE_API, Finished, FirstToken, MetricsEvent
 
 WINDOW = 1000
 
@@ -24,7 +24,7 @@ class Aggregator:
             self.first_token[event.id] = event.ttft_s
             while len(self.first_token) > 100 * self.window:  # requests that never finished
                 self.first_token.popitem(last=False)
-        elif isinstance(event, Finished):
+        elif isinstance(event, Finished) and event.api != PROBE_API:  # (a health probe is not a client's request)
             self._finish(event)
 
     def _finish(self, event: Finished) -> None:

@@ -5,7 +5,8 @@ from the engines' heartbeats. Every sample carries ``model_name``; the request c
 (``request_received``, ``request_success``, ``request_failed``, ``request_finished``) also ``adapter``, the
 LoRA adapter the request ran with ("" for the base model), and ``api``, the family and route it came by
 (``tgi``, ``vllm``, ``triton``, ``mindie``, ``openai-chat``, ``openai-completions``, ``openai-responses``,
-``anthropic``; ``health`` for /health/timed's probe).
+``anthropic``; ``health`` for /health/timed's probe, which the counters count and the latency and size
+histograms, ``failed_request_perc`` and /metrics-json's averages leave out).
 
 Many engines: each engine instance (its id in ``EngineInfo.instance``, new for every process, so a
 restarted engine is a new instance) counts tokens and preemptions from 0. MindIE's unlabelled counters
@@ -44,6 +45,7 @@ from shared.leases import Leases
 from services.metrics.fleet import FleetMetrics
 from shared.messages import EngineInfo, FinishReason
 from shared.metrics_messages import (
+    PROBE_API,
     Finished,
     FirstToken,
     KvTransferred,
@@ -145,11 +147,13 @@ class PrometheusMetrics:
         m, reason = self.model, FinishReason(event.finish_reason)  # as decoded (a str from a caller in process)
         self.finished.labels(m, event.adapter, event.api, reason.value).inc()
         if reason.served:
-            self._succeeded += 1
             self.success.labels(m, event.adapter, event.api).inc()
         elif reason is FinishReason.ERROR:
-            self._failed += 1
             self.failed.labels(m, event.adapter, event.api).inc()
+        if event.api == PROBE_API:
+            return  # (counted above; a probe's latency and outcome are not the clients')
+        self._succeeded += reason.served
+        self._failed += reason is FinishReason.ERROR
         if reason.served:  # latency and size histograms describe served requests
             self.e2e.labels(m).observe(event.e2e_s)
             self.prompt_tokens.labels(m).observe(event.prompt_tokens)

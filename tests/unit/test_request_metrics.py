@@ -49,3 +49,26 @@ def test_request_counters_are_labelled_by_api():
     m = counts(metrics)
     assert m["request_received_total", (("adapter", ""), ("api", "anthropic"))] == 2
     assert m["request_success_total", (("adapter", ""), ("api", "openai-responses"))] == 1
+
+
+def test_health_probes_are_counted_but_not_in_latencies_or_averages():
+    """/health/timed's one-token probe (api "health", every few seconds) is counted by the request counters, but
+    the latency and size histograms, failed_request_perc and /metrics-json's averages describe clients' requests
+    (probes were most of them on a quiet server)."""
+    from services.metrics.aggregator import Aggregator
+    from shared.metrics_messages import PROBE_API
+
+    metrics, averages = PrometheusMetrics("m"), Aggregator()
+    for event in (Received(id="p", model="m", api=PROBE_API), finished("p", "length", api=PROBE_API),
+                  Received(id="q", model="m", api=PROBE_API), finished("q", "error", api=PROBE_API)):
+        metrics.observe(event)
+        averages.add(event)
+    m = counts(metrics)
+    assert m["request_received_total", (("adapter", ""), ("api", "health"))] == 2
+    assert m["request_failed_total", (("adapter", ""), ("api", "health"))] == 1
+    samples = {s.name: s.value for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples}
+    assert samples.get("e2e_request_latency_seconds_count", 0) == 0 and samples.get("failed_request_perc", 0) == 0
+    assert averages.snapshot().ttft_avg_ms == 0
+    metrics.observe(finished("c", "length"))
+    samples = {s.name: s.value for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples}
+    assert samples["e2e_request_latency_seconds_count"] == 1 and samples["failed_request_perc"] == 0

@@ -30,6 +30,7 @@ from shared.engines import combined
 from shared.errors import ErrorKind, SwitchboardError
 from shared.messages import EngineInfo, Sampling
 from shared.pd_messages import EngineRole
+from shared.metrics_messages import PROBE_API
 
 if TYPE_CHECKING:
     from services.gateway.core import Gateway
@@ -202,7 +203,7 @@ async def _one_token(gateway: Gateway) -> Any:
     """A real inference through tokenizer and engine: one greedy token, highest priority."""
     ctx = gateway.context
     async with Call(ctx, [Session(ctx, "", Sampling(do_sample=False, max_new_tokens=1), prompt_ids=[1],
-                                  priority=1, api="health")]) as call:
+                                  priority=1, api=PROBE_API)]) as call:
         await call.start()
         await call.results()
 

@@ -29,7 +29,7 @@ from shared.messages import (
     Started,
     TokenOut,
 )
-from shared.metrics_messages import Finished, FirstToken, Received
+from shared.metrics_messages import PROBE_API, Finished, FirstToken, Received
 
 if TYPE_CHECKING:
     from services.gateway.request.context import SessionContext
@@ -266,7 +266,8 @@ class Session:
             if event.position == 0:
                 self.cached_tokens = event.cached_tokens
             self.first_token_at = time.time()
-            self.ctx.emit(FirstToken(id=self.id, model=self.ctx.model, ttft_s=self.first_token_at - self.arrival))
+            if self.api != PROBE_API:  # (a health probe's token is not a client's: latencies leave it out)
+                self.ctx.emit(FirstToken(id=self.id, model=self.ctx.model, ttft_s=self.first_token_at - self.arrival))
         self.tokens.extend(event.tokens)
         self.generated = event.generated_tokens
         self.finish_reason = event.finish_reason
