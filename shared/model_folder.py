@@ -83,6 +83,8 @@ def check_safetensors(path: Path) -> None:
         raise ModelFolderError(f"{path}: cannot be read ({exc.strerror})") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ModelFolderError(f"{path}: its safetensors header is not valid JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise ModelFolderError(f"{path}: is not a safetensors file (its header is not a JSON object)")
     ends = [t.get("data_offsets", [0, 0])[1] for k, t in header.items() if k != "__metadata__" and isinstance(t, dict)]
     if max(ends, default=0) > total - 8 - size:
         raise ModelFolderError(f"{path}: is cut short: its tensors need {8 + size + max(ends)} bytes, the file has "

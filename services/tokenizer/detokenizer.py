@@ -80,6 +80,19 @@ class StopMatcher:
         return piece
 
 
+def next_text(decoder: IncrementalDecoder, stops: StopMatcher, token_id: int, final: bool,
+              ended_on_eos: bool) -> tuple[str, str | None, bool]:
+    """One generated token's text: what it releases into the answer, its own text where that differs (a stop
+    string's hold-back), and whether a stop string ended the answer. ``final``: the answer's last token (what is
+    held back goes out with it); a stop id it ended on leaves its own text out (``StopMatcher.hides``)."""
+    if final and ended_on_eos and stops.hides(token_id):
+        delta = decoder.flush()
+    else:
+        delta = decoder.add(token_id) + (decoder.flush() if final else "")
+    text, stopped = stops.feed(delta, final)
+    return text, (delta if delta != text else None), stopped
+
+
 def token_pieces(tokenizer, ids: list[int]) -> list[str]:
     """The text each token adds, special tokens shown; a character split over tokens appears once."""
     decoder = IncrementalDecoder(tokenizer, [], skip_special_tokens=False)

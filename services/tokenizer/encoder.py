@@ -34,7 +34,8 @@ def refuse_surely_too_long(tokenizer, req: GenerateRequest, deploy: ModelDeployC
     longest token (twice over, for normalizers): a 4 MiB prompt took the tokenizer ~4 s, and every other request
     waited behind it. A prompt that is to be cut (``truncate``, or a deployment that truncates) is tokenized."""
     limit = min(deploy.effective_max_input_len, MAX_TOKENS_NUM)
-    if not (deploy.truncates or req.truncate) and len(req.prompt) > 2 * limit * longest_token(tokenizer):
+    too_long = len(req.prompt) > 2 * limit and len(req.prompt) > 2 * limit * longest_token(tokenizer)
+    if too_long and not (deploy.truncates or req.truncate):
         raise validation(f"the prompt has {len(req.prompt)} characters: more than the limit of {limit} tokens "
                          f"(min(maxInputTokenLen, maxSeqLen - 1)) can hold; {SHORTEN.format(limit=limit)}")
 

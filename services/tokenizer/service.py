@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 from nats.aio.msg import Msg as NatsMsg
 
-from services.tokenizer.detokenizer import IncrementalDecoder, StopMatcher
+from services.tokenizer.detokenizer import IncrementalDecoder, StopMatcher, next_text
 from services.tokenizer import counting
 from services.tokenizer.encoder import check_chat_template, check_media_prompt, check_token_ids, encode_prompt, too_large
 from services.tokenizer.media.multimodal import MediaProcessor
@@ -340,25 +340,20 @@ class TokenizerService:
         for i, token_id in enumerate(event.token_ids):
             state.generated += 1
             final = event.finish_reason is not None and i == len(event.token_ids) - 1
-            if final and event.finish_reason is FinishReason.EOS_TOKEN and state.stops.hides(token_id):
-                delta = state.decoder.flush()  # the stop token's own text stays out
-            else:
-                delta = state.decoder.add(token_id) + (state.decoder.flush() if final else "")
-            text, stopped = state.stops.feed(delta, final)
-            token = self.token_out(token_id, text, event.logprobs[i] if event.logprobs else None)
-            token.own = delta if delta != text else None
-            tokens.append(token)
+            text, own, stopped = next_text(state.decoder, state.stops, token_id, final,
+                                           event.finish_reason is FinishReason.EOS_TOKEN)
+            tokens.append(self.token_out(token_id, text, event.logprobs[i] if event.logprobs else None, own))
             if stopped:
                 return tokens, True
         return tokens, False
 
-    def token_out(self, token_id: int, text: str, logprob: TokenLogprob | None) -> TokenOut:
+    def token_out(self, token_id: int, text: str, logprob: TokenLogprob | None, own: str | None = None) -> TokenOut:
         special = token_id in self.special_ids
         if logprob is None:
-            return TokenOut(token_id, text, special)
+            return TokenOut(token_id, text, special, own=own)
         top = [TopToken(i, self.tok.decode([i]), lp, self.token_bytes.of(i))
                for i, lp in zip(logprob.top_ids, logprob.top_logprobs)]
-        return TokenOut(token_id, text, special, logprob.logprob, top, self.token_bytes.of(token_id))
+        return TokenOut(token_id, text, special, logprob.logprob, top, self.token_bytes.of(token_id), own)
 
     async def on_cancel(self, msg: NatsMsg) -> None:
         cancel = self.cancels.decode(msg.data)

@@ -10,10 +10,9 @@ after ``instructions`` (a system message, not carried to the next response) beco
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
-
-import re
 
 import msgspec
 
