@@ -11,7 +11,8 @@ from services.tokenizer.tools import plain, takes_tools, with_tools
 from shared.messages import EngineRequest, GenerateRequest, Tokenize, encode
 
 MAX_TOKENS_NUM = 1048576
-SHORTEN = "shorten it (TGI's routes keep its last tokens with parameters.truncate, at most {limit})"
+SHORTEN = ("shorten it, or have its last {limit} tokens kept where the API takes that (parameters.truncate on TGI "
+           "and MindIE routes, truncate_prompt_tokens on OpenAI's)")
 
 
 def encode_prompt(tokenizer, req: GenerateRequest, deploy: ModelDeployConfig) -> list[int]:

@@ -112,9 +112,23 @@ def test_a_forced_tool_call_cut_by_max_tokens_is_left_out_not_shown_as_text(smol
     whole = api.messages.create(**ask)
     with api.messages.stream(**ask) as s:
         streamed = s.get_final_message()
-    for answer in (whole, streamed):
+    for answer in (whole, streamed):  # a forced call cut short is left out, and no empty text block is made
         assert answer.stop_reason == "max_tokens" and answer.usage.output_tokens == 12
-        assert [b.type for b in answer.content] == ["text"] and answer.content[0].text == ""
+        assert answer.content == []
+
+
+def test_an_empty_answer_has_no_content_and_continues_as_a_conversation(smol_stack):
+    """A stop sequence at the first token: no content blocks (an empty text block is no valid input, here as at
+    Anthropic), streamed or not, and the conversation goes on from it."""
+    api = client(smol_stack)
+    ask = dict(model=smol_stack.model, max_tokens=10, messages=ASK, stop_sequences=["The"], **GREEDY)
+    whole = api.messages.create(**ask)
+    with api.messages.stream(**ask) as s:
+        streamed = s.get_final_message()
+    for answer in (whole, streamed):
+        assert answer.content == [] and answer.stop_reason == "stop_sequence" and answer.stop_sequence == "The"
+    history = [*ASK, {"role": "assistant", "content": whole.content or "..."}, {"role": "user", "content": "Go on."}]
+    assert api.messages.create(model=smol_stack.model, max_tokens=3, messages=history, **GREEDY).usage.output_tokens
 
 
 @pytest.mark.parametrize("tools", [False, True], ids=["text", "tools"])
@@ -138,6 +152,17 @@ def test_count_tokens_equals_the_requests_input_tokens(smol_stack, tools):
     ({"max_tokens": 5, "messages": ASK, "model": "no-such-model"}, 404, "no-such-model"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "document"}]}]}, 400, "document"),
     ({"max_tokens": 5, "messages": ASK, "tool_choice": {"type": "any"}}, 400, "tool_choice"),
+    ({"max_tokens": 5, "messages": ASK, "thinking": {"type": "disabled"}, "metadata": {"user_id": "u", "foo": 1}},
+     400, "metadata.foo"),
+    ({"max_tokens": 5, "messages": [*ASK, {"role": "assistant", "content": "Let me check."}, {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_nope", "content": "sunny"}]}]}, 400, "toolu_nope"),
+    ({"max_tokens": 5, "messages": ASK, "tools": [WEATHER, WEATHER]}, 400, "tools.1.name 'get_weather' is declared twice"),
+    ({"max_tokens": 5, "messages": ASK, "tools": [{**WEATHER, "input_schema": {"type": "string"}}]}, 400,
+     "tools.0.input_schema.type"),
+    ({"max_tokens": 5, "messages": ASK, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400,
+     "type custom"),
+    ({"max_tokens": 5, "messages": ASK, "stop_sequences": [""]}, 400, "stop_sequences"),
+    ({"max_tokens": 5, "messages": ASK, "service_tier": "priority"}, 400, "service_tier"),
 ])
 def test_bad_bodies_get_anthropic_shaped_4xx(tiny_stack, body, status, named):
     r = httpx.post(tiny_stack.url + "/v1/messages", json={"model": tiny_stack.model, **body}, timeout=30)
@@ -145,6 +170,17 @@ def test_bad_bodies_get_anthropic_shaped_4xx(tiny_stack, body, status, named):
     error = r.json()
     assert error["type"] == "error" and named in error["error"]["message"]
     assert error["error"]["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+
+
+def test_fields_at_the_values_that_change_nothing_are_taken(tiny_stack):
+    """SDK wrappers send ``thinking: disabled`` and ``service_tier: auto``; count_tokens names its own fields."""
+    answer = client(tiny_stack).messages.create(model=tiny_stack.model, max_tokens=1, messages=ASK, service_tier="auto",
+                                                thinking={"type": "disabled"})
+    assert answer.usage.output_tokens == 1
+    r = httpx.post(tiny_stack.url + "/v1/messages/count_tokens", timeout=30,
+                   json={"model": tiny_stack.model, "messages": ASK, "max_tokens": 5})
+    assert r.status_code == 400
+    assert "count_tokens takes messages, model, system, tool_choice, tools" in r.json()["error"]["message"]
 
 
 def test_the_sdk_raises_its_own_errors_and_bad_json_is_a_400(tiny_stack):

@@ -276,6 +276,29 @@ def test_completion_logprobs(tiny_stack):
     assert all(len(top) == 1 for top in raw["top_logprobs"])
 
 
+def test_logprobs_name_each_tokens_own_text_when_a_stop_string_holds_text_back(smol_stack):
+    """While a stop string may be forming, text is released on later tokens; the logprobs still name each
+    token's own text (as OpenAI's and vLLM's), the chosen token is its own single top entry, and the offsets
+    run over those texts. (Greedy: "Paris is the capital of France, a country in Western Europe...".)"""
+    api = client(smol_stack)
+    ask = dict(model=smol_stack.model, prompt="Paris is the capital of France, a country in", logprobs=1,
+               temperature=0, max_tokens=12)
+    free = api.completions.create(**ask).choices[0]
+    cut = api.completions.create(**ask, stop=["Europe"]).choices[0]
+    assert "Europe" in free.text and cut.text == free.text[:free.text.index("Europe")]
+    lp = cut.logprobs
+    assert lp.tokens == free.logprobs.tokens[:len(lp.tokens)] and len(lp.tokens) >= 2
+    assert [list(top) for top in lp.top_logprobs] == [[t] for t in lp.tokens]
+    assert all(b - a == len(t) for a, b, t in zip(lp.text_offset, lp.text_offset[1:], lp.tokens))
+    chat = dict(model=smol_stack.model, messages=[{"role": "user", "content": "What is the capital of France?"}],
+                logprobs=True, top_logprobs=1, temperature=0, max_tokens=12)
+    free = [e.token for e in api.chat.completions.create(**chat).choices[0].logprobs.content]
+    assert "Paris" in "".join(free)
+    entries = api.chat.completions.create(**chat, stop=["Paris"]).choices[0].logprobs.content
+    assert [e.token for e in entries] == free[:len(entries)] and len(entries) >= 3
+    assert all(e.top_logprobs[0].token == e.token and bytes(e.bytes) == e.token.encode() for e in entries)
+
+
 async def test_disconnect_mid_stream_frees_the_engine(tiny_stack):
     body = {"model": tiny_stack.model, "messages": MESSAGES, "max_tokens": 2000, "temperature": 0.8, "n": 2,
             "ignore_eos": True, "stream": True}

@@ -123,11 +123,35 @@ def test_previous_response_id_retrieve_and_delete(smol_stack):
     ({"input": ASK, "include": ["message.output_text.logprobs"]}, "include"),
     ({"input": ASK, "background": True}, "background"),
     ({"input": ASK, "prompt_cache_key": 7}, "prompt_cache_key"),
+    ({"input": ASK, "temperature": 3}, "temperature"),
+    ({"input": ASK, "text": {"verbosity": "low"}}, "text.verbosity"),
+    ({"input": ASK, "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+    ({"input": ASK, "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "allowed_tools"}},
+     "tool_choice"),
+    ({"input": [{"role": "user", "content": ASK}, {"type": "function_call_output", "call_id": "call_nope", "output": "sunny"}]}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}]}]},
+     "input[0].content[0]"),
 ])
 def test_bad_bodies_get_openai_shaped_400s(tiny_stack, body, param):
     r = httpx.post(tiny_stack.url + "/v1/responses", json={"model": tiny_stack.model, **body}, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_routes_and_queries_it_does_not_serve_are_openai_shaped_4xx(tiny_stack):
+    api = client(tiny_stack)
+    stored = api.responses.create(model=tiny_stack.model, input="Hi", max_output_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="stream"):
+        api.responses.retrieve(stored.id, stream=True)
+    with pytest.raises(openai.BadRequestError, match="include"):
+        api.responses.retrieve(stored.id, include=["message.output_text.logprobs"])
+    assert api.responses.retrieve(stored.id, stream=False).id == stored.id
+    for method, path, status in [("GET", "/v1/responses", 405), ("POST", "/v1/embeddings", 404),
+                                 ("GET", f"/v1/responses/{stored.id}/input_items", 404)]:
+        r = httpx.request(method, tiny_stack.url + path, json={}, timeout=30)
+        assert r.status_code == status and r.json()["error"]["type"] == "invalid_request_error", r.text
+    r = httpx.get(tiny_stack.url + "/v1/messages/batches", timeout=30)  # Anthropic's prefix: its shape
+    assert r.status_code == 404 and r.json()["type"] == "error"
 
 
 def test_a_call_cut_by_max_output_tokens_is_incomplete(smol_stack):

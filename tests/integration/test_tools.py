@@ -63,8 +63,13 @@ def test_required_calls_stream_and_auto_answers_parse(smol_stack):
                                               seed=4, max_tokens=120))
     deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
     assert {d.index for d in deltas} == {0} and deltas[0].function.name == "get_weather"
-    jsonschema.validate(json.loads("".join(d.function.arguments or "" for d in deltas)),
-                        WEATHER["function"]["parameters"])
+    streamed = "".join(d.function.arguments or "" for d in deltas)
+    jsonschema.validate(json.loads(streamed), WEATHER["function"]["parameters"])
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"  # as the whole answer's
+    whole = api.chat.completions.create(model=smol_stack.model, messages=ASK, tools=[WEATHER], tool_choice="required",
+                                        parallel_tool_calls=False, temperature=0.9, seed=4, max_tokens=120)
+    assert whole.choices[0].finish_reason == "tool_calls"
+    assert whole.choices[0].message.tool_calls[0].function.arguments == streamed  # the same text, not re-serialized
     auto = api.chat.completions.create(model=smol_stack.model, messages=ASK, tools=[WEATHER], temperature=0,
                                        max_tokens=80)  # the client's default: tool_choice auto
     message = auto.choices[0].message

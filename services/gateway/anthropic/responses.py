@@ -44,8 +44,9 @@ def blocks(req: MessagesRequest, call: Call, end: End) -> list[dict[str, Any]]:
     uses = [use for use in map(_tool_use, calls) if use is not None]
     if len(uses) < len(calls) and req.tools.choice not in ("required", "named"):
         text, uses = end.text, []  # the model's own call whose arguments are no JSON object: its answer is text
-    # (a forced call cut short, by max_tokens or a stop sequence, is left out: its input is no object yet)
-    return ([{"type": "text", "text": text}] if text or not uses else []) + uses
+    # (a forced call cut short, by max_tokens or a stop sequence, is left out: its input is no object yet;
+    # an empty answer is no content at all, as Anthropic's: an empty text block is refused as input)
+    return ([{"type": "text", "text": text}] if text else []) + uses
 
 
 def _tool_use(call: dict[str, Any]) -> dict[str, Any] | None:
@@ -84,18 +85,20 @@ async def message_body(req: MessagesRequest, call: Call) -> dict[str, Any]:
 
 async def message_events(req: MessagesRequest, call: Call) -> AsyncIterator[bytes]:
     start = {**head(req), "content": [], "stop_reason": None, "stop_sequence": None,
-             "usage": {"input_tokens": call.prompt_tokens, "output_tokens": 0}}
+             "usage": {**usage(call), "output_tokens": 0}}
     yield event("message_start", {"message": start})
-    end = None
+    end, content = None, []
     if req.tools is None:
-        yield event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
-        yield PING
         async for step in call.steps():
+            if step.text and not content:  # the text block opens with its first text: no empty block
+                content = [{"type": "text"}]
+                yield event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+                yield PING
             if step.text:
                 yield event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": step.text}})
             end = step.end or end
-        yield event("content_block_stop", {"index": 0})
-        content = [{"type": "text"}]
+        if content:
+            yield event("content_block_stop", {"index": 0})
     else:
         async for step in call.steps():
             end = step.end or end

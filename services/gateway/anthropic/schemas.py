@@ -12,6 +12,7 @@ prefill: its turn is left open and the answer continues it (vLLM's continue_fina
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -25,11 +26,19 @@ from services.gateway.openai_api.schemas import chat_messages
 from services.gateway.openai_api.tools import Tools, parse_tools
 from services.gateway.web.validation import parse_json_object
 from shared.config import Config
+from shared.errors import SwitchboardError
 
 PARSE_ERROR = "The request body must be a JSON object."
 FIELDS = {"model", "max_tokens", "messages", "system", "stop_sequences", "metadata", "tools", "tool_choice", "stream",
           "temperature", "top_p", "top_k"}
 COUNT_FIELDS = {"model", "messages", "system", "tools", "tool_choice"}
+# Fields taken at the values that change nothing here (SDK wrappers send them): anything else is a 400 naming them.
+AT_DEFAULT = {"thinking": ({"type": "disabled"},), "service_tier": ("auto", "standard_only")}
+# a chat field's name (the start of a parameter's path, as the chat checks name it) as Anthropic's request names it
+CHAT_NAMES = [(re.compile(r"^stop\b"), "stop_sequences"),
+              (re.compile(r"^tools\[(\d+)\]\.function\.parameters\b"), r"tools.\1.input_schema"),
+              (re.compile(r"^tools\[(\d+)\](\.function)?"), r"tools.\1"),
+              (re.compile(r"^tool_choice\.function\b"), "tool_choice")]
 
 
 @dataclass(frozen=True)
@@ -49,10 +58,29 @@ class MessagesRequest:
 def parse_messages(body: bytes, cfg: Config, served: Served, counting: bool = False) -> MessagesRequest:
     """``counting``: a count_tokens body (no max_tokens, no sampling)."""
     data = parse_json_object(body, PARSE_ERROR)
-    unknown = sorted(set(data) - (COUNT_FIELDS if counting else FIELDS))
+    taken = COUNT_FIELDS if counting else FIELDS
+    unknown = sorted(key for key in set(data) - taken if data[key] not in AT_DEFAULT.get(key, ()))
     if unknown:
         raise invalid(f"{', '.join(unknown)}: not supported by this server "
-                      f"({'count_tokens takes' if counting else 'it takes'} {', '.join(sorted(FIELDS))}).")
+                      f"({'count_tokens takes' if counting else 'it takes'} {', '.join(sorted(taken))}).")
+    try:
+        return _parse(data, cfg, served, counting)
+    except SwitchboardError as exc:
+        if not exc.param or exc.param.startswith("messages"):
+            raise
+        name = anthropic_name(exc.param)
+        raise SwitchboardError(exc.kind, exc.message.replace(exc.param, name), name) from None
+
+
+def anthropic_name(param: str) -> str:
+    """The Anthropic field a chat check's ``param`` names (``stop`` is ``stop_sequences``, ``tools[0].function``
+    is ``tools.0``)."""
+    for pattern, name in CHAT_NAMES:
+        param = pattern.sub(name, param)
+    return param
+
+
+def _parse(data: dict[str, Any], cfg: Config, served: Served, counting: bool) -> MessagesRequest:
     if not counting and data.get("max_tokens") is None:
         raise invalid("max_tokens: Field required")
     temperature = data.get("temperature")
@@ -79,6 +107,8 @@ def _check_metadata(value: Any) -> None:
         return
     if not isinstance(value, dict) or not isinstance(value.get("user_id", ""), (str, type(None))):
         raise invalid("metadata: must be an object whose user_id is a string")
+    for key in sorted(set(value) - {"user_id"}):
+        raise invalid(f"metadata.{key}: Extra inputs are not permitted")
 
 
 def _stop_sequences(value: Any) -> list[str] | None:
@@ -98,9 +128,20 @@ def openai_messages(system: Any, messages: Any) -> list[dict[str, Any]]:
         out.append({"role": "system", "content": _text_of(system, "system")})
     if not isinstance(messages, list) or not messages:
         raise invalid("messages: must be a non-empty array of {role, content}")
+    calls: set[str] = set()  # the previous message's tool_use ids: what its next message's tool_results answer
     for i, message in enumerate(messages):
-        out.extend(_message(message, f"messages.{i}", last=i == len(messages) - 1))
+        converted = _message(message, f"messages.{i}", last=i == len(messages) - 1)
+        _check_results(converted, calls, f"messages.{i}")
+        calls = {call["id"] for m in converted for call in m.get("tool_calls", ())}
+        out.extend(converted)
     return out
+
+
+def _check_results(converted: list[dict[str, Any]], calls: set[str], where: str) -> None:
+    unanswerable = [m["tool_call_id"] for m in converted if m["role"] == "tool" and m["tool_call_id"] not in calls]
+    if unanswerable:
+        raise invalid(f"{where}: unexpected `tool_use_id` found in `tool_result` blocks: {', '.join(unanswerable)}. "
+                      "Each `tool_result` block must have a corresponding `tool_use` block in the previous message.")
 
 
 EMPTY_TEXT = "messages: text content blocks must be non-empty"  # Anthropic's words
@@ -209,10 +250,12 @@ def _tools(tools: Any, choice: Any) -> dict[str, Any]:
 
 
 def _tool(tool: Any, where: str) -> dict[str, Any]:
+    if isinstance(tool, dict) and tool.get("type") not in (None, "custom"):
+        raise invalid(f"{where}.type: {tool['type']!r}: this server runs the client's own tools only (type custom)")
     if not isinstance(tool, dict) or not isinstance(tool.get("name"), str) or not isinstance(tool.get("input_schema"), dict):
         raise invalid(f"{where}: a tool needs name and input_schema (an object)")
-    if tool.get("type") not in (None, "custom"):
-        raise invalid(f"{where}.type: {tool['type']!r}: this server runs the client's own tools only (type custom)")
+    if tool["input_schema"].get("type") != "object":
+        raise invalid(f"{where}.input_schema.type: Input should be 'object'")
     function = {"name": tool["name"], "parameters": tool["input_schema"]}
     if isinstance(tool.get("description"), str):
         function["description"] = tool["description"]

@@ -17,11 +17,12 @@ def _bytes(token: TokenOut | TopToken) -> list[int]:
 
 
 def logprob_entry(token: TokenOut) -> dict[str, Any]:
-    """``token`` is the text this token released into the content, so the entries' tokens add up to it;
+    """``token`` is the token's own text (as OpenAI's and vLLM's: a stop string's hold-back, which releases text
+    on a later token, does not move it), so the entries' tokens add up to the content (and the stop string);
     ``bytes`` are the token's own (part of a character has bytes before it releases any text), so the
     entries' bytes add up to the content's UTF-8."""
     top = [{"token": t.text, "logprob": t.logprob, "bytes": _bytes(t)} for t in token.top]
-    return {"token": token.text, "logprob": token.logprob, "bytes": _bytes(token), "top_logprobs": top}
+    return {"token": token.own_text, "logprob": token.logprob, "bytes": _bytes(token), "top_logprobs": top}
 
 
 def logprobs_json(req: ChatRequest, tokens: list[TokenOut]) -> dict[str, Any] | None:

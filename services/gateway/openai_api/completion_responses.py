@@ -20,16 +20,17 @@ class Logprobs:
 
     def of(self, tokens: list[TokenOut]) -> dict[str, list]:
         body: dict[str, list] = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
-        for token in tokens:
+        for token in tokens:  # each token's own text (a stop string's hold-back does not move it)
+            text = token.own_text
             body["text_offset"].append(self.offset)
             body["token_logprobs"].append(token.logprob)
-            body["tokens"].append(token.text)
+            body["tokens"].append(text)
             top = None  # the prompt's first token has no logprob, nor alternatives (as OpenAI and vLLM)
             if token.logprob is not None:
                 top = {t.text: t.logprob for t in token.top}
-                top.setdefault(token.text, token.logprob)  # the token itself is always listed, as in vLLM
+                top.setdefault(text, token.logprob)  # the token itself is always listed, as in vLLM
             body["top_logprobs"].append(top)
-            self.offset += len(token.text)
+            self.offset += len(text)
         return body
 
 

@@ -75,7 +75,13 @@ def parse_tools(data: dict[str, Any]) -> Tools | None:
         return None
     if not isinstance(raw, list):
         raise bad_param("tools", "tools must be an array of function tools.")
-    functions = dict(_function(t, i) for i, t in enumerate(raw))
+    functions: dict[str, dict[str, Any]] = {}
+    for i, tool in enumerate(raw):
+        name, function = _function(tool, i)
+        if name in functions:
+            raise bad_param(f"tools[{i}].function.name", f"tools[{i}].function.name {name!r} is declared twice: "
+                                                          "tool names must be unique.")
+        functions[name] = function
     parallel = data.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
         raise bad_param("parallel_tool_calls", "parallel_tool_calls must be boolean type.")
@@ -159,11 +165,8 @@ def extract(tools: Tools, text: str, fmt: str = "hermes") -> tuple[str | None, l
     With ``auto`` an answer that does not parse stays content. ``fmt``: the model's tool-call format."""
     if tools.choice == "named":
         return None, [tool_call(tools.named, text)]
-    if tools.choice == "required":
-        calls = _loads(text)
-        if not isinstance(calls, list):
-            return None, partial_calls(text)
-        return None, [tool_call(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in calls]
+    if tools.choice == "required":  # the arguments' text as generated, as a stream sends it
+        return None, partial_calls(text)
     if tools.choice == "auto" and fmt == "hermes":
         calls = [c for c in map(_hermes, BLOCK.findall(text)) if c is not None and c[0] in tools.functions]
         if calls:
@@ -246,7 +249,9 @@ class ToolStream:
         if self.tools.choice == "named":
             return self._named(delta)
         if self.tools.choice == "required":
-            return "", self.scan.feed(delta)
+            out = self.scan.feed(delta)
+            self.calls += sum("id" in d for d in out)
+            return "", out
         if self.tools.choice == "auto" and self.fmt == "hermes":
             return self._auto(final)
         if self.tools.choice == "auto":

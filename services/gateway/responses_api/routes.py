@@ -16,8 +16,8 @@ from services.gateway.openai_api.errors import OPENAI_EXCEPTION_HANDLERS, OpenAI
 from services.gateway.openai_api.runner import build_call
 from services.gateway.request import lifecycle
 from services.gateway.responses_api.responses import Builder, error_event, response_body, response_events
-from services.gateway.responses_api.schemas import parse_responses, read_body
-from shared.errors import ErrorKind
+from services.gateway.responses_api.schemas import parse_responses, read_body, renamed
+from shared.errors import ErrorKind, SwitchboardError
 from shared.response_store import ResponseStore
 
 
@@ -30,7 +30,10 @@ async def create(request: Request) -> Response:
     previous = await _previous(data.get("previous_response_id"), store)
     req = parse_responses(data, previous, gateway.cfg, gateway.served())
     chat = req.chat
-    admit(chat.listed, gateway.media_policy, content_error, gateway.modalities())
+    try:
+        admit(chat.listed, gateway.media_policy, content_error, gateway.modalities())
+    except SwitchboardError as exc:
+        raise renamed(exc, req.before) from None
     prompt = {"messages": chat.messages, "truncate": chat.common.truncate, "parts": chat_media(chat.listed)}
     if chat.tools is not None:
         prompt.update(tools=chat.tools.declared, tool_choice=chat.tools.choice)
@@ -47,6 +50,7 @@ async def create(request: Request) -> Response:
 
 @get("/v1/responses/{response_id:str}")
 async def retrieve(request: Request, response_id: FromPath[str]) -> Response:
+    _check_retrieve_query(request)
     record = await _record(request.app.state.gateway.responses, response_id)
     return Response(record["response"], media_type="application/json")
 
@@ -57,6 +61,21 @@ async def remove(request: Request, response_id: FromPath[str]) -> Response:
     await _record(store, response_id)
     await store.delete(response_id)
     return Response({"id": response_id, "object": "response", "deleted": True}, media_type="application/json")
+
+
+# GET /v1/responses/{id}'s query, each at the value this server answers (a stored response, whole, as JSON)
+RETRIEVE_DEFAULTS = {"stream": ("false",), "include": ("",), "include[]": ("",), "include_obfuscation": ("false", "true"),
+                     "starting_after": ()}
+
+
+def _check_retrieve_query(request: Request) -> None:
+    for key, values in request.query_params.dict().items():
+        allowed = RETRIEVE_DEFAULTS.get(key)
+        if allowed is None:
+            raise bad_param(key, f"{key} is not a parameter of retrieving a response.")
+        if any(value.lower() not in allowed for value in values):
+            raise bad_param(key, f"{key}={values[-1]} is not supported by this server: a stored response is "
+                                 "retrieved whole, as JSON (no stream, no include).")
 
 
 def _stored(data: dict[str, Any], store: ResponseStore) -> bool:

@@ -39,6 +39,7 @@ class ResponsesRequest:
     data: dict[str, Any]  # the body (echoed in the response object)
     chat: ChatRequest
     history: list[dict[str, Any]]  # the conversation without instructions: what a next response continues
+    before: int = 0  # the chat messages ahead of the input's own (instructions, a previous response's)
 
     @property
     def stream(self) -> bool:
@@ -88,9 +89,13 @@ def _set_aside(data: dict[str, Any]) -> None:
 def parse_responses(data: dict[str, Any], previous: list[dict[str, Any]], cfg: Config, served: Served) -> ResponsesRequest:
     """``previous``: the stored conversation ``previous_response_id`` names ([] for none)."""
     history = previous + input_messages(data.get("input"))
+    _check_outputs(history)
     instructions = data.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise bad_param("instructions", "instructions must be a string.")
+    temperature = data.get("temperature")
+    if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and not 0 <= temperature <= 2:
+        raise bad_param("temperature", f"temperature must be in [0, 2], got {temperature}.")
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + history
     chat = {"model": data.get("model"), "messages": messages, "max_tokens": data.get("max_output_tokens"),
             "temperature": data.get("temperature"), "top_p": data.get("top_p"), "stream": data.get("stream"),
@@ -100,10 +105,24 @@ def parse_responses(data: dict[str, Any], previous: list[dict[str, Any]], cfg: C
     try:
         req = parse_chat(msgspec.json.encode({k: v for k, v in chat.items() if v is not None}), cfg, served)
     except SwitchboardError as exc:
-        name = responses_name(exc.param, len(messages) - len(history) + len(previous))
-        raise OpenAIError(exc.kind, exc.message.replace(exc.param or "\0", name or ""), name,
-                          getattr(exc, "code", None)) from None
-    return ResponsesRequest(data, req, history)
+        raise renamed(exc, len(messages) - len(history) + len(previous)) from None
+    return ResponsesRequest(data, req, history, len(messages) - len(history) + len(previous))
+
+
+def _check_outputs(history: list[dict[str, Any]]) -> None:
+    """Each function_call_output answers a function_call earlier in the conversation (OpenAI's rule)."""
+    calls: set[str] = set()
+    for message in history:
+        calls.update(call["id"] for call in message.get("tool_calls") or ())
+        if message["role"] == "tool" and message["tool_call_id"] not in calls:
+            raise bad_param("input", f"No tool call found for function call output with call_id "
+                                     f"{message['tool_call_id']}.")
+
+
+def renamed(exc: SwitchboardError, before: int) -> OpenAIError:
+    """A chat check's error, naming the Responses field (``before``: as :func:`responses_name` takes it)."""
+    name = responses_name(exc.param, before)
+    return OpenAIError(exc.kind, exc.message.replace(exc.param or "\0", name or ""), name, getattr(exc, "code", None))
 
 
 def responses_name(param: str | None, before: int) -> str | None:
@@ -195,6 +214,9 @@ def _tools(tools: Any, choice: Any) -> dict[str, Any]:
         out["tools"] = [_tool(tool, i) for i, tool in enumerate(tools)]
     if isinstance(choice, dict) and choice.get("type") == "function":
         out["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}
+    elif choice is not None and choice not in ("none", "auto", "required"):
+        raise bad_param("tool_choice", 'tool_choice must be "none", "auto", "required" or {"type": "function", '
+                                       f'"name": ...}}: this server runs function tools only, got {choice!r}.')
     elif choice is not None:
         out["tool_choice"] = choice
     return out
@@ -214,6 +236,11 @@ def _format(text: Any) -> dict[str, Any] | None:
         return None
     if not isinstance(text, dict):
         raise bad_param("text", "text must be an object.")
+    for key in sorted(set(text) - {"format", "verbosity"}):
+        raise bad_param(f"text.{key}", f"text.{key} is not supported by this server.")
+    if text.get("verbosity") not in (None, "medium"):  # the default: a model here has no other
+        raise bad_param("text.verbosity", f'text.verbosity must be "medium" here (the model has no other), '
+                                          f"got {text['verbosity']!r}.")
     fmt = text.get("format")
     if fmt is None or (isinstance(fmt, dict) and fmt.get("type") == "text"):
         return None
@@ -221,6 +248,9 @@ def _format(text: Any) -> dict[str, Any] | None:
         raise bad_param("text.format", 'text.format.type must be "text", "json_object" or "json_schema".')
     if fmt["type"] == "json_object":
         return {"type": "json_object"}
+    for key in ("name", "schema"):
+        if fmt.get(key) is None:
+            raise bad_param(f"text.format.{key}", f"Missing required parameter: 'text.format.{key}'.")
     schema = {key: fmt[key] for key in ("name", "schema", "strict", "description") if key in fmt}
     return {"type": "json_schema", "json_schema": schema}
 

@@ -1,4 +1,4 @@
-"""The error taxonomy shaped into each family's body (MindIE/TGI shape here; more families later)."""
+"""The error taxonomy shaped into each family's body (MindIE/TGI shape here; the others' in their packages)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import logging
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
 
+from services.gateway.anthropic import errors as anthropic_errors
+from services.gateway.openai_api import errors as openai_errors
 from services.gateway.request.disconnect import ClientDisconnected
 from shared.errors import MINDIE_TYPE, STATUS, TGI_TYPE, ErrorKind, SwitchboardError
 
@@ -33,7 +35,20 @@ def on_tgi_error(_: Request, exc: SwitchboardError) -> Response:
     return Response(tgi_body(exc.kind, exc.message), status_code=STATUS[exc.kind], media_type="application/json")
 
 
+MINDIE_V1 = ("/v1/tokenizer", "/v1/config", "/v1/status", "/v1/role/")  # MindIE's own /v1 routes: its shape
+
+
 def on_http_error(request: Request, exc: HTTPException) -> Response:
+    """Litestar's own errors outside a family's router (no route for the path, or for the method): OpenAI's shape
+    under /v1/ (Anthropic's under /v1/messages), as the client of that prefix reads it; else MindIE's."""
+    path = request.url.path
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+        return anthropic_errors.on_http_error(request, exc)
+    if path.startswith("/v1/") and not path.startswith(MINDIE_V1):
+        if exc.status_code == 404:  # OpenAI's words for a route it does not have
+            body = openai_errors.error_body(404, f"Invalid URL ({request.method} {path})")
+            return Response(body, status_code=404, media_type="application/json")
+        return openai_errors.on_http_error(request, exc)
     if exc.status_code == 413:
         limit = request.app.state.gateway.cfg.server.max_request_length
         return Response({"message": f"Request body too large. Maximum allowed size is {limit}MB."}, status_code=413)
