@@ -199,3 +199,14 @@ def test_the_sdk_raises_its_own_errors_and_bad_json_is_a_400(tiny_stack):
     r = httpx.post(tiny_stack.url + "/v1/messages/count_tokens", timeout=30, json={
         "model": tiny_stack.model, "messages": [{"role": "user", "content": [image]}]})
     assert r.status_code == 400 and "image" in r.json()["error"]["message"]  # a text-only model takes none
+
+
+def test_the_sdk_lists_and_retrieves_models_in_anthropics_shape(tiny_stack):
+    api = client(tiny_stack)
+    page = api.models.list()
+    assert [m.id for m in page.data] == [tiny_stack.model] and page.has_more is False
+    model = api.models.retrieve(tiny_stack.model)
+    assert model.type == "model" and model.display_name == tiny_stack.model and model.created_at.year >= 2026
+    with pytest.raises(anthropic.NotFoundError):
+        api.models.retrieve("no-such-model")
+    assert httpx.get(tiny_stack.url + "/v1/models", timeout=30).json()["object"] == "list"  # OpenAI's, without the header

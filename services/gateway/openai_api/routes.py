@@ -1,14 +1,17 @@
-"""OpenAI routes: /v1/models, /v1/models/{model}, /v1/chat/completions, /v1/completions."""
+"""OpenAI routes: /v1/models, /v1/models/{model}, /v1/chat/completions, /v1/completions. The model routes
+answer Anthropic's SDK (an ``anthropic-version`` header) in Anthropic's shape: it lists models at the same path."""
 
 from __future__ import annotations
 
 import time
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 
 from litestar import Request, Response, Router, get, post, route
 from litestar.exceptions import MethodNotAllowedException
 from litestar.params import FromPath
 
+from services.gateway.anthropic.errors import error_response as anthropic_error_response
 from services.gateway.common.content import admit, chat_media
 from services.gateway.openai_api.chat_responses import chat_body, chat_chunks
 from services.gateway.openai_api.completion_responses import completion_body, completion_chunks
@@ -51,9 +54,24 @@ def cards(gateway: Gateway) -> dict[str, dict[str, Any]]:
     return {served.model: base, **{name: model_card(name, served.model) for name in adapters}}
 
 
+def anthropic_card(card: dict[str, Any]) -> dict[str, Any]:
+    """Anthropic's model object for an OpenAI card (its SDK's ``models.list`` / ``retrieve`` read these)."""
+    created = datetime.fromtimestamp(card["created"], timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {"type": "model", "id": card["id"], "display_name": card["id"], "created_at": created}
+
+
+def asks_anthropic(request: Request) -> bool:
+    return "anthropic-version" in request.headers  # every Anthropic SDK sends it; OpenAI's never does
+
+
 @get("/v1/models")
 async def list_models(request: Request) -> Response:
-    body = {"object": "list", "data": list(cards(request.app.state.gateway).values())}
+    data = list(cards(request.app.state.gateway).values())
+    if asks_anthropic(request):
+        listed = [anthropic_card(card) for card in data]
+        body = {"data": listed, "has_more": False, "first_id": listed[0]["id"], "last_id": listed[-1]["id"]}
+    else:
+        body = {"object": "list", "data": data}
     return Response(body, media_type="application/json")
 
 
@@ -61,9 +79,11 @@ async def list_models(request: Request) -> Response:
 async def get_model(request: Request, model: FromPath[str]) -> Response:
     name = model.lstrip("/")  # a path parameter keeps its leading slash; names may contain slashes
     card = cards(request.app.state.gateway).get(name)
+    if card is None and asks_anthropic(request):
+        return anthropic_error_response(404, f"model: {name}")
     if card is None:
         raise model_not_found(name)
-    return Response(card, media_type="application/json")
+    return Response(anthropic_card(card) if asks_anthropic(request) else card, media_type="application/json")
 
 
 @post("/v1/chat/completions", status_code=200)
