@@ -105,6 +105,9 @@ class SwitchboardConfig(msgspec.Struct, rename="camel", kw_only=True, forbid_unk
     """a stream silent this long (queued for a slot, in a long prefill) sends the family's keep-alive: an SSE
     comment (OpenAI, TGI, Triton), Anthropic's ping event, vLLM's empty chunk; 0 sends none. Proxies close
     connections idle for 60-120 s."""
+    shutdown_grace_seconds: Annotated[float, Meta(ge=0, le=3600)] = 30.0
+    """on SIGTERM (or Ctrl-C) the gateway takes no new connections and gives the requests it is serving this long
+    to finish before the services stop (as TGI and vLLM drain); a second signal stops at once."""
     kv_cache_memory_mb: Annotated[int, Meta(ge=16, le=1048576)] = 1024
     """KV-cache budget in MiB on cpu (accelerators follow npuMemSize: -1 = 80% of free memory)."""
     host_kv_cache_memory_mb: Annotated[int, Meta(ge=0, le=16777216)] = 0

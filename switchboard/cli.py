@@ -10,6 +10,8 @@ from pathlib import Path
 
 from shared import model_folder
 from shared.config import Config, ConfigError, load_config, unused_keys
+from shared.listen import check_free
+from shared.mindie_keys import misspelt
 from switchboard.runner import SERVICES
 
 DEFAULT_CONFIG = "config/config.json"
@@ -93,8 +95,13 @@ def check_model(cfg: Config) -> None:
 def report_unused_keys(path: str) -> None:
     """Once at start: the keys of config.json that Switchboard does not use (MindIE's own features)."""
     unused = unused_keys(Path(path).read_bytes())
-    if unused:
-        print(f"[config] keys Switchboard does not use: {', '.join(unused)}", flush=True)
+    foreign = [named for named in map(misspelt, unused) if named]  # neither MindIE's nor Switchboard's
+    mindie = [key for key in unused if not misspelt(key)]
+    if mindie:
+        print(f"[config] keys Switchboard does not use: {', '.join(mindie)}", flush=True)
+    if foreign:
+        print(f"[config] keys neither MindIE nor Switchboard has, with no effect (misspelt?): {', '.join(foreign)}",
+              file=sys.stderr, flush=True)
 
 
 def ensure_kernels(cfg: Config) -> None:
@@ -104,7 +111,6 @@ def ensure_kernels(cfg: Config) -> None:
         return
     import subprocess
 
-    print("[kernels] building the engine's CPU kernels for this machine (once; ~1 min)", flush=True)
     subprocess.run([sys.executable, "-m", "services.engine.kernels"], check=False)
 
 
@@ -124,9 +130,10 @@ def main(argv: list[str] | None = None) -> int:
         from switchboard.launcher import launch
 
         report_unused_keys(args.config)
-        ensure_model(cfg)
-        ensure_kernels(cfg)
         try:
+            check_free(cfg)  # a port something else listens on: named before anything is prepared or started
+            ensure_model(cfg)
+            ensure_kernels(cfg)
             return asyncio.run(launch(Path(args.config).resolve(), cfg))
         except ConfigError as exc:
             print(f"switchboard: {args.config}: {exc}", file=sys.stderr)

@@ -2,11 +2,18 @@
 
 ``modelInstanceNumber`` engines and ``tokenizerProcessNumber`` tokenizers (``replicas.py``: names, each
 engine's threads or device); the ready line waits for every child, and stopping stops them all.
+
+Once ready, a child that dies (a crash, the kernel's OOM killer, a ``kill -9``) is started again, as an
+orchestrator restarts a container: meanwhile the others serve on (a dead engine's or tokenizer's requests
+resume on its peers; a new engine loads the fleet's adapters from them). A child that dies more than
+``MAX_RESTARTS`` times within ``RESTART_WINDOW_S`` is crashing for a reason a restart does not mend: then,
+as before it was ready, the deployment stops with its last words.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import sys
 import time
@@ -21,12 +28,16 @@ from switchboard.runner import READY_LINE
 
 READY_TIMEOUT_S = 900.0
 STOP_GRACE_S = 10.0
+MAX_RESTARTS, RESTART_WINDOW_S = 3, 120.0
+NATS_POLL_S = 0.5
+START_ERROR = re.compile(r"^switchboard [\w-]+: ")  # the line a service prints as it exits 2 (runner.py)
 
 
 @dataclass
 class Child:
     name: str
     proc: asyncio.subprocess.Process
+    replica: Replica | None = None
     last_lines: deque = field(default_factory=lambda: deque(maxlen=20))
     ready: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -41,7 +52,7 @@ async def spawn(replica: Replica, config_path: Path, nats_url: str) -> Child:
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         start_new_session=True, preexec_fn=die_with_parent,
     )
-    child = Child(replica.name, proc)
+    child = Child(replica.name, proc, replica)
     asyncio.create_task(_pump(child, proc.stdout, sys.stdout))
     asyncio.create_task(_pump(child, proc.stderr, sys.stderr))
     return child
@@ -54,7 +65,8 @@ async def _pump(child: Child, stream: asyncio.StreamReader, echo) -> None:
             child.ready.set()
             continue
         child.last_lines.append(line)
-        print(line, file=echo, flush=True)
+        if not START_ERROR.match(line):  # (a start-up error's one line is the launcher's to print, once)
+            print(line, file=echo, flush=True)
 
 
 async def launch(config_path: Path, cfg: Config) -> int:
@@ -62,22 +74,50 @@ async def launch(config_path: Path, cfg: Config) -> int:
     plan = replicas(cfg)  # before anything starts: a ConfigError here is the caller's exit 2
     nats = None if cfg.switchboard.nats_url else EmbeddedNats(store_dir=Path(cfg.switchboard.jetstream_dir))
     url = cfg.switchboard.nats_url or nats.start()
-    stop = asyncio.Event()
+    stop, force = asyncio.Event(), asyncio.Event()
+
+    def on_signal() -> None:  # the first drains the gateway's requests, a second stops at once
+        (force if stop.is_set() else stop).set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     children: list[Child] = []
+    keeper = asyncio.create_task(_keep_nats(nats, stop)) if nats else None
     try:
         for replica in plan:
             children.append(await spawn(replica, config_path, url))
-        return await _run(children, cfg, stop)
+        return await _run(children, cfg, stop, lambda replica: spawn(replica, config_path, url))
     finally:
-        await shutdown(children)
+        if keeper:
+            keeper.cancel()
+        await shutdown(children, cfg.switchboard.shutdown_grace_seconds, force)
         if nats:
             nats.stop()
 
 
-async def _run(children: list[Child], cfg: Config, stop: asyncio.Event) -> int:
+async def _keep_nats(nats: EmbeddedNats, stop: asyncio.Event) -> None:
+    """The embedded nats-server, started again when it dies (the services reconnect to it on their own)."""
+    restarts: deque = deque()
+    while not stop.is_set():
+        await asyncio.sleep(NATS_POLL_S)
+        if nats.proc is None or nats.proc.poll() is None:
+            continue
+        if not _may_restart(restarts):
+            print(f"switchboard: the embedded nats-server exited with code {nats.proc.returncode} "
+                  f"({MAX_RESTARTS} restarts within {RESTART_WINDOW_S:.0f}s did not mend it)", file=sys.stderr, flush=True)
+            stop.set()
+            return
+        print(f"switchboard: the embedded nats-server exited with code {nats.proc.returncode}; starting it again",
+              file=sys.stderr, flush=True)
+        try:
+            await asyncio.to_thread(nats.run)
+        except (OSError, RuntimeError, TimeoutError) as exc:
+            print(f"switchboard: the embedded nats-server did not start again: {exc}", file=sys.stderr, flush=True)
+
+
+async def _run(children: list[Child], cfg: Config, stop: asyncio.Event, respawn) -> int:
+    """``respawn(replica)``: a new child for a dead one (``children`` is kept current, for the shutdown)."""
     started = time.monotonic()
     died = await _until_ready(children, stop)
     if died:
@@ -86,11 +126,35 @@ async def _run(children: list[Child], cfg: Config, stop: asyncio.Event) -> int:
         return 0
     print(f"Switchboard ready on {business_url(cfg)} (management {management_url(cfg)}, "
           f"model {cfg.model.model_name}, {time.monotonic() - started:.1f}s)", flush=True)
-    died = await _first_death_or_stop(children, stop)
-    if died and died.proc.returncode == 0:  # services leave on their own only after GET /stopService
-        print("switchboard: stopped by /stopService", flush=True)
-        return 0
-    return _report_death(died) if died else 0
+    restarts: dict[str, deque] = {}
+    while True:
+        died = await _first_death_or_stop(children, stop)
+        if died is None:
+            return 0
+        if died.proc.returncode == 0:  # services leave on their own only after GET /stopService
+            print("switchboard: stopped by /stopService", flush=True)
+            return 0
+        if died.proc.returncode == 2 or not _may_restart(restarts.setdefault(died.name, deque())):
+            return _report_death(died, gave_up=True)
+        print(f"switchboard: the {died.name} service exited with code {died.proc.returncode}; starting it again "
+              f"(the others serve on)", file=sys.stderr, flush=True)
+        child = await respawn(died.replica)
+        children[children.index(died)] = child
+        asyncio.create_task(_announce_back(child))
+
+
+def _may_restart(times: deque) -> bool:
+    """One more restart of a child whose earlier ones were at ``times`` (kept to the window)."""
+    now = time.monotonic()
+    while times and now - times[0] > RESTART_WINDOW_S:
+        times.popleft()
+    times.append(now)
+    return len(times) <= MAX_RESTARTS
+
+
+async def _announce_back(child: Child) -> None:
+    await child.ready.wait()
+    print(f"switchboard: {child.name} is serving again", file=sys.stderr, flush=True)
 
 
 async def _until_ready(children: list[Child], stop: asyncio.Event) -> Child | None:
@@ -130,22 +194,38 @@ async def _first_of(waiters: list[asyncio.Future], children: list[Child], timeou
     return True if done else None
 
 
-def _report_death(child: Child) -> int:
+def _report_death(child: Child, gave_up: bool = False) -> int:
     if child.proc.returncode == 2 and child.last_lines:  # a start-up error: its one line names the key or file
         print(child.last_lines[-1], file=sys.stderr, flush=True)
         return 2
-    print(f"switchboard: the {child.name} service exited with code {child.proc.returncode}; "
+    again = f" ({MAX_RESTARTS} restarts within {RESTART_WINDOW_S:.0f}s did not mend it)" if gave_up else ""
+    print(f"switchboard: the {child.name} service exited with code {child.proc.returncode}{again}; "
           f"its last output:\n{child.last_error()}", file=sys.stderr, flush=True)
     return 1
 
 
-async def shutdown(children: list[Child]) -> None:
-    """SIGTERM every child (gateway first), then SIGKILL what is still running after the grace."""
+async def shutdown(children: list[Child], drain_s: float = 0.0, force: asyncio.Event | None = None) -> None:
+    """Stop the gateway first, giving the requests it serves ``drain_s`` (the others serve them meanwhile;
+    ``force`` cuts that short), then every other child: SIGTERM, then SIGKILL after the grace."""
+    gateways = [c for c in children if c.replica is not None and c.replica.service == "gateway"]
+    await _stop(gateways, drain_s + STOP_GRACE_S, force)
+    await _stop([c for c in children if c not in gateways], STOP_GRACE_S, None)
+
+
+async def _stop(children: list[Child], grace_s: float, force: asyncio.Event | None) -> None:
     for child in reversed(children):
         if child.proc.returncode is None:
             child.proc.terminate()
     waits = [asyncio.ensure_future(c.proc.wait()) for c in children]
-    _, late = await asyncio.wait(waits, timeout=STOP_GRACE_S)
+    if not waits:
+        return
+    forced = asyncio.ensure_future(force.wait()) if force is not None else None
+    all_done = asyncio.ensure_future(asyncio.wait(waits))
+    await asyncio.wait([all_done, *([forced] if forced else [])], timeout=grace_s, return_when=asyncio.FIRST_COMPLETED)
+    for task in (forced, all_done):
+        if task is not None:
+            task.cancel()
+    late = [w for w in waits if not w.done()]
     if late:
         for child in children:
             if child.proc.returncode is None:

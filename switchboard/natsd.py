@@ -81,6 +81,10 @@ class EmbeddedNats:
         conf.write(f"jetstream {{ store_dir: {json.dumps(str(self.store_dir))}, max_file_store: {JETSTREAM_FILE_BYTES} }}\n")
         conf.close()
         self.conf = conf.name
+        return self.run()
+
+    def run(self) -> str:
+        """Start the server (again, after it died: the same port, config and JetStream files)."""
         cmd = [find_binary(), "-a", self.host, "-p", str(self.port), "-c", self.conf]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      start_new_session=True, preexec_fn=die_with_parent)

@@ -63,6 +63,7 @@ def write_config(directory: Path, model_dir: Path, **sections) -> Path:
     data = json.loads(DEFAULT_CONFIG.read_text())
     data["ServerConfig"].update({"port": free_port(), "managementPort": free_port(), "metricsPort": free_port()})
     data["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["modelWeightPath"] = str(model_dir)
+    data["Switchboard"]["shutdownGraceSeconds"] = 5  # a stack stopped with a stream still open stops soon
     for section, values in sections.items():
         target = data
         for key in section.split("."):

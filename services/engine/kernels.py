@@ -278,5 +278,9 @@ def gpu_ops() -> TorchOps:
 
 
 if __name__ == "__main__":  # `python -m services.engine.kernels`: build now (switchboard prepare-model runs it)
+    built = any(build_dir().glob("switchboard_cpu_ops*.so"))
+    if not built:
+        print("[kernels] building the engine's CPU kernels for this machine (once; ~1 min)", flush=True)
     ops = for_device(torch.device("cpu"))
-    print(f"[kernels] {'ready' if ops.fused else 'unavailable: the engine will use PyTorch operations'}", flush=True)
+    if not (built and ops.fused):
+        print(f"[kernels] {'ready' if ops.fused else 'unavailable: the engine will use PyTorch operations'}", flush=True)

@@ -120,8 +120,9 @@ class LoraSet:
         try:
             weights = read_adapter(Path(path).absolute(), self.config, self.max_rank)
         except AdapterError as exc:
-            log.warning("lora adapter refused", extra={"adapter": name, "path": path, "why": exc.detail})
-            return self._reply(exc.outcome, name, path, exc.detail)
+            reply = self._reply(exc.outcome, name, path, exc.detail)
+            log.warning("lora adapter refused", extra={"adapter": name, "path": path, "why": reply.message})
+            return reply
         self.slots[name] = Slot(name, weights)
         self._rebuild()
         log.info("lora adapter loaded", extra={"adapter": name, "rank": weights.rank, "path": weights.path})

@@ -15,17 +15,20 @@ from services.gateway.web.slowloris import ClientLimits, protocol_class
 from services.gateway.web.tls import server_contexts
 from shared import bus
 from shared.config import Config
+from shared.listen import check_free
 
 log = logging.getLogger("switchboard.gateway")
 
 
 async def serve(cfg: Config, nats_url: str, stop: asyncio.Event, ready=lambda: None) -> None:
     contexts = server_contexts(cfg)  # plane -> SSLContext with httpsEnabled, else {}
+    check_free(cfg)  # a port in use: one line naming its key (the runner's exit 2), before joining the bus
     nc = await bus.connect(nats_url, "switchboard-gateway", stop)
     gateway = Gateway(cfg, nc)
     await gateway.start()
     limits = ClientLimits.from_config(cfg)
-    servers = [_server(listener, contexts.get(listener.planes[0]), limits) for listener in listeners(gateway)]
+    grace_s = cfg.switchboard.shutdown_grace_seconds
+    servers = [_server(listener, contexts.get(listener.planes[0]), limits, grace_s) for listener in listeners(gateway)]
     tasks = [asyncio.create_task(s.serve()) for s in servers]
     stopper = asyncio.create_task(stop.wait())
     announcer = asyncio.create_task(_announce_when_started(gateway, servers, ready))
@@ -50,11 +53,12 @@ async def _announce_when_started(gateway: Gateway, servers: list[uvicorn.Server]
     ready()
 
 
-def _server(listener, ssl_context: ssl.SSLContext | None, limits: ClientLimits) -> uvicorn.Server:
-    """One listener's uvicorn, its h11 protocol bounding slow clients and open connections."""
+def _server(listener, ssl_context: ssl.SSLContext | None, limits: ClientLimits, grace_s: float) -> uvicorn.Server:
+    """One listener's uvicorn, its h11 protocol bounding slow clients and open connections; stopped, it takes no
+    new connections and gives the requests in flight ``grace_s`` to finish (Switchboard.shutdownGraceSeconds)."""
     config = uvicorn.Config(
         listener.app, host=listener.host, port=listener.port, log_level="warning", access_log=False,
-        lifespan="off", timeout_keep_alive=60, timeout_graceful_shutdown=5, http=protocol_class(limits),
+        lifespan="off", timeout_keep_alive=60, timeout_graceful_shutdown=grace_s, http=protocol_class(limits),
         ssl_context_factory=(lambda _config, _default: ssl_context) if ssl_context else None,
     )
     server = uvicorn.Server(config)

@@ -133,6 +133,23 @@ def test_nats_restarted_mid_stream_every_stream_exact_or_an_explicit_error(clust
     assert ok.status_code == 200 and ok.json()["generated_text"], ok.text  # every service is back
 
 
+def test_requests_sent_as_nats_goes_down_get_a_503_within_two_leases_and_serve_once_it_is_back(cluster):
+    """The bus gone: a request sent in its first second (the leases have not run out yet, so the gateway admits it)
+    gets its 503 once the fleet has been silent a lease and one more brought nobody back (not after the 30 s
+    start timeout), naming the bus; once nats-server is back, requests are served."""
+    lease = 2.0
+    cluster.nats.stop()
+    down = time.monotonic()
+    late = asyncio.run(sent_after(cluster.base, down, [0.1, 0.5, 1.0, 1.5]))
+    assert all(status == 503 and took < 2 * lease + 1.5 for _, status, took in late), late
+    cluster.nats.start()
+    deadline = time.monotonic() + 30
+    while (r := httpx.post(cluster.base + "/generate", json=body(0, False), timeout=30)).status_code != 200:
+        assert time.monotonic() < deadline, (r.text, cluster.log_tails())
+        assert "message bus" in r.json()["error"] or "no engine" in r.json()["error"], r.text
+        time.sleep(0.5)
+
+
 async def sent_after(base: str, since: float, offsets: list[float]) -> list[tuple[float, int, float]]:
     """A /generate sent at each of ``offsets`` seconds after ``since``: (offset, status, seconds to answer)."""
     async def one(offset: float) -> tuple[float, int, float]:

@@ -50,6 +50,15 @@ def check_merged_stack_then_stop(stack: Stack, path) -> None:
     assert len(processes_mentioning(str(path))) == 5  # launcher + 4 services
     children = child_pids(stack.proc.pid)
     assert len(children) == 5  # embedded nats-server + 4 services
+    (nats_pid,) = [pid for pid in children if "nats-server" in open(f"/proc/{pid}/cmdline", "rb").read().decode()]
+    os.kill(nats_pid, 9)  # the embedded nats-server dies: it is started again, and the services reconnect
+    stack.wait_for_line("switchboard: the embedded nats-server exited with code -9; starting it again", 10)
+    deadline = time.monotonic() + 30
+    while (r := httpx.post(stack.url + "/generate", json={"inputs": "hello", "parameters": {"max_new_tokens": 3}},
+                           timeout=60)).status_code != 200:
+        assert time.monotonic() < deadline, r.text
+        time.sleep(0.5)
+    children = child_pids(stack.proc.pid)
     started = time.monotonic()
     assert stack.stop() == 0
     assert time.monotonic() - started < 10
@@ -63,6 +72,20 @@ def test_bad_config_names_the_key_and_range(tmp_path, tiny_model_dir):
     result = serve(path)
     assert result.returncode == 2
     assert "ServerConfig.port" in result.stderr and "[1024, 65535]" in result.stderr
+
+
+def test_a_port_in_use_is_named_before_anything_starts(tmp_path, tiny_model_dir):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        result = serve(write_config(tmp_path, tiny_model_dir, ServerConfig={"metricsPort": port}))
+    assert result.returncode == 2 and time.monotonic() - started < 30, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.endswith(f": ServerConfig.metricsPort: cannot listen on 127.0.0.1:{port}: Address already in use"), line
 
 
 def test_missing_model_folder_is_reported(tmp_path):

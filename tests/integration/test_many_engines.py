@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -34,7 +35,7 @@ NEW_TOKENS = 8
 def many(tmp_path_factory, tiny_model_dir):
     with running_stack(tmp_path_factory.mktemp("many"), tiny_model_dir,
                        BackendConfig={"modelInstanceNumber": ENGINES, "tokenizerProcessNumber": TOKENIZERS},
-                       Switchboard={"kvCacheMemoryMb": 16}) as stack:
+                       Switchboard={"kvCacheMemoryMb": 16, "shutdownGraceSeconds": 60}) as stack:
         yield stack
 
 
@@ -173,9 +174,45 @@ async def test_a_lora_adapter_loads_on_every_engine_and_serves_from_both(many, t
     assert not any(e.adapters for e in (await heartbeats(many)).values())
 
 
-def test_sigterm_stops_every_child(many):
+def pid_of(stack, name: str) -> int:
+    (pid,) = [pid for pid, cmd in children(stack.proc.pid).items() if service_of(cmd)[1] == name]
+    return pid
+
+
+def test_the_launcher_starts_a_killed_engine_and_tokenizer_again_and_no_stream_notices(many):
+    """``kill -9`` of an engine, then of a tokenizer, mid-stream under `switchboard serve`: every stream ends exactly
+    as an uninterrupted run of it (the peers take the dead one's requests), the deployment serves on, and the
+    launcher starts the dead child again."""
+    from tests.integration.test_failover import Streams
+
+    expected = Streams(many.url, seeded=False)
+    asyncio.run(expected.run())
+    assert not any(expected.errors), expected.errors
+    for name in ("engine-0", "tokenizer-0"):
+        before = pid_of(many, name)
+        streams = Streams(many.url, seeded=False)
+        asyncio.run(streams.run(fault=lambda: os.kill(before, 9)))
+        assert not any(streams.errors), (streams.errors, many.output[-30:])
+        assert streams.tokens == expected.tokens
+        many.wait_for_line(f"switchboard: {name} is serving again", 120)
+        assert pid_of(many, name) != before and many.proc.poll() is None
+    assert len(asyncio.run(heartbeats(many))) == ENGINES
+
+
+def test_sigterm_drains_the_streams_then_stops_every_child(many):
+    """SIGTERM: the gateway takes no new connection, the streams it serves run to their ends (exactly as
+    uninterrupted), then every child stops."""
+    from tests.integration.test_failover import Streams
+
     pids = list(children(many.proc.pid))
     assert len(pids) == ENGINES + TOKENIZERS + 2
+    expected = Streams(many.url, seeded=False)
+    asyncio.run(expected.run())
+    streams = Streams(many.url, seeded=False)
+    asyncio.run(streams.run(fault=lambda: many.proc.send_signal(signal.SIGTERM)))
+    assert not any(streams.errors) and streams.tokens == expected.tokens, (streams.errors, many.output[-30:])
+    with pytest.raises(httpx.TransportError):
+        httpx.get(many.url + "/v1/models", timeout=5)
     assert many.stop(timeout=30) == 0
     deadline = time.monotonic() + 5
     while any(Path(f"/proc/{pid}").exists() for pid in pids) and time.monotonic() < deadline:
@@ -184,3 +221,4 @@ def test_sigterm_stops_every_child(many):
     for pid in left:  # leave nothing behind for the next test, then fail
         os.kill(pid, 9)
     assert not left, f"children still running after SIGTERM: {left}"
+

@@ -60,13 +60,18 @@ class Failover:
         """The live engines that take new requests (not draining)."""
         return {i: e for i, e in self.engines.live().items() if not e.stopping}
 
+    def can_serve(self) -> bool:
+        return bool(self.serving_engines()) and self.tokenizer_live()
+
     def require_serving(self, context: str = "") -> None:
         """503 unless a live engine and a live tokenizer can take the request (``context`` prefixes the message)."""
         prefix = f"{context} " if context else ""
+        cut_off = "" if self.nc.is_connected else " (this gateway cannot reach the message bus)"
         if not self.serving_engines():
-            raise SwitchboardError(ErrorKind.UNAVAILABLE, f"{prefix}no engine is serving model {self.model}")
+            raise SwitchboardError(ErrorKind.UNAVAILABLE, f"{prefix}no engine is serving model {self.model}{cut_off}")
         if not self.tokenizer_live():
-            raise SwitchboardError(ErrorKind.UNAVAILABLE, f"{prefix}no tokenizer is serving model {self.model}")
+            raise SwitchboardError(ErrorKind.UNAVAILABLE,
+                                   f"{prefix}no tokenizer is serving model {self.model}{cut_off}")
 
     def tokenizer_subject(self) -> str:
         """Where a retried or resumed request goes: a live tokenizer's own subject (the queue group could hand
@@ -113,8 +118,11 @@ class Failover:
         """Why the session's attempt is lost, if its tokenizer or engine is gone (one this gateway has not
         heard yet, e.g. an engine that just started, is given a lease from when the attempt was answered)."""
         tokenizer, engine = session.owners
-        if tokenizer and self.tokenizers.is_gone(tokenizer, session.owned_since):
-            return f"tokenizer {tokenizer} died"
+        gone = [f"tokenizer {tokenizer}"] if tokenizer and self.tokenizers.is_gone(tokenizer, session.owned_since) else []
         if engine and self.engines.is_gone(engine, session.owned_since):
-            return f"engine {engine} died"
-        return None
+            gone.append(f"engine {engine}")
+        if not gone:
+            return None
+        if not self.nc.is_connected:  # their silence may be the bus's: nobody can be heard
+            return f"the message bus is unreachable: {' and '.join(gone)} went silent"
+        return f"{gone[0]} died"

@@ -1,0 +1,23 @@
+"""config.json's keys that Switchboard does not use: MindIE's own (listed as such) apart from keys neither MindIE
+nor Switchboard has (misspelt, most likely: named with the key they were probably meant to be)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from shared.config import unused_keys
+from shared.mindie_keys import misspelt
+
+SHIPPED = Path(__file__).resolve().parents[2] / "config" / "config.json"
+
+
+def test_a_misspelt_key_is_named_with_the_key_it_was_meant_to_be():
+    assert misspelt("ServerConfig.prot") == "ServerConfig.prot (port?)"
+    assert misspelt("ServerConfig.managementPrt") == "ServerConfig.managementPrt (managementPort?)"
+    assert misspelt("BackendConfig.zzzqqq") == "BackendConfig.zzzqqq"
+
+
+def test_mindies_own_keys_are_not_misspelt():
+    assert misspelt("ServerConfig.distDPServerEnabled") == misspelt("LogConfig") == ""
+    assert misspelt("BackendConfig.ModelDeployConfig.ModelConfig[0].trustRemoteCode") == ""
+    assert [key for key in unused_keys(SHIPPED.read_bytes()) if misspelt(key)] == []  # the shipped config's
