@@ -15,11 +15,13 @@ from __future__ import annotations
 import asyncio
 import re
 import signal
+import socket
 import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from shared.config import Config
 from switchboard.natsd import EmbeddedNats, die_with_parent
@@ -74,6 +76,9 @@ async def launch(config_path: Path, cfg: Config) -> int:
     plan = replicas(cfg)  # before anything starts: a ConfigError here is the caller's exit 2
     nats = None if cfg.switchboard.nats_url else EmbeddedNats(store_dir=Path(cfg.switchboard.jetstream_dir))
     url = cfg.switchboard.nats_url or nats.start()
+    if nats is None and not reachable(url):
+        print(f"switchboard: nothing answers at Switchboard.natsUrl {url} yet; the services keep trying to reach it "
+              "(Ctrl-C stops them)", file=sys.stderr, flush=True)
     stop, force = asyncio.Event(), asyncio.Event()
 
     def on_signal() -> None:  # the first drains the gateway's requests, a second stops at once
@@ -231,6 +236,16 @@ async def _stop(children: list[Child], grace_s: float, force: asyncio.Event | No
             if child.proc.returncode is None:
                 child.proc.kill()
         await asyncio.gather(*late)
+
+
+def reachable(url: str, timeout: float = 2.0) -> bool:
+    """Whether a TCP connection to the NATS URL's host and port opens."""
+    parts = urlsplit(url)
+    try:
+        with socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 4222), timeout=timeout):
+            return True
+    except OSError:
+        return False
 
 
 def business_url(cfg: Config) -> str:

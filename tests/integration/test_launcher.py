@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -116,15 +117,21 @@ def test_sigterm_while_nats_is_down_stops_everything_at_once(tmp_path, tiny_mode
     path = write_config(tmp_path, tiny_model_dir, Switchboard={"natsUrl": f"nats://127.0.0.1:{free_port()}"})
     proc = subprocess.Popen([sys.executable, "-m", "switchboard.cli", "serve", "--config", str(path)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
     try:
         deadline = time.monotonic() + 60
-        while len(processes_mentioning(str(path))) < 5 and time.monotonic() < deadline:  # launcher + 4 services
+        while time.monotonic() < deadline and not all(  # the services are past their imports, in their retries
+                any(f'"service": "switchboard-{name}", "msg": "nats error"' in line for line in list(lines))
+                for name in ("gateway", "tokenizer", "engine", "metrics")):
             time.sleep(0.2)
-        time.sleep(2)  # the services are past their imports, in their first connection's retries
-        assert len(processes_mentioning(str(path))) == 5
+        assert len(processes_mentioning(str(path))) == 5  # launcher + 4 services
         started = time.monotonic()
         proc.terminate()
-        output, _ = proc.communicate(timeout=30)
+        proc.wait(30)
+        reader.join(10)
+        output = "".join(lines)
         assert proc.returncode == 0
         assert time.monotonic() - started < 8, output[-3000:]  # (2 s alone; a busy 2-core machine is slower)
     finally:
@@ -133,6 +140,7 @@ def test_sigterm_while_nats_is_down_stops_everything_at_once(tmp_path, tiny_mode
     assert processes_mentioning(str(path)) == []
     # each connection says once that NATS is not there (then every 30 s), not at each retry (every 0.5 s)
     assert 1 <= output.count('"msg": "nats error"') <= 8, output[-3000:]
+    assert output.count("nothing answers at Switchboard.natsUrl") == 1, output[-3000:]  # the launcher's one line
 
 
 def broken_copy(tmp_path, tiny_model_dir, name: str, content: bytes):
