@@ -42,15 +42,18 @@ class Sampling(msgspec.Struct, kw_only=True, omit_defaults=True):
     ignore_eos: bool = False
     presence_penalty: float = 0.0  # OpenAI/vLLM: on generated tokens only
     frequency_penalty: float = 0.0
-    stop_token_ids: list[int] = []  # end like eos (unless ignore_eos)
+    stop_token_ids: list[int] = []  # end like eos (also with ignore_eos, as in vLLM)
     logprobs: int | None = None  # None: none; k: the sampled token's logprob and the k most likely
     prompt_logprobs: int | None = None  # None: none; k: each prompt token's logprob (after the first) and the k most likely
     grammar: Grammar | None = None  # structured output: every sampled token keeps the text within it
     include_stop_str_in_output: bool = False
+    min_p: float = 0.0  # vLLM's: drop tokens less likely than min_p x the most likely one (when drawing)
+    logit_bias: dict[int, float] = {}  # OpenAI's: added to the token's logit before sampling (greedy too)
 
     @property
     def has_warpers(self) -> bool:
-        return self.temperature != 1.0 or self.top_k > 0 or self.top_p < 1.0 or self.typical_p < 1.0
+        return (self.temperature != 1.0 or self.top_k > 0 or self.top_p < 1.0 or self.typical_p < 1.0
+                or self.min_p > 0.0)
 
     @property
     def sampling(self) -> bool:

@@ -1,8 +1,8 @@
 """Per-request sampling in one batched pass over the step's logits.
 
 Order as transformers applies it: repetition penalty (then vLLM's presence and frequency
-penalties on generated tokens), temperature, top-k, top-p, typical-p, then greedy argmax or a
-seeded draw. A temperature below ``SAMPLING_EPS`` (vLLM's) is greedy. Each draw uses a generator
+penalties on generated tokens, and OpenAI's logit bias), temperature, min-p (vLLM's), top-k, top-p,
+typical-p, then greedy argmax or a seeded draw. A temperature below ``SAMPLING_EPS`` (vLLM's) is greedy. Each draw uses a generator
 seeded from (request seed, tokens so far), so a seeded request gives the same tokens whatever else
 shares its batch, re-running a step draws the same token again, and a request resumed elsewhere
 continues the same sequence. A row whose distribution cannot be formed (every logit -inf, NaN,
@@ -42,6 +42,7 @@ def sample_on_device(logits: torch.Tensor, seqs: list[Sequence], last: torch.Ten
     raw_best = best_finite(logits)
     apply_repetition_penalty(logits, seqs, last)
     apply_output_penalties(logits, seqs, last)
+    apply_logit_bias(logits, seqs)
     tokens = greedy_ids(logits, raw_best)
     rows = [i for i, s in enumerate(seqs) if draws(s.sampling)]
     if rows:
@@ -82,9 +83,9 @@ def greedy_ids(logits: torch.Tensor, fallback: torch.Tensor | None = None) -> to
 
 
 def plain_greedy(sampling: Sampling) -> bool:
-    """Greedy with no penalty: the token is the raw argmax."""
+    """Greedy with no penalty or bias: the token is the raw argmax."""
     return (not draws(sampling) and sampling.repetition_penalty == 1.0
-            and sampling.presence_penalty == 0.0 and sampling.frequency_penalty == 0.0)
+            and sampling.presence_penalty == 0.0 and sampling.frequency_penalty == 0.0 and not sampling.logit_bias)
 
 
 def greedy_only(logits: torch.Tensor) -> list[int]:
@@ -159,6 +160,19 @@ def apply_output_penalties(logits: torch.Tensor, seqs: list[Sequence], last: tor
     logits.index_copy_(0, index, logits.index_select(0, index) - (frequency * counts + presence * (counts > 0).to(logits.dtype)))
 
 
+def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """OpenAI's ``logit_bias``: each listed token's bias added to its logit, in place; no host sync. A token id
+    past the model's vocabulary raises ``ValueError`` (the tokenizer refuses it first; the engine isolates it)."""
+    cells = [(i, token, bias) for i, seq in enumerate(seqs) for token, bias in seq.sampling.logit_bias.items()]
+    if not cells:
+        return
+    if max(token for _, token, _ in cells) >= logits.shape[-1]:
+        raise ValueError(f"a logit_bias token id is past the vocabulary ({logits.shape[-1]} tokens)")
+    rows = on_device([i for i, _, _ in cells], logits.device, torch.long)
+    columns = on_device([token for _, token, _ in cells], logits.device, torch.long)
+    logits.index_put_((rows, columns), on_device([b for _, _, b in cells], logits.device, logits.dtype), accumulate=True)
+
+
 def token_counts(logits: torch.Tensor, seqs: list[Sequence], starts: list[int], last: torch.Tensor | None,
                  rows: torch.Tensor) -> torch.Tensor:
     """[len(seqs), vocab] in ``logits``' dtype: how often each token occurs in each sequence's tokens from
@@ -194,6 +208,8 @@ def token_logprob(row: torch.Tensor, token_id: int, k: int) -> TokenLogprob:
 def warp(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     temps = on_device([s.sampling.temperature for s in seqs], logits.device, torch.float32)
     logits = logits / temps[:, None]
+    if any(s.sampling.min_p > 0.0 for s in seqs):
+        logits = min_p(logits, [s.sampling.min_p for s in seqs])
     if any(s.sampling.top_k > 0 for s in seqs):
         logits = top_k(logits, [s.sampling.top_k for s in seqs])
     if any(s.sampling.top_p < 1.0 for s in seqs):
@@ -216,6 +232,13 @@ def top_k(logits: torch.Tensor, ks: list[int]) -> torch.Tensor:
     everything = on_device([k_i == vocab for k_i in k], logits.device, torch.bool)[:, None]
     kth = kth.masked_fill(everything, float("-inf"))  # a row without top-k loses nothing
     return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def min_p(logits: torch.Tensor, ps: list[float]) -> torch.Tensor:
+    """vLLM's min-p: drop each token less likely than ``p`` times the row's most likely one (after temperature)."""
+    probs = logits.softmax(dim=-1)
+    floor = on_device(ps, logits.device, probs.dtype)[:, None] * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(probs < floor, float("-inf"))
 
 
 def top_p(logits: torch.Tensor, ps: list[float]) -> torch.Tensor:

@@ -275,8 +275,8 @@ class Scheduler:
     def finish_reason(self, seq: Sequence, token_id: int, length: int | None = None) -> FinishReason | None:
         """Why ``seq`` ends at ``token_id``, the token that makes it ``length`` tokens long (default: its last)."""
         length = len(seq) if length is None else length
-        if not seq.sampling.ignore_eos and (token_id in self.eos_token_ids or token_id in seq.sampling.stop_token_ids):
-            return FinishReason.EOS_TOKEN
+        if token_id in seq.sampling.stop_token_ids or (not seq.sampling.ignore_eos and token_id in self.eos_token_ids):
+            return FinishReason.EOS_TOKEN  # (ignore_eos skips the model's EOS only: the client's stop ids still end it)
         if length - seq.num_prompt_tokens >= seq.sampling.max_new_tokens or length >= self.limits.max_seq_len:
             return FinishReason.LENGTH
         return None

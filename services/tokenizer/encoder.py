@@ -59,10 +59,11 @@ def apply_length_limit(ids: list[int], deploy: ModelDeployConfig) -> list[int]:
     return ids[-limit:] if deploy.truncates_left else ids[:limit]
 
 
-def check_token_ids(ids: list[int], vocab_size: int) -> None:
+def check_token_ids(ids: list[int], vocab_size: int, param: str | None = None) -> None:
     bad = [i for i in ids if not 0 <= i < vocab_size]
     if bad:
-        raise validation(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        raise validation(f"{param + ': ' if param else ''}token id {bad[0]} is outside the vocabulary [0, {vocab_size})",
+                         param)
 
 
 def template_turn(req: GenerateRequest | Tokenize) -> dict[str, bool]:

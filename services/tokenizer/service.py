@@ -252,6 +252,7 @@ class TokenizerService:
     async def encode_text(self, req: GenerateRequest) -> list[int]:
         if req.prompt_ids is not None:
             check_token_ids(req.prompt_ids, self.vocab_size)
+        check_token_ids(list(req.sampling.logit_bias), self.vocab_size, "logit_bias")
         if len(req.prompt) > 2048:  # long texts: keep the event loop free
             return await asyncio.to_thread(encode_prompt, self.tok, req, self.cfg.deploy)
         return encode_prompt(self.tok, req, self.cfg.deploy)

@@ -117,6 +117,7 @@ BAD_PARAMETERS = [
     {"typical_p": 0}, {"typical_p": 1.5}, {"watermark": "no"}, {"details": 1}, {"do_sample": "true"},
     {"decoder_input_details": "x"}, {"return_full_text": 0}, {"stop": 5}, {"stop": [""]}, {"stop": ["a" * 1025]},
     {"stop": ["a"] * 1025}, {"adapter_id": "bad id!"}, {"best_of": 2},
+    {"frequency_penalty": 1.0},  # TGI's (a share of all tokens): refused, not ignored; repetition_penalty is taken
 ]
 
 

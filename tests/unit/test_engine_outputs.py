@@ -212,6 +212,19 @@ def test_stop_token_ids_end_like_eos(tiny_runner):
     assert_pool_whole(engine)
 
 
+def test_stop_token_ids_end_it_with_ignore_eos_too(tiny_runner):
+    """ignore_eos skips the model's EOS only (vLLM's check_stop): the client's stop ids still end the request."""
+    reference = greedy_reference(tiny_runner, [prompt(10)], 6)[0]
+    engine = Engine(tiny_runner, limits(), {reference[3]})  # the model's EOS is ignored ...
+    engine.add_request(request("eos", prompt(10), max_new_tokens=6, ignore_eos=True))
+    engine.add_request(request("stop", prompt(10), max_new_tokens=6, ignore_eos=True, stop_token_ids=[reference[2]]))
+    run = run_until_idle(engine)
+    assert run.tokens["eos"] == reference and run.reason("eos") == "length"
+    assert run.tokens["stop"] == reference[: reference.index(reference[2]) + 1]  # ... a stop id is not
+    assert run.reason("stop") == "eos_token"
+    assert_pool_whole(engine)
+
+
 def test_logprobs_ride_on_token_events(tiny_runner):
     engine = Engine(tiny_runner, limits(), set())
     engine.add_request(request("lp", prompt(10), max_new_tokens=3, logprobs=2))

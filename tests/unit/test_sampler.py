@@ -13,8 +13,8 @@ from transformers.generation.logits_process import (
 )
 
 from services.engine.sampler import (
-    SAMPLING_EPS, apply_output_penalties, apply_repetition_penalty, position_seed, raw_logprobs, sample, token_logprob,
-    top_k, top_p, typical_p, warp,
+    SAMPLING_EPS, apply_output_penalties, apply_repetition_penalty, min_p, position_seed, raw_logprobs, sample,
+    token_logprob, top_k, top_p, typical_p, warp,
 )
 from services.engine.sequence import Sequence
 from shared.messages import Sampling
@@ -354,3 +354,34 @@ def test_logprobs_are_the_raw_distribution_with_the_top_k():
     assert got.top_ids == expected.topk(2).indices.tolist()
     assert got.top_logprobs == pytest.approx(expected.topk(2).values.tolist(), abs=1e-5)
     assert token_logprob(rows[2], 5, 0).top_ids == []
+
+
+# ---- min-p and logit bias ------------------------------------------------------------------------
+
+
+def test_min_p_keeps_the_tokens_at_least_p_times_as_likely_as_the_best_per_row():
+    logits = random_logits(3, seed=11)
+    out = min_p(logits, [0.0, 0.1, 0.9])
+    probs = logits.softmax(dim=-1)
+    for row, p in enumerate([0.0, 0.1, 0.9]):
+        assert kept(out[row]) == set((probs[row] >= p * probs[row].max()).nonzero().flatten().tolist())
+    assert kept(out[0]) == set(range(VOCAB)) and 1 <= len(kept(out[2])) < len(kept(out[1])) < VOCAB
+
+
+def test_min_p_one_draws_the_most_likely_token_whatever_the_seed():
+    logits = random_logits(1, seed=12)
+    best = int(logits[0].argmax())
+    assert {sample(logits.clone(), [seq(do_sample=True, temperature=1.5, min_p=1.0, seed=s)])[0]
+            for s in range(1, 20)} == {best}
+    assert len({sample(logits.clone(), [seq(do_sample=True, temperature=1.5, seed=s)])[0] for s in range(1, 20)}) > 1
+
+
+def test_logit_bias_moves_greedy_and_drawn_tokens():
+    logits = random_logits(2, seed=13)
+    worst = int(logits[0].argmin())
+    greedy = sample(logits.clone(), [seq(logit_bias={worst: 100.0}), seq(logit_bias={int(logits[1].argmax()): -100.0})])
+    assert greedy[0] == worst and greedy[1] != int(logits[1].argmax())
+    drawn = {sample(logits[:1].clone(), [seq(do_sample=True, seed=s, logit_bias={worst: 100.0})])[0] for s in range(1, 10)}
+    assert drawn == {worst}
+    with pytest.raises(ValueError, match="vocabulary"):
+        sample(logits[:1].clone(), [seq(logit_bias={VOCAB: 1.0})])

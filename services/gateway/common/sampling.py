@@ -47,6 +47,8 @@ MAX_NEW_TOKENS_DEFAULT = 20
 def mindie_sampling(p: Fields, dialect: MindieDialect, logprobs: int | None = None) -> Sampling:
     """The ``parameters`` object of TGI, native and Triton bodies."""
     p.boolean("watermark", False)
+    if p.data.get("frequency_penalty") is not None:  # TGI's (a share of all tokens); MindIE's routes have none
+        raise validation("frequency_penalty is not supported on this route; repetition_penalty is.", "frequency_penalty")
     return Sampling(
         do_sample=p.boolean("do_sample"),
         temperature=p.number("temperature", 1.0, 0.0, FLT_MAX, lo_open=True, hi_open=False),
@@ -99,7 +101,30 @@ def vllm_sampling(f: Fields, dialect: VllmDialect, logprobs: int | None = None) 
         include_stop_str_in_output=bool(f.boolean("include_stop_str_in_output", False)),
         logprobs=logprobs,
         grammar=guided(f),
+        min_p=f.number("min_p", 0.0, 0.0, 1.0, lo_open=False, hi_open=False),
+        logit_bias=_logit_bias(f),
     )
+
+
+def _logit_bias(f: Fields) -> dict[int, float]:
+    """OpenAI's ``logit_bias``: token ids (as JSON object keys) to a bias in [-100, 100]."""
+    value = f.data.get("logit_bias")
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise validation("logit_bias must be an object of token ids to numbers.", "logit_bias")
+    bias = {}
+    for key, number in value.items():
+        try:
+            token = int(key)
+        except ValueError:
+            token = -1
+        if not 0 <= token <= INT32_MAX:
+            raise validation(f"logit_bias keys must be token ids, got {key!r}.", "logit_bias")
+        if isinstance(number, bool) or not isinstance(number, (int, float)) or not -100 <= number <= 100:
+            raise validation(f"logit_bias[{key}] must be a number in [-100, 100], got {number!r}.", "logit_bias")
+        bias[token] = float(number)
+    return bias
 
 
 def choice_sampling(sampling: Sampling, j: int) -> Sampling:
@@ -150,8 +175,6 @@ def _refuse_unsupported(f: Fields) -> None:
     if f.boolean("skip_special_tokens", True) is False:
         raise validation("skip_special_tokens=false is not supported: special tokens are always skipped.",
                          "skip_special_tokens")
-    if f.data.get("logit_bias"):
-        raise validation("logit_bias is not supported.", "logit_bias")
     if f.integer("min_tokens", 0, 0, INT32_MAX):
         raise validation("min_tokens is not supported.", "min_tokens")
     for name in ("bad_words", "allowed_token_ids"):

@@ -42,6 +42,8 @@ async def chat_body(req: ChatRequest, call: Call) -> dict[str, Any]:
     for index, end in enumerate(await call.results()):
         fmt = call.started[index].tool_format or "hermes"
         content, calls = extract(req.tools, end.text, fmt) if req.tools is not None else (end.text, [])
+        if req.echoed:
+            content = req.echoed + (content or "")
         message = {"role": "assistant", "content": content, "refusal": None, "tool_calls": calls}
         choices.append({"index": index, "message": message, "logprobs": logprobs_json(req, end.tokens),
                         "finish_reason": _finish(end.finish_reason, bool(calls))})
@@ -57,6 +59,9 @@ async def chat_chunks(req: ChatRequest, call: Call) -> AsyncIterator[bytes]:
     for index in range(len(call)):
         role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         yield sse(meta.body([role], **usage.on_chunk(False)))
+        if req.echoed:  # vLLM's echo: the last message's text, a chunk of its own before the answer's
+            echo = {"index": index, "delta": {"content": req.echoed}, "logprobs": None, "finish_reason": None}
+            yield sse(meta.body([echo], **usage.on_chunk(False)))
     async for step in call.steps():
         ends = step.end is not None
         delta = _delta(streams[step.index], step.text, ends)

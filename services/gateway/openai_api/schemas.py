@@ -29,6 +29,7 @@ class ChatRequest:
     listed: tuple[ListInput, ...] = ()  # the contents given as lists (each message's ``content`` is its joined text)
     tools: Tools | None = None  # declared tools and tool_choice (openai_api/tools.py)
     turn: dict[str, bool] = field(default_factory=dict)  # add_generation_prompt, continue_final_message (vLLM's)
+    echoed: str = ""  # vLLM's echo: the last message's text when it is the assistant's, put before each answer
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,14 @@ def parse_chat(body: bytes, cfg: Config, served: Served) -> ChatRequest:
     if tools is not None:
         _tool_roles(messages)
     kwargs = f.obj("chat_template_kwargs").data
-    return ChatRequest(common, messages, logprobs, top, kwargs, listed, tools, chat_turn(data, f))
+    return ChatRequest(common, messages, logprobs, top, kwargs, listed, tools, chat_turn(data, f),
+                       _echoed(messages) if f.boolean("echo", False) else "")
+
+
+def _echoed(messages: list[dict[str, Any]]) -> str:
+    """vLLM's chat ``echo``: the last message's content when its role is the answer's (the assistant's)."""
+    last = messages[-1]
+    return last["content"] if last["role"] == "assistant" and isinstance(last["content"], str) else ""
 
 
 def chat_turn(data: dict[str, Any], f: Fields) -> dict[str, bool]:
