@@ -49,6 +49,7 @@ class Sampling(msgspec.Struct, kw_only=True, omit_defaults=True):
     include_stop_str_in_output: bool = False
     min_p: float = 0.0  # vLLM's: drop tokens less likely than min_p x the most likely one (when drawing)
     logit_bias: dict[int, float] = {}  # OpenAI's: added to the token's logit before sampling (greedy too)
+    min_tokens: int = 0  # vLLM's: no EOS, stop id or stop string ends it before this many tokens
 
     @property
     def has_warpers(self) -> bool:

@@ -43,6 +43,7 @@ def sample_on_device(logits: torch.Tensor, seqs: list[Sequence], last: torch.Ten
     apply_repetition_penalty(logits, seqs, last)
     apply_output_penalties(logits, seqs, last)
     apply_logit_bias(logits, seqs)
+    hold_ending_ids(logits, seqs)
     tokens = greedy_ids(logits, raw_best)
     rows = [i for i, s in enumerate(seqs) if draws(s.sampling)]
     if rows:
@@ -85,7 +86,8 @@ def greedy_ids(logits: torch.Tensor, fallback: torch.Tensor | None = None) -> to
 def plain_greedy(sampling: Sampling) -> bool:
     """Greedy with no penalty or bias: the token is the raw argmax."""
     return (not draws(sampling) and sampling.repetition_penalty == 1.0
-            and sampling.presence_penalty == 0.0 and sampling.frequency_penalty == 0.0 and not sampling.logit_bias)
+            and sampling.presence_penalty == 0.0 and sampling.frequency_penalty == 0.0 and not sampling.logit_bias
+            and not sampling.min_tokens)
 
 
 def greedy_only(logits: torch.Tensor) -> list[int]:
@@ -171,6 +173,17 @@ def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     rows = on_device([i for i, _, _ in cells], logits.device, torch.long)
     columns = on_device([token for _, token, _ in cells], logits.device, torch.long)
     logits.index_put_((rows, columns), on_device([b for _, _, b in cells], logits.device, logits.dtype), accumulate=True)
+
+
+def hold_ending_ids(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """vLLM's min_tokens: a sequence with fewer generated tokens (a placeholder launched ahead counts: it is one)
+    samples none of its ``held_ids`` (EOS, stop ids); in place, no host sync."""
+    cells = [(i, token) for i, seq in enumerate(seqs) if seq.held_ids and len(seq) - seq.num_prompt_tokens
+             < seq.sampling.min_tokens for token in seq.held_ids if token < logits.shape[-1]]
+    if cells:
+        rows = on_device([i for i, _ in cells], logits.device, torch.long)
+        columns = on_device([token for _, token in cells], logits.device, torch.long)
+        logits.index_put_((rows, columns), torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
 
 
 def token_counts(logits: torch.Tensor, seqs: list[Sequence], starts: list[int], last: torch.Tensor | None,

@@ -78,6 +78,9 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.seqs[seq.id] = seq
+        if seq.sampling.min_tokens:  # (the sampler keeps these out until it has min_tokens tokens)
+            ending = set(seq.sampling.stop_token_ids) | (set() if seq.sampling.ignore_eos else self.eos_token_ids)
+            seq.held_ids = tuple(sorted(ending))
         seq.status = Status.WAITING
         bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
 

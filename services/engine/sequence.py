@@ -61,6 +61,7 @@ class Sequence:
     matcher: LLMatcher | None = None  # structured output: its llguidance matcher (engine/grammar.py); None = free
     wants_prompt_logprobs: bool = False  # computes its prompt's logprobs (new requests that asked; no prefix hits)
     prompt_logprobs: dict = field(default_factory=dict)  # prompt position -> TokenLogprob, as prefill chunks run
+    held_ids: tuple[int, ...] = ()  # min_tokens: the ids that would end it (EOS, stop ids), not sampled before then
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)

@@ -57,9 +57,12 @@ class StopMatcher:
         text vLLM drops unless include_stop_str_in_output (the flag it reads for stop ids too)."""
         return token_id in self.stop_ids and not self.include
 
-    def feed(self, delta: str, final: bool) -> tuple[str, bool]:
-        """(text to release now, whether a stop string was hit)."""
+    def feed(self, delta: str, final: bool, armed: bool = True) -> tuple[str, bool]:
+        """(text to release now, whether a stop string was hit); not ``armed`` (before min_tokens, as vLLM), no
+        stop string is looked for and the text goes out whole."""
         self.text += delta
+        if not armed:
+            return self._release(len(self.text)), False
         cut = self._first_stop()
         if cut is not None:
             self.text = self.text[:cut]
@@ -81,7 +84,7 @@ class StopMatcher:
 
 
 def next_text(decoder: IncrementalDecoder, stops: StopMatcher, token_id: int, final: bool,
-              ended_on_eos: bool) -> tuple[str, str | None, bool]:
+              ended_on_eos: bool, armed: bool = True) -> tuple[str, str | None, bool]:
     """One generated token's text: what it releases into the answer, its own text where that differs (a stop
     string's hold-back), and whether a stop string ended the answer. ``final``: the answer's last token (what is
     held back goes out with it); a stop id it ended on leaves its own text out (``StopMatcher.hides``)."""
@@ -89,7 +92,7 @@ def next_text(decoder: IncrementalDecoder, stops: StopMatcher, token_id: int, fi
         delta = decoder.flush()
     else:
         delta = decoder.add(token_id) + (decoder.flush() if final else "")
-    text, stopped = stops.feed(delta, final)
+    text, stopped = stops.feed(delta, final, armed)
     return text, (delta if delta != text else None), stopped
 
 

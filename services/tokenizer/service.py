@@ -342,7 +342,8 @@ class TokenizerService:
             state.generated += 1
             final = event.finish_reason is not None and i == len(event.token_ids) - 1
             text, own, stopped = next_text(state.decoder, state.stops, token_id, final,
-                                           event.finish_reason is FinishReason.EOS_TOKEN)
+                                           event.finish_reason is FinishReason.EOS_TOKEN,
+                                           state.generated >= state.request.sampling.min_tokens)
             tokens.append(self.token_out(token_id, text, event.logprobs[i] if event.logprobs else None, own))
             if stopped:
                 return tokens, True

@@ -357,3 +357,11 @@ def test_flush_releases_an_incomplete_character_at_the_end(tokenizer):
     text += decoder.flush()
     assert text == tokenizer.decode(ids[:-1]) and text.endswith("\ufffd")
     assert decoder.flush() == ""
+
+
+def test_a_stop_matcher_not_armed_yet_releases_everything_and_matches_nothing():
+    """Before min_tokens (vLLM's), a stop string in the text does not end it; once armed, stop strings in the text
+    still to come do."""
+    stops = StopMatcher(["stop"])
+    assert stops.feed("no stop here ", final=False, armed=False) == ("no stop here ", False)
+    assert stops.feed("then stop", final=False) == ("then ", True) and stops.matched == "stop"

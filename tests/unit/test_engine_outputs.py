@@ -225,6 +225,28 @@ def test_stop_token_ids_end_it_with_ignore_eos_too(tiny_runner):
     assert_pool_whole(engine)
 
 
+def test_min_tokens_holds_back_eos_and_stop_ids_until_then(tiny_runner):
+    """vLLM's min_tokens: before it, the model's EOS and the request's stop ids are not sampled (the draw takes the
+    next token its seed ranks first); from it on they end the request as usual."""
+    drawn = dict(do_sample=True, temperature=1.0, seed=7)
+    engine = Engine(tiny_runner, limits(), set())
+    engine.add_request(request("ref", prompt(10), max_new_tokens=8, **drawn))
+    reference = run_until_idle(engine).tokens["ref"]
+    k = next(k for k in range(1, 4) if reference[k] not in reference[:k])  # the first new token after the first
+    ends = reference[k]
+    engine = Engine(tiny_runner, limits(), {ends})
+    engine.add_request(request("free", prompt(10), max_new_tokens=8, **drawn))
+    engine.add_request(request("held", prompt(10), max_new_tokens=8, min_tokens=5, **drawn))
+    engine.add_request(request("stop", prompt(10), max_new_tokens=8, min_tokens=5, ignore_eos=True,
+                               stop_token_ids=[ends], **drawn))
+    run = run_until_idle(engine)
+    assert run.tokens["free"] == reference[:k + 1] and run.reason("free") == "eos_token"
+    for name in ("held", "stop"):
+        tokens = run.tokens[name]
+        assert tokens[:k] == reference[:k] and ends not in tokens[:5] and len(tokens) >= 5, (name, tokens, k)
+    assert_pool_whole(engine)
+
+
 def test_logprobs_ride_on_token_events(tiny_runner):
     engine = Engine(tiny_runner, limits(), set())
     engine.add_request(request("lp", prompt(10), max_new_tokens=3, logprobs=2))

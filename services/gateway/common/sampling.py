@@ -103,7 +103,16 @@ def vllm_sampling(f: Fields, dialect: VllmDialect, logprobs: int | None = None) 
         grammar=guided(f),
         min_p=f.number("min_p", 0.0, 0.0, 1.0, lo_open=False, hi_open=False),
         logit_bias=_logit_bias(f),
+        min_tokens=_min_tokens(f, dialect),
     )
+
+
+def _min_tokens(f: Fields, dialect: VllmDialect) -> int:
+    value = f.integer("min_tokens", 0, 0, INT32_MAX)
+    most = _max_tokens(f, dialect)
+    if value > most:
+        raise validation(f"min_tokens must be less than or equal to max_tokens={most}, got {value}.", "min_tokens")
+    return value
 
 
 def _logit_bias(f: Fields) -> dict[int, float]:
@@ -175,8 +184,6 @@ def _refuse_unsupported(f: Fields) -> None:
     if f.boolean("skip_special_tokens", True) is False:
         raise validation("skip_special_tokens=false is not supported: special tokens are always skipped.",
                          "skip_special_tokens")
-    if f.integer("min_tokens", 0, 0, INT32_MAX):
-        raise validation("min_tokens is not supported.", "min_tokens")
     for name in ("bad_words", "allowed_token_ids"):
         if f.data.get(name):
             raise validation(f"{name} is not supported.", name)
