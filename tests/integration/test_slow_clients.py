@@ -94,6 +94,24 @@ def test_half_requests_get_408_and_are_closed_while_others_are_served(stack):
     assert httpx.post(stack.url + "/generate", json=GOOD, timeout=10).status_code == 200
 
 
+def test_a_body_that_never_comes_gets_its_408_in_the_routes_family_shape(stack):
+    chat = json.dumps({"model": stack.model, "messages": [{"role": "user", "content": "hi"}]}).encode()
+    for path, body in [("/v1/chat/completions", chat), ("/v1/messages", chat)]:
+        head = (b"POST %s HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                % (path.encode(), len(body)))
+        sock = connect(stack.url, head + body[: len(body) // 2])
+        try:
+            answer = read_until_closed(sock, time.monotonic() + TIMEOUT_S + SLACK_S)
+        finally:
+            sock.close()
+        assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
+        error = json.loads(answer.partition(b"\r\n\r\n")[2])
+        if path == "/v1/messages":
+            assert error["type"] == "error" and "request body was not received" in error["error"]["message"]
+        else:
+            assert "request body was not received" in error["error"]["message"], error
+
+
 def test_a_body_arriving_in_pieces_within_the_deadline_is_served(stack):
     sock = connect(stack.url, HEAD)
     try:
@@ -125,9 +143,12 @@ def test_connections_beyond_the_cap_get_503_until_some_close(stack):
         for _ in range(MAX_CONNECTIONS):
             held.append(connect(stack.url, b"GET /v1/models HTTP/1.1\r\nHost: test\r\n\r\n"))
             assert read_response(held[-1]).startswith(b"HTTP/1.1 200 ")  # then idle, kept alive
-        r = httpx.get(stack.url + "/v1/models", timeout=10)
+        r = httpx.get(stack.url + "/v1/models", timeout=10)  # in the shape of the family the path is
         assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
-        assert r.json()["error_type"] == "Service Unavailable" and "maxConnections" in r.json()["error"]
+        error = r.json()["error"]
+        assert error["type"] == "service_unavailable_error" and "maxConnections" in error["message"]
+        r = httpx.post(stack.url + "/generate", json=GOOD, timeout=10)
+        assert r.status_code == 503 and r.json()["error_type"] == "Service Unavailable", r.text
         assert httpx.get(stack.mgmt_url + "/v1/config", timeout=10).status_code == 200  # its own listener
         held[0].sendall(b"GET /v1/models HTTP/1.1\r\nHost: test\r\n\r\n")
         assert read_response(held[0]).startswith(b"HTTP/1.1 200 ")  # admitted connections go on

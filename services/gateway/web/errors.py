@@ -38,13 +38,32 @@ def on_tgi_error(_: Request, exc: SwitchboardError) -> Response:
 MINDIE_V1 = ("/v1/tokenizer", "/v1/config", "/v1/status", "/v1/role/")  # MindIE's own /v1 routes: its shape
 
 
+def family_of(path: str) -> str:
+    """Whose error shape a path's client reads: "anthropic" (/v1/messages), "openai" (/v1/, but MindIE's own
+    routes there), else "mindie"."""
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+        return "anthropic"
+    return "openai" if path.startswith("/v1/") and not path.startswith(MINDIE_V1) else "mindie"
+
+
+def shaped_body(path: str, status: int, message: str, mindie_type: str) -> dict:
+    """An error body in the shape of ``path``'s family (for answers made below the routes: the connection cap, a
+    body that never came)."""
+    family = family_of(path)
+    if family == "anthropic":
+        return anthropic_errors.error_body(status, message)
+    if family == "openai":
+        return openai_errors.error_body(status, message)
+    return {"error": message, "error_type": mindie_type}
+
+
 def on_http_error(request: Request, exc: HTTPException) -> Response:
     """Litestar's own errors outside a family's router (no route for the path, or for the method): OpenAI's shape
     under /v1/ (Anthropic's under /v1/messages), as the client of that prefix reads it; else MindIE's."""
     path = request.url.path
-    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+    if family_of(path) == "anthropic":
         return anthropic_errors.on_http_error(request, exc)
-    if path.startswith("/v1/") and not path.startswith(MINDIE_V1):
+    if family_of(path) == "openai":
         if exc.status_code == 404:  # OpenAI's words for a route it does not have
             body = openai_errors.error_body(404, f"Invalid URL ({request.method} {path})")
             return Response(body, status_code=404, media_type="application/json")

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from services.gateway.web.errors import shaped_body
 from shared.config import Config
 
 log = logging.getLogger("switchboard.gateway")
@@ -58,8 +59,8 @@ def _plain_response(status: int, reason: str, body: dict[str, str]) -> bytes:
 
 async def _over_capacity(scope, receive, send) -> None:
     """The ASGI app of a connection opened beyond maxConnections: 503, then the connection closes."""
-    payload = json.dumps({"error": "Too many open connections: the listener's maxConnections is reached; "
-                                   "retry later", "error_type": "Service Unavailable"}).encode()
+    message = "Too many open connections: the listener's maxConnections is reached; retry later"
+    payload = json.dumps(shaped_body(scope.get("path", ""), 503, message, "Service Unavailable")).encode()
     await send({"type": "http.response.start", "status": 503, "headers": [
         (b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
         (b"connection", b"close"), (b"retry-after", b"1")]})
@@ -132,8 +133,9 @@ class SlowClientProtocol(H11Protocol):
         log.info("closing a connection from %s: request %s not received within %s s", self.client, phase, timeout)
         if phase == HEAD or not self.cycle.response_started:
             message = f"The request {phase} was not received within {timeout:g} s."
+            path = self.cycle.scope.get("path", "") if phase == BODY and self.cycle is not None else ""
             self.transport.write(_plain_response(408, "Request Timeout",
-                                                 {"error": message, "error_type": "Request Timeout"}))
+                                                 shaped_body(path, 408, message, "Request Timeout")))
         if self.cycle is not None and not self.cycle.response_complete:
             self.cycle.disconnected = True
             self.cycle.message_event.set()
