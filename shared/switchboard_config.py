@@ -105,6 +105,10 @@ class SwitchboardConfig(msgspec.Struct, rename="camel", kw_only=True, forbid_unk
     """a stream silent this long (queued for a slot, in a long prefill) sends the family's keep-alive: an SSE
     comment (OpenAI, TGI, Triton), Anthropic's ping event, vLLM's empty chunk; 0 sends none. Proxies close
     connections idle for 60-120 s."""
+    cors_allow_origins: list[Annotated[str, Meta(min_length=1, max_length=2048)]] = []
+    """the origins a browser may call the HTTP API from (CORS, as vLLM's --allowed-origins and TGI's
+    --cors-allow-origin), e.g. ["http://localhost:3000"], or ["*"] for any; empty (the default): no CORS headers,
+    so browsers allow same-origin calls only."""
     shutdown_grace_seconds: Annotated[float, Meta(ge=0, le=3600)] = 30.0
     """on SIGTERM (or Ctrl-C) the gateway takes no new connections and gives the requests it is serving this long
     to finish before the services stop (as TGI and vLLM drain); a second signal stops at once."""

@@ -15,6 +15,7 @@ import pytest
 from tests.integration.stack import running_stack, sse_events
 
 TIMEOUT_S = 1  # headerTimeoutSeconds and bodyTimeoutSeconds
+ORIGIN = "http://localhost:3000"  # corsAllowOrigins
 MAX_CONNECTIONS = 100
 SLACK_S = 4  # how long past its deadline a slow socket may stay open
 GOOD = {"inputs": "My name is", "parameters": {"max_new_tokens": 2, "do_sample": False}}
@@ -27,7 +28,8 @@ HEAD = (b"POST /generate HTTP/1.1\r\nHost: test\r\nContent-Type: application/jso
 def stack(tmp_path_factory, tiny_model_dir):
     with running_stack(tmp_path_factory.mktemp("slow-clients"), tiny_model_dir,
                        Switchboard={"headerTimeoutSeconds": TIMEOUT_S, "bodyTimeoutSeconds": TIMEOUT_S,
-                                    "maxConnections": MAX_CONNECTIONS}) as stack:
+                                    "maxConnections": MAX_CONNECTIONS,
+                                    "corsAllowOrigins": [ORIGIN]}) as stack:  # (CORS shares this stack)
         yield stack
 
 
@@ -159,3 +161,19 @@ def test_connections_beyond_the_cap_get_503_until_some_close(stack):
     while (status := httpx.get(stack.url + "/v1/models", timeout=10).status_code) != 200:
         assert time.monotonic() < deadline, f"still {status} after the held connections closed"
         time.sleep(0.05)
+
+
+def test_a_browser_on_an_allowed_origin_may_call_and_others_may_not(stack, tiny_stack):
+    """Switchboard.corsAllowOrigins: the preflight and the answer carry Access-Control-Allow-Origin for it, not for
+    another origin; a deployment that allows none (tiny_stack, the default) sends no CORS header."""
+    preflight = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "content-type,authorization"}
+    r = httpx.options(stack.url + "/v1/chat/completions", headers=preflight, timeout=10)
+    assert r.status_code in (200, 204) and r.headers["access-control-allow-origin"] == ORIGIN, r.headers
+    assert "POST" in r.headers["access-control-allow-methods"]
+    r = httpx.post(stack.url + "/generate", json=GOOD, headers={"Origin": ORIGIN}, timeout=30)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ORIGIN
+    other = httpx.get(stack.url + "/v1/models", headers={"Origin": "http://evil.example"}, timeout=10)
+    assert "access-control-allow-origin" not in other.headers
+    plain = httpx.get(tiny_stack.url + "/v1/models", headers={"Origin": ORIGIN}, timeout=10)
+    assert plain.status_code == 200 and "access-control-allow-origin" not in plain.headers

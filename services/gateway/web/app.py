@@ -6,6 +6,7 @@ import uuid
 from dataclasses import dataclass
 
 from litestar import Litestar
+from litestar.config.cors import CORSConfig
 from litestar.datastructures import State
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -43,10 +44,17 @@ def create_app(gateway: Gateway, route_handlers: list) -> Litestar:
         state=State({"gateway": gateway}),
         exception_handlers=EXCEPTION_HANDLERS,
         request_max_body_size=gateway.cfg.server.max_request_length * 1024 * 1024,
+        cors_config=cors(gateway.cfg.switchboard.cors_allow_origins),
         middleware=[request_uuid_middleware],
         openapi_config=None,
         logging_config=None,
     )
+
+
+def cors(origins: list[str]) -> CORSConfig | None:
+    """Switchboard.corsAllowOrigins: preflights answered and responses marked for those origins (any method and
+    header, as vLLM's defaults); none, no CORS."""
+    return CORSConfig(allow_origins=origins, allow_methods=["*"], allow_headers=["*"]) if origins else None
 
 
 def listeners(gateway: Gateway) -> list[Listener]:
