@@ -75,4 +75,13 @@ class PrefixPulled(msgspec.Struct, tag="pulled", omit_defaults=True):
     ok: bool = True
 
 
-MetricsEvent = Union[Received, Queued, FirstToken, Finished, KvTransferred, Routed, PrefixPulled]
+class Refused(msgspec.Struct, tag="refused", omit_defaults=True):
+    """Gateway: an inference request answered with an error before it was received as one (bad input, the slots
+    full, no engine serving, a body too large): its family's route and the HTTP status."""
+
+    model: str
+    api: str
+    status: int
+
+
+MetricsEvent = Union[Received, Queued, FirstToken, Finished, KvTransferred, Routed, PrefixPulled, Refused]

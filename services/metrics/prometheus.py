@@ -53,6 +53,7 @@ from shared.metrics_messages import (
     PrefixPulled,
     Queued,
     Received,
+    Refused,
     Routed,
 )
 
@@ -80,6 +81,9 @@ class PrometheusMetrics:
         self.failed = Counter("request_failed", "Number of requests failed so far.", by_adapter, registry=r)
         self.finished = Counter("request_finished", "Finished requests by finish reason.",
                                 [*by_adapter, "finished_reason"], registry=r)
+        self.refused = Counter("request_refused", "Inference requests answered with an error before they were "
+                               "received (bad input, slots full, no engine serving), by HTTP status.",
+                               ["model_name", "api", "status"], registry=r)
         self.running = Gauge("num_requests_running", "Number of requests currently running.", label, registry=r)
         self.waiting = Gauge("num_requests_waiting", "Number of requests waiting.", label, registry=r)
         self.swapped = Gauge("num_requests_swapped", "Number of requests swapped to CPU.", label, registry=r)
@@ -142,6 +146,8 @@ class PrometheusMetrics:
             self.fleet.routed(event)
         elif isinstance(event, PrefixPulled):
             self.fleet.pulled_prefix(event)
+        elif isinstance(event, Refused):
+            self.refused.labels(m, event.api, str(event.status)).inc()
 
     def _finished(self, event: Finished) -> None:
         m, reason = self.model, FinishReason(event.finish_reason)  # as decoded (a str from a caller in process)

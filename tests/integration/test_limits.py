@@ -6,6 +6,7 @@ import asyncio
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from switchboard.natsd import EmbeddedNats
 from tests.conftest import write_config
@@ -43,3 +44,11 @@ async def test_beyond_links_and_queue_is_429_in_each_family_shape(one_link_stack
         assert [r.status_code for r in done] == [200, 200, 200]  # the waiting ones were served in turn
         ok = await client.post(url + "/infer", json={"inputs": "hi", "parameters": {"max_new_tokens": 2}})
         assert ok.status_code == 200, ok.text
+    await asyncio.sleep(0.5)  # the refusals are counted (request_refused_total), the served requests as received
+    metrics = {(s.name, s.labels.get("api"), s.labels.get("status")): s.value
+               for family in text_string_to_metric_families(httpx.get(one_link_stack.metrics_url + "/metrics").text)
+               for s in family.samples if s.name in ("request_refused_total", "request_received_total")}
+    assert metrics[("request_refused_total", "mindie", "429")] == 1
+    assert metrics[("request_refused_total", "tgi", "429")] == 1
+    assert metrics[("request_refused_total", "openai-completions", "429")] == 1
+    assert metrics[("request_received_total", "vllm", None)] == 3 and metrics[("request_received_total", "mindie", None)] == 1

@@ -41,6 +41,9 @@ async def test_counters_and_histograms_after_a_known_workload(metrics_stack):
         assert post(metrics_stack, "/generate", body).status_code == 200
     too_long = post(metrics_stack, "/generate", {"prompt": "word " * 200})
     assert too_long.status_code == 422  # refused by the tokenizer: received and failed
+    assert post(metrics_stack, "/generate", {"prompt": PROMPT, "max_tokens": 0}).status_code == 422
+    assert post(metrics_stack, "/generate", {"inputs": PROMPT, "parameters": {"top_p": 2}}).status_code == 422
+    assert post(metrics_stack, "/v1/chat/completions", {"model": "nope", "messages": []}).status_code in (400, 404)
     await asyncio.sleep(1.5)  # two heartbeats carry the engine's counters
     r = httpx.get(metrics_stack.metrics_url + "/metrics")
     assert r.status_code == 200 and r.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
@@ -62,6 +65,10 @@ async def test_counters_and_histograms_after_a_known_workload(metrics_stack):
     assert m["num_requests_running"] == 0 and m["num_requests_waiting"] == 0
     assert m["npu_cache_usage_perc"] == 0.0
     assert m["failed_request_perc"] == pytest.approx(0.25)
+    # refused before they were received (the gateway's checks): counted apart, by route and status
+    assert m['request_refused_total{"api": "vllm", "status": "422"}'] == 1
+    assert m['request_refused_total{"api": "tgi", "status": "422"}'] == 1
+    assert sum(v for k, v in m.items() if k.startswith('request_refused_total{"api": "openai-chat"')) == 1
     assert m['time_to_first_token_seconds_bucket{"le": "+Inf"}'] == 3
 
 

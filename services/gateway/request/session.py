@@ -31,6 +31,8 @@ from shared.messages import (
 )
 from shared.metrics_messages import PROBE_API, Finished, FirstToken, Received
 
+from services.gateway.request.marks import mark_received
+
 if TYPE_CHECKING:
     from services.gateway.request.context import SessionContext
 
@@ -111,6 +113,7 @@ class Session:
         """Publish the request and wait for the tokenizer's answer (raises on a validation error)."""
         self.ctx.inflight.add(self)
         self.ctx.emit(Received(id=self.id, model=self.ctx.model, adapter=self.request.adapter, api=self.api))
+        mark_received()  # (its HTTP request's refusal, if it fails now, is this request's end: counted once)
         self.published = True
         deadline = time.monotonic() + START_TIMEOUT_S
         failover = self.ctx.failover

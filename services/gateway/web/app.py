@@ -22,6 +22,7 @@ from services.gateway.tgi import routes as tgi
 from services.gateway.triton import routes as triton
 from services.gateway.web import generate
 from services.gateway.web.errors import EXCEPTION_HANDLERS
+from services.gateway.web.refusals import refusal_middleware
 
 BUSINESS_ROUTES = [*tgi.ROUTES, *generate.ROUTES, *openai_api.ROUTES, *openai_tokenize.ROUTES, *responses_api.ROUTES,
                    *anthropic.ROUTES, *triton.ROUTES, *native.ROUTES, *dresult.ROUTES]
@@ -38,14 +39,16 @@ class Listener:
     planes: tuple[str, ...] = ("business",)  # which planes' routes it serves: business, management, metrics
 
 
-def create_app(gateway: Gateway, route_handlers: list) -> Litestar:
+def create_app(gateway: Gateway, route_handlers: list, business: bool = True) -> Litestar:
+    """``business``: the listener serves the inference routes (their refusals are counted)."""
+    counting = [refusal_middleware(lambda: gateway.cfg.model.model_name, gateway.emit)] if business else []
     return Litestar(
         route_handlers=route_handlers,
         state=State({"gateway": gateway}),
         exception_handlers=EXCEPTION_HANDLERS,
         request_max_body_size=gateway.cfg.server.max_request_length * 1024 * 1024,
         cors_config=cors(gateway.cfg.switchboard.cors_allow_origins),
-        middleware=[request_uuid_middleware],
+        middleware=[request_uuid_middleware, *counting],
         openapi_config=None,
         logging_config=None,
     )
@@ -68,8 +71,8 @@ def listeners(gateway: Gateway) -> list[Listener]:
     by_address: dict[tuple[str, int], list[str]] = {}
     for name, (address, _) in planes.items():
         by_address.setdefault(address, []).append(name)
-    return [Listener(host, port, head_middleware(create_app(gateway, [r for name in names for r in planes[name][1]])),
-                     tuple(names))
+    return [Listener(host, port, head_middleware(create_app(gateway, [r for name in names for r in planes[name][1]],
+                                                            "business" in names)), tuple(names))
             for (host, port), names in by_address.items()]
 
 

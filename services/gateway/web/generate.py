@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from litestar import Request, Response, Router, post
 
+from services.gateway.request.marks import mark_api
 from services.gateway.tgi import routes as tgi
 from services.gateway.vllm import routes as vllm
 from services.gateway.web.errors import TGI_EXCEPTION_HANDLERS
@@ -15,6 +16,7 @@ from services.gateway.web.validation import parse_json_object
 async def generate(request: Request) -> Response:
     data = parse_json_object(await request.body(), tgi.GENERATE_PARSE_ERROR)
     if data.get("prompt") is not None:
+        mark_api("vllm")
         return await vllm.generate(request, data)
     return await tgi.generate(request, data)
 
