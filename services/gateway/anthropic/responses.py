@@ -1,7 +1,7 @@
 """Anthropic's ``message`` body and its stream of events, from a call's one choice.
 
-Stream: ``message_start`` (the message with no content, its input tokens), then each content block
-(``content_block_start``, its deltas, ``content_block_stop``; a ``ping`` after the first start), then
+Stream: ``message_start`` (the message with no content, its input tokens) and a ``ping``, then each content
+block (``content_block_start``, its deltas, ``content_block_stop``; none for an empty answer), then
 ``message_delta`` (``stop_reason``, ``stop_sequence``, output tokens) and ``message_stop``. Every event has its
 ``event:`` line (the SDK dispatches on it). Text streams as it comes; with tools declared the answer is read
 whole first (a tool call is known only at its end), then sent as text and ``tool_use`` blocks.
@@ -87,13 +87,13 @@ async def message_events(req: MessagesRequest, call: Call) -> AsyncIterator[byte
     start = {**head(req), "content": [], "stop_reason": None, "stop_sequence": None,
              "usage": {**usage(call), "output_tokens": 0}}
     yield event("message_start", {"message": start})
+    yield PING  # (at the start: a ping later, right after a block, would look like a keep-alive owed no silence)
     end, content = None, []
     if req.tools is None:
         async for step in call.steps():
             if step.text and not content:  # the text block opens with its first text: no empty block
                 content = [{"type": "text"}]
                 yield event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
-                yield PING
             if step.text:
                 yield event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": step.text}})
             end = step.end or end
@@ -106,8 +106,6 @@ async def message_events(req: MessagesRequest, call: Call) -> AsyncIterator[byte
         for index, block in enumerate(content):
             for chunk in _whole_block(index, block):
                 yield chunk
-            if index == 0:
-                yield PING
     reason = stop_reason(end, content)
     yield event("message_delta", {"delta": {"stop_reason": reason,
                                             "stop_sequence": end.stop or None if reason == "stop_sequence" else None},

@@ -60,8 +60,9 @@ class Failover:
         """The live engines that take new requests (not draining)."""
         return {i: e for i, e in self.engines.live().items() if not e.stopping}
 
-    def can_serve(self) -> bool:
-        return bool(self.serving_engines()) and self.tokenizer_live()
+    def heard(self) -> bool:
+        """An engine (draining ones too: they finish what they took) and a tokenizer are live."""
+        return bool(self.engines.live()) and self.tokenizer_live()
 
     def require_serving(self, context: str = "") -> None:
         """503 unless a live engine and a live tokenizer can take the request (``context`` prefixes the message)."""

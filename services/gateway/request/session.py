@@ -122,7 +122,7 @@ class Session:
             subject = subjects.TOKENIZER_GENERATE if self.attempt == 0 else failover.tokenizer_subject()
             await bus.publish(self.ctx.nc, subject, msgspec.structs.replace(self.request, id=self.current_id))
             asked = time.monotonic()
-            event = await self._answer(deadline, lambda: not failover.can_serve() or (
+            event = await self._answer(deadline, lambda: not failover.heard() or (
                 failover.tokenizer_deaths != deaths and time.monotonic() - asked >= patience))
             if isinstance(event, Started):
                 self.started, self.owned_since = event, time.monotonic()
@@ -131,7 +131,7 @@ class Session:
                 raise self._error(event)
             if time.monotonic() >= deadline:
                 raise self._fail(ErrorKind.UNAVAILABLE, "the tokenizer service did not answer")
-            if not failover.can_serve():  # the fleet went silent (the bus is down?): 503 unless it is back in a lease
+            if not failover.heard():  # the fleet went silent (the bus is down?): 503 unless it is back in a lease
                 try:
                     await failover.wait_serving("the request could not start:")
                 except SwitchboardError as exc:
