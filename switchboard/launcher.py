@@ -92,7 +92,8 @@ async def launch(config_path: Path, cfg: Config) -> int:
     try:
         for replica in plan:
             children.append(await spawn(replica, config_path, url))
-        return await _run(children, cfg, stop, lambda replica: spawn(replica, config_path, url))
+        code = await _run(children, cfg, stop, lambda replica: spawn(replica, config_path, url))
+        return 1 if keeper is not None and keeper.done() and keeper.result() is False else code
     finally:
         if keeper:
             keeper.cancel()
@@ -101,8 +102,9 @@ async def launch(config_path: Path, cfg: Config) -> int:
             nats.stop()
 
 
-async def _keep_nats(nats: EmbeddedNats, stop: asyncio.Event) -> None:
-    """The embedded nats-server, started again when it dies (the services reconnect to it on their own)."""
+async def _keep_nats(nats: EmbeddedNats, stop: asyncio.Event) -> bool:
+    """The embedded nats-server, started again when it dies (the services reconnect to it on their own); False
+    when it kept dying (the deployment then stops)."""
     restarts: deque = deque()
     while not stop.is_set():
         await asyncio.sleep(NATS_POLL_S)
@@ -112,7 +114,7 @@ async def _keep_nats(nats: EmbeddedNats, stop: asyncio.Event) -> None:
             print(f"switchboard: the embedded nats-server exited with code {nats.proc.returncode} "
                   f"({MAX_RESTARTS} restarts within {RESTART_WINDOW_S:.0f}s did not mend it)", file=sys.stderr, flush=True)
             stop.set()
-            return
+            return False
         print(f"switchboard: the embedded nats-server exited with code {nats.proc.returncode}; starting it again",
               file=sys.stderr, flush=True)
         try:
