@@ -8,7 +8,7 @@ URLs from those hosts and their subdomains, and base64 ``data:`` URLs carry medi
 seed says; audio and video as OpenAI's ``input_audio`` and vLLM's clients send them).
 
 The rules (reference §2.6 and seed 003): at most 20 media items per request; images up to 20 MB
-(jpg, jpeg, png; base64 jpeg or png as a data: URL), video up to 512 MB (mp4, avi, wmv), audio up to
+(jpg, jpeg, png, and the gif and webp OpenAI's and Anthropic's APIs take too; base64 as a data: URL), video up to 512 MB (mp4, avi, wmv), audio up to
 20 MB (mp3, wav, flac); a per-request total (``Switchboard.mediaMaxRequestMb``). A local path:
 no ``..`` component, a relative path is relative to the root, its real path (symlinks resolved)
 stays under the root's real path, and it is a non-empty regular file with the kind's extension.
@@ -44,9 +44,9 @@ from shared.messages import MediaRef
 MB = 1024 * 1024
 MAX_ITEMS = 20  # "The number of multimodal url should be no more than 20" (reference §2.6)
 ITEM_LIMITS = {"image": 20 * MB, "video": 512 * MB, "audio": 20 * MB}
-EXTENSIONS = {"image": ("jpg", "jpeg", "png"), "video": ("mp4", "avi", "wmv"), "audio": ("mp3", "wav", "flac")}
+EXTENSIONS = {"image": ("jpg", "jpeg", "png", "gif", "webp"), "video": ("mp4", "avi", "wmv"), "audio": ("mp3", "wav", "flac")}
 DATA_TYPES = {  # the data: URL types of each kind; the content's signature is checked too
-    "image": ("image/jpeg", "image/jpg", "image/png"),
+    "image": ("image/jpeg", "image/jpg", "image/png", "image/gif", "image/webp"),
     "video": ("video/mp4", "video/avi", "video/x-msvideo", "video/x-ms-wmv"),
     "audio": ("audio/wav", "audio/x-wav", "audio/wave", "audio/mpeg", "audio/mp3", "audio/flac", "audio/x-flac"),
 }
@@ -240,7 +240,7 @@ def base64_size(payload: str) -> int:
 # ---- content ----------------------------------------------------------------------------------
 
 _ASF = bytes.fromhex("3026b2758e66cf11a6d900aa0062ce6c")
-_FORMATS = {"image": ("JPEG", "PNG"), "video": ("MP4", "AVI", "WMV"), "audio": ("MP3", "WAV", "FLAC")}
+_FORMATS = {"image": ("JPEG", "PNG", "GIF", "WEBP"), "video": ("MP4", "AVI", "WMV"), "audio": ("MP3", "WAV", "FLAC")}
 
 
 def sniff(kind: str, head: bytes) -> str:
@@ -250,6 +250,8 @@ def sniff(kind: str, head: bytes) -> str:
     found = {
         "JPEG": head[:3] == b"\xff\xd8\xff",
         "PNG": head[:8] == b"\x89PNG\r\n\x1a\n",
+        "GIF": head[:6] in (b"GIF87a", b"GIF89a"),
+        "WEBP": riff and head[8:12] == b"WEBP",
         "MP4": head[4:8] == b"ftyp",
         "AVI": riff and head[8:12] == b"AVI ",
         "WMV": head[:16] == _ASF,

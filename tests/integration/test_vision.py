@@ -8,6 +8,7 @@ image are 422s, and unsafe items are refused before anything is fetched."""
 from __future__ import annotations
 
 import base64
+import io
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -132,6 +133,11 @@ def test_anthropic_client_with_an_image_block_equals_transformers(stack, smolvlm
     assert out.content[0].text == expected and out.stop_reason in ("max_tokens", "end_turn")
     counted = api.messages.count_tokens(model=stack.model, messages=conversation)
     assert counted.input_tokens == out.usage.input_tokens > 20  # the image's tokens counted as the request's
+    lossless = io.BytesIO()
+    CAT.save(lossless, format="WEBP", lossless=True)  # WebP (and GIF), as Anthropic's API takes them: same pixels
+    source.update(media_type="image/webp", data=base64.b64encode(lossless.getvalue()).decode())
+    webp = api.messages.create(model=stack.model, max_tokens=NEW, extra_body={"temperature": 0}, messages=conversation)
+    assert webp.content[0].text == expected
 
 
 def test_text_and_image_requests_together_answer_as_alone(stack, want):
@@ -154,6 +160,15 @@ def test_what_the_model_cannot_take_is_a_422(stack, server):
     broken = "data:image/png;base64," + base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\0" * 64).decode()
     for source in (broken, "broken.png"):
         assert_422(send(stack, "/generate", described(source)), "/generate", "the image cannot be decoded")
+        chat = {"model": stack.model, "max_tokens": 2, "messages": [
+            {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+            {"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                         {"type": "image_url", "image_url": {"url": source}}]}]}
+        r = post(stack, "/v1/chat/completions", chat)  # the tokenizer's refusal names the item's place
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages[2].content[1]", r.text
+        r = post(stack, "/v1/responses", {"model": stack.model, "max_output_tokens": 2, "input": [
+            {"role": "user", "content": [{"type": "input_image", "image_url": source}]}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input[0].content[0]", r.text
     for source, why in (("../cat.png", "'..'"), (f"http://127.0.0.2:{server.port}/x.png", "not on the media allow-list"),
                         ("http://169.254.169.254/cat.png", "link-local")):
         assert_422(send(stack, "/generate", described(source)), "/generate", why)

@@ -233,7 +233,7 @@ async def test_the_request_total_counts_fetched_bytes(server):
 async def test_bad_answers(server):
     assert "the server answered 404" in await refusal(get(server.url("/nothing.jpg"), policy()))
     assert "gzip-encoded body" in await refusal(get(server.url("/gzip"), policy()))
-    assert "media item 0 (image): the content is not JPEG or PNG" in await refusal(get(server.url("/text"), policy()))
+    assert "media item 0 (image): the content is not JPEG or PNG or GIF or WEBP" in await refusal(get(server.url("/text"), policy()))
     assert "the content is not MP4 or AVI or WMV" in await refusal(get(server.url("/img.jpg"), policy(), "video"))
 
 
@@ -296,7 +296,7 @@ async def test_a_file_that_grew_past_the_limit_is_refused(root):
 
 async def test_a_local_file_must_be_what_its_extension_says(root):
     (root / "fake.png").write_bytes(b"#!/bin/sh\necho hi\n")
-    assert "the content is not JPEG or PNG" in await refusal(fetch_refs([MediaRef("image", "fake.png")], local(root)))
+    assert "the content is not JPEG or PNG or GIF or WEBP" in await refusal(fetch_refs([MediaRef("image", "fake.png")], local(root)))
 
 
 async def test_nothing_is_fetched_when_any_item_is_refused(server, root):

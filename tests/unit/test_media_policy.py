@@ -134,9 +134,9 @@ def test_a_device_file_is_refused(root, policy):
 
 
 def test_extensions_per_kind(root, policy):
-    (root / "cat.gif").write_bytes(b"GIF89a")
+    (root / "cat.bmp").write_bytes(b"BM")
     (root / "noext").write_bytes(JPEG)
-    assert "extension .gif is not allowed for images (allowed: jpg, jpeg, png)" in refusal(image("cat.gif"), policy)
+    assert "extension .bmp is not allowed for images (allowed: jpg, jpeg, png, gif, webp)" in refusal(image("cat.bmp"), policy)
     assert "extension (none) is not allowed" in refusal(image("noext"), policy)
     assert "extension .jpg is not allowed for videos (allowed: mp4, avi, wmv)" in refusal(
         [MediaRef("video", "cat.jpg")], policy)
@@ -197,9 +197,9 @@ def test_a_data_url_over_the_limit_is_refused_from_its_length():
     ("data:image/png;base64,iVBO Rw0K", "base64 content is malformed"),
     ("data:image/png,rawbytes", "must be base64"),
     ("data:image/png;base64", "must be base64"),
-    ("data:image/gif;base64,R0lGODlh", "type image/gif is not allowed for images"),
+    ("data:image/bmp;base64,Qk0AAAAA", "type image/bmp is not allowed for images"),
     ("data:;base64,iVBORw0KGgo=", "type (none) is not allowed"),
-    (data_url(b"hello, not an image"), "the data: URL's content is not JPEG or PNG"),
+    (data_url(b"hello, not an image"), "the data: URL's content is not JPEG or PNG or GIF or WEBP"),
 ])
 def test_malformed_or_wrong_data_urls(url, reason):
     assert reason in refusal(image(url), MediaPolicy())
@@ -220,7 +220,8 @@ def test_signatures():
     assert sniff("video", b"RIFF\x00\x00\x00\x00AVI LIST") == "AVI"
     assert sniff("audio", b"RIFF\x00\x00\x00\x00WAVEfmt ") == "WAV"
     assert sniff("audio", b"ID3\x04") == "MP3" and sniff("audio", b"fLaC") == "FLAC"
-    assert sniff("image", b"GIF89a") == "" and sniff("video", PNG) == ""
+    assert sniff("image", b"GIF89a") == "GIF" and sniff("image", b"RIFF\x00\x00\x00\x00WEBPVP8L") == "WEBP"
+    assert sniff("image", b"BM\x00\x00") == "" and sniff("video", PNG) == "" and sniff("audio", b"GIF89a") == ""
 
 
 # ---- remote URLs ------------------------------------------------------------------------------------

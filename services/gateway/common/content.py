@@ -168,6 +168,17 @@ def admit(inputs: Iterable[ListInput | None], policy: MediaPolicy, fail: Fail = 
             raise fail(f"{where}: {part.type} inputs are not supported: {what}.", where)
 
 
+MEDIA_ITEM = re.compile(r"^media item (\d+)\b")
+
+
+def media_place(inputs: Iterable[ListInput | None], message: str) -> str | None:
+    """Where the media item an error names ("media item 2: the image cannot be decoded", the tokenizer's words)
+    sits in the request (``messages[1].content[0]``); None when the message names none."""
+    found = MEDIA_ITEM.match(message)
+    media = [located for listed in inputs if listed is not None and listed.has_media for located in listed.media()]
+    return media[int(found[1])][0] if found and int(found[1]) < len(media) else None
+
+
 def prompt_parts(listed: ListInput | None) -> list[ContentPart]:
     """What a raw prompt's list sends on (``GenerateRequest.parts``): all its items when it has media
     (the tokenizer puts each media item's placeholder in its place), none for text only."""

@@ -12,7 +12,7 @@ from litestar.exceptions import MethodNotAllowedException
 from litestar.params import FromPath
 
 from services.gateway.anthropic.errors import error_response as anthropic_error_response
-from services.gateway.common.content import admit, chat_media
+from services.gateway.common.content import ListInput, admit, chat_media, media_place
 from services.gateway.openai_api.chat_responses import chat_body, chat_chunks
 from services.gateway.openai_api.completion_responses import completion_body, completion_chunks
 from services.gateway.openai_api.errors import (
@@ -97,7 +97,7 @@ async def chat_completions(request: Request) -> Response:
         prompt.update(tools=req.tools.declared, tool_choice=req.tools.choice)
     call = build_call(gateway.context, [prompt], req.common.sampling, req.common.n, req.common.adapter, "openai-chat")
     return await respond(request, req.common, call, "messages",
-                         lambda: chat_body(req, call), lambda: chat_chunks(req, call))
+                         lambda: chat_body(req, call), lambda: chat_chunks(req, call), req.listed)
 
 
 @post("/v1/completions", status_code=200)
@@ -113,15 +113,16 @@ async def completions(request: Request) -> Response:
 
 
 async def respond(request: Request, common: Common, call: Call, input_field: str,
-                  body: Callable[[], Awaitable[dict]], chunks: Callable[[], AsyncIterator[bytes]]) -> Response:
-    """The shared lifecycle; the tokenizer's refusals (prompt too long, ids outside the vocabulary),
-    which name no field, are charged to ``input_field``."""
+                  body: Callable[[], Awaitable[dict]], chunks: Callable[[], AsyncIterator[bytes]],
+                  listed: tuple[ListInput, ...] = ()) -> Response:
+    """The shared lifecycle; the tokenizer's refusals (prompt too long, ids outside the vocabulary, a media item
+    that does not decode), which name no field, are charged to the media item's place or ``input_field``."""
     try:
         return await lifecycle.respond(request, call, common.stream, body, chunks, error_event, trailer=DONE,
                                        stop_ok=True)
     except SwitchboardError as exc:
         if exc.kind is ErrorKind.VALIDATION and exc.param is None:
-            raise bad_param(input_field, exc.message) from None
+            raise bad_param(media_place(listed, exc.message) or input_field, exc.message) from None
         raise
 
 

@@ -11,7 +11,7 @@ from typing import Any
 from litestar import Request, Response, Router, delete, get, post
 from litestar.params import FromPath
 
-from services.gateway.common.content import admit, chat_media
+from services.gateway.common.content import admit, chat_media, media_place
 from services.gateway.openai_api.errors import OPENAI_EXCEPTION_HANDLERS, OpenAIError, bad_param, content_error
 from services.gateway.openai_api.runner import build_call
 from services.gateway.request import lifecycle
@@ -44,8 +44,14 @@ async def create(request: Request) -> Response:
         await store.put(obj["id"], {"response": obj, "conversation": conversation})
 
     saver = keep if stored else None
-    return await lifecycle.respond(request, call, req.stream, lambda: response_body(builder, call, saver),
-                                   lambda: response_events(builder, call, saver), error_event)
+    try:
+        return await lifecycle.respond(request, call, req.stream, lambda: response_body(builder, call, saver),
+                                       lambda: response_events(builder, call, saver), error_event)
+    except SwitchboardError as exc:  # the tokenizer's refusals name no field: the media item's place, or input
+        if exc.kind is ErrorKind.VALIDATION and exc.param is None:
+            raise renamed(bad_param(media_place(chat.listed, exc.message) or "messages", exc.message), req.before) \
+                from None
+        raise
 
 
 @get("/v1/responses/{response_id:str}")
