@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from nats.aio.msg import Msg as NatsMsg
 
 from services.engine.block_manager import blocks_for
-from services.engine.kv_transfer import KvLayout
+from services.engine.kv_transfer import KvLayout, chunks_per_part
 from services.engine.multimodal import salt
 from shared import bus, subjects
 from shared.fleet_messages import CacheEvents, KvBlocks, KvFetch
@@ -40,7 +40,6 @@ from shared.prefix_hash import chain, matchable_blocks
 
 log = logging.getLogger("switchboard.engine")
 
-PART_BYTES = 8 << 20  # K/V bytes per fetch answer, as a PD handoff's parts
 MIN_WAIT_S = 0.05  # a pull may always take this long
 EMA = 0.3  # weight of a new measurement in the rates
 
@@ -167,7 +166,7 @@ class FleetCache:
 
     async def _fetch(self, holder: str, keys: list[bytes]) -> list[bytes]:
         layout = KvLayout.of(self.engine.runner)
-        per_part = max(1, PART_BYTES // max(1, layout.chunk_bytes))
+        per_part = chunks_per_part(layout.chunk_bytes, self.nc.max_payload)
         chunks: list[bytes] = []
         for start in range(0, len(keys), per_part):
             group = keys[start:start + per_part]

@@ -81,3 +81,24 @@ def import_blocks(runner, block_table: list[int], kv: KvImport, first: int = 0) 
     for chunk, block in list(zip(kv.chunks, block_table[kv.first:]))[first - kv.first:]:
         runner.kv.write_block(block, runner.block_size, chunk)
     return kv.num_tokens
+
+
+PART_BYTES = 8 << 20  # K/V bytes per message at most: a few blocks at a time (the shipped bus takes 64 MiB)
+HEADROOM = 64 << 10  # a message's bytes besides its chunks (ids, the layout, framing)
+
+
+def chunks_per_part(chunk_bytes: int, max_payload: int | None) -> int:
+    """How many K/V chunks (blocks) one message carries: within ``PART_BYTES`` and the bus's ``max_payload``
+    (a nats-server without the shipped config takes 1 MiB); at least one."""
+    limit = min(PART_BYTES, (max_payload or PART_BYTES) - HEADROOM)
+    return max(1, limit // max(1, chunk_bytes))
+
+
+def block_fits(chunk_bytes: int, max_payload: int | None) -> str:
+    """"" when one K/V block fits in a message of the bus, else why not (said once, at start)."""
+    if not max_payload or chunk_bytes + HEADROOM <= max_payload:
+        return ""
+    return (f"one K/V block is {chunk_bytes} bytes but the bus takes messages of {max_payload} bytes: prefill/decode "
+            "handoffs and prefix pulls will be recomputed instead; run nats-server with max_payload: 64MB (as "
+            "config/nats.conf does)")
+

@@ -11,7 +11,7 @@ Inside the engine, ``KvHandoff`` is called at three named points (the shape of v
 
 After a prefill engine has computed a request's prompt and first token (``Engine.take_handoffs``), it
 picks the least loaded live decode engine from the engines' heartbeats and sends it the request and
-the prompt's K/V (``kv_transfer``) as ``KvPart`` messages of at most ``PART_BYTES``, one at a time,
+the prompt's K/V (``kv_transfer``) as ``KvPart`` messages within ``PART_BYTES`` and the bus's max_payload, one at a time,
 each answered by a ``KvAck``: the receiver is never sent more than one part ahead, so several
 transfers at once cannot swamp a slow one. The decode engine takes the request when the last part
 arrives, and the prefill engine then tells the request's tokenizer where it went (``TokenBatch.moved``),
@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Callable, Union
 import msgspec
 from nats.aio.msg import Msg as NatsMsg
 
-from services.engine.kv_transfer import KvImport, KvLayout, export_blocks, import_blocks
+from services.engine.kv_transfer import KvImport, KvLayout, chunks_per_part, export_blocks, import_blocks
 from services.engine.sequence import Sequence
 from shared import bus, subjects, telemetry
 from shared.leases import Leases
@@ -52,7 +52,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("switchboard.engine")
 
-PART_BYTES = 8 << 20  # K/V bytes per message: well under the bus's 64 MiB, a few blocks at a time
 
 
 @dataclass(frozen=True)
@@ -190,7 +189,7 @@ class KvLink:
                         layout=layout.fields)
         cached = min(len(kv.chunks), (await self._part(subject, target, header)).cached_blocks)
         rest = kv.chunks[cached:]
-        per_part = max(1, PART_BYTES // max(1, layout.chunk_bytes))
+        per_part = chunks_per_part(layout.chunk_bytes, self.nc.max_payload)
         groups = [rest[i:i + per_part] for i in range(0, len(rest), per_part)] or [[]]
         for index, group in enumerate(groups, start=1):
             await self._part(subject, target, KvPart(id=req.id, index=index, count=len(groups) + 1, chunks=group,

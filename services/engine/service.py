@@ -18,6 +18,7 @@ from services.engine.adapters import AdapterControl
 from services.engine.build import build_engine
 from services.engine.engine import Engine
 from services.engine.fleet import FleetCache
+from services.engine.kv_transfer import KvLayout, block_fits
 from services.engine.pd import KvLink, Moved
 from shared import bus, subjects, telemetry
 from shared.config import Config
@@ -79,6 +80,8 @@ class EngineService:
         await self.kv_link.start()
         await bus.subscribe(self.nc, subjects.engine_kv(self.model, self.instance), self.on_kv_part)
         await self.fleet.start()
+        if why := block_fits(KvLayout.of(self.engine.runner).chunk_bytes, self.nc.max_payload):
+            log.warning("K/V blocks do not fit in the bus's messages", extra={"why": why})
 
     async def announce(self) -> None:
         await bus.publish(self.nc, subjects.engine_heartbeat(self.model), self.info())

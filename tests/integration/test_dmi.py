@@ -191,6 +191,20 @@ def test_role_and_parameter_refusals(pd):
     assert r.status_code == 400 and "n must be 1 in dmi mode" in r.text, r.text
 
 
+def test_a_req_id_in_flight_is_refused_and_free_again_once_it_ends(pd):
+    """req-id is "a globally unique request id": a second request with the id of one still under way here is a 400
+    (it would take the first one's frames), and the id is free again once its last frame went out."""
+    frames = Frames(pd.d_base)
+    long = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 400, "do_sample": False}}
+    r = httpx.post(pd.base + "/generate_stream", json=long, headers=headers(pd, "e1"), timeout=60)
+    assert r.status_code == 200 and r.json()["isLastResp"] is False, r.text
+    again = httpx.post(pd.base + "/generate", json=pd_body(0, False), headers=headers(pd, "e1"), timeout=30)
+    assert again.status_code == 400 and "req-id e1 is already in flight" in again.json()["error"], again.text
+    assert frames.until_last("e1")[-1][0] == "lastData"
+    r = httpx.post(pd.base + "/generate", json=pd_body(0, False), headers=headers(pd, "e1"), timeout=60)
+    assert r.status_code == 200 and frames.until_last("e1")[-1][0] == "lastData", r.text
+
+
 def test_tgi_stream_through_dresult_equals_a_co_located_run(pd, tiny_model_dir):
     frames = Frames(pd.d_base)
     assert frames.status == 200

@@ -59,6 +59,10 @@ def test_roles_are_set_validated_and_reported(tiny_stack):
         assert get(tiny_stack, "/v2/status").json()["service"]["currentRole"] == "prefill"
         bad = httpx.post(mgmt + "/v1/role/prefill", json={"local": {"server_ip": 5}})
         assert bad.status_code == 422 and bad.json()["error_type"] == "Input validation error"
+        for devices in ([], [{"device_ip": "x", "device_logical_id": "0"}],  # MindIE's checks of each device
+                        [{"device_ip": "10.0.1.1", "device_logical_id": "abc"}]):
+            bad = httpx.post(mgmt + "/v1/role/prefill", json={"local": {"server_ip": "10.0.0.1", "device": devices}})
+            assert bad.status_code == 422 and "Reset to previous node status" in bad.json()["error"], bad.text
         assert httpx.post(mgmt + "/v2/role/flex", json=ROLE_V2).status_code == 404
         assert get(tiny_stack, "/v2/status").json()["service"]["currentRole"] == "prefill"  # unchanged
     finally:

@@ -14,6 +14,7 @@ out at once.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import re
 from typing import TYPE_CHECKING, Any
 
@@ -111,6 +112,17 @@ class Device(msgspec.Struct):
     device_id: str | None = None
     rank_id: str | None = None
 
+    def __post_init__(self) -> None:
+        """MindIE's checks (reference §3.11): an IPv4 ``device_ip``, ids that are numeric strings."""
+        try:
+            ipaddress.IPv4Address(self.device_ip)
+        except ValueError:
+            raise ValueError(f"device_ip must be an IPv4 address, got {self.device_ip!r}") from None
+        for name in ("device_logical_id", "device_id", "rank_id"):
+            value = getattr(self, name)
+            if value is not None and not value.isdigit():
+                raise ValueError(f"{name} must be a number as a string, got {value!r}")
+
     @property
     def logical_id(self) -> int | None:
         """Its logical id (older MindIE bodies name it ``device_id``), None when not a number."""
@@ -121,6 +133,10 @@ class Device(msgspec.Struct):
 class NodeV1(msgspec.Struct):
     server_ip: str
     device: list[Device]
+
+    def __post_init__(self) -> None:
+        if not self.device:
+            raise ValueError("device must list the node's devices")
 
 
 class RoleV1(msgspec.Struct):

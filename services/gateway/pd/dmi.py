@@ -77,6 +77,10 @@ def admit(request: Request, call: Call, stop_ok: bool) -> Ticket:
                            f"{roles.role}")
     ticket = _headers(request, roles)
     _refuse_parameters(call, stop_ok)
+    if ticket.req_id in roles.in_flight:  # "a globally unique request id": a second one would take the first's frames
+        raise Refused(400, f"req-id {ticket.req_id} is already in flight on this server")
+    roles.in_flight.add(ticket.req_id)
+    call.on_close.append(lambda: roles.in_flight.discard(ticket.req_id))
     return ticket
 
 

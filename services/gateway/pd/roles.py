@@ -40,6 +40,7 @@ class Roles:
         self.model = cfg.model.model_name
         self.role = "none"  # set by /v1/role, /v2/role
         self.peers: list[str] = []  # the peer server IPs the last assignment named
+        self.in_flight: set[str] = set()  # the req-ids of the coordinator's requests under way here (dmi)
         self.gateways: Leases[Heartbeat] = Leases(cfg.switchboard.lease_seconds)  # every gateway, this one too
         self.beats = decoder(Heartbeat)
 

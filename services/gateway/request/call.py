@@ -35,6 +35,7 @@ class Call:
         self.held = 0  # slots this call holds
         self.closed = False
         self.detached = False  # taken over by an owner that closes it itself
+        self.on_close: list = []  # what to undo when it closes (a dmi req-id's registration)
 
     async def __aenter__(self) -> Call:
         return self
@@ -131,6 +132,8 @@ class Call:
     def close(self) -> None:
         """Idempotent, never suspends: give back the slots, close every session (cancelling unfinished ones)."""
         self.closed = True
+        while self.on_close:
+            self.on_close.pop()()
         if self.held:
             held, self.held = self.held, 0
             self.ctx.slots.release(held)
