@@ -57,7 +57,8 @@ def wait_for_port(host: str, port: int, timeout: float, proc: subprocess.Popen |
 class EmbeddedNats:
     """``with EmbeddedNats() as url:`` starts nats-server and stops it on exit."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int | None = None, store_dir: Path | None = None):
+    def __init__(self, host: str = "127.0.0.1", port: int | None = None, store_dir: Path | None = None,
+                 max_payload: int = MAX_PAYLOAD):
         """``store_dir``: JetStream's files (the stored responses of /v1/responses); None = a temporary folder,
         removed on stop."""
         self.host = host
@@ -65,6 +66,7 @@ class EmbeddedNats:
         self.proc: subprocess.Popen | None = None
         self.conf = ""
         self.store_dir = store_dir
+        self.max_payload = max_payload  # (tests run a server with nats-server's own 1 MiB default, or less)
         self._temporary: tempfile.TemporaryDirectory | None = None
 
     @property
@@ -77,7 +79,7 @@ class EmbeddedNats:
             self._temporary = tempfile.TemporaryDirectory(prefix="switchboard-jetstream-")
             self.store_dir = Path(self._temporary.name)
         self.store_dir.mkdir(parents=True, exist_ok=True)
-        conf.write(f"max_payload: {MAX_PAYLOAD}\n")
+        conf.write(f"max_payload: {self.max_payload}\n")
         conf.write(f"jetstream {{ store_dir: {json.dumps(str(self.store_dir))}, max_file_store: {JETSTREAM_FILE_BYTES} }}\n")
         conf.close()
         self.conf = conf.name

@@ -25,8 +25,8 @@ from tests.conftest import write_config
 
 class Cluster:
     def __init__(self, folder: Path, model_dir: Path, engines: int = 2, tokenizers: int = 2,
-                 args: dict[str, list[str]] | None = None, **sections):
-        self.nats = EmbeddedNats()
+                 args: dict[str, list[str]] | None = None, nats_max_payload: int | None = None, **sections):
+        self.nats = EmbeddedNats(max_payload=nats_max_payload) if nats_max_payload else EmbeddedNats()
         self.url = self.nats.start()
         sections["Switchboard"] = {"natsUrl": self.url, "kvCacheMemoryMb": 64, **sections.get("Switchboard", {})}
         self.config = write_config(folder, model_dir, **sections)

@@ -181,6 +181,34 @@ def test_four_concurrent_thousand_token_handoffs_all_complete(cluster, tiny_mode
     assert after == before  # all four prompts' K/V came over the bus
 
 
+def test_handoffs_fit_a_bus_that_takes_small_messages(tmp_path, tiny_model_dir):
+    """A nats-server without the shipped config takes 1 MiB messages; here 128 KiB: a 1,000-token prompt's K/V
+    goes over in parts that fit (nothing recomputed on the decode engine), and the tokens are the co-located ones."""
+    from services.engine.kv_transfer import HEADROOM
+
+    c = Cluster(tmp_path, tiny_model_dir, engines=2, tokenizers=1, nats_max_payload=HEADROOM + (128 << 10),
+                args={"engine-0": ["--role", "prefill"], "engine-1": ["--role", "decode"]})
+    try:
+        c.wait_ready()
+        c.wait_started("engine-1", 1)
+        tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+        prompt = tokenizer.decode(tokenizer("Story: " + " ".join(f"word{j}" for j in range(400))).input_ids[:1000])
+        import httpx
+
+        r = httpx.post(c.base + "/generate", json={"inputs": prompt, "parameters": {"max_new_tokens": 8, "details": True}},
+                       timeout=120)
+        assert r.status_code == 200, r.text
+        runner = make_runner(tiny_model_dir, 128)
+        engine = Engine(runner, limits(), eos_token_ids(runner))
+        engine.add_request(request("p", tokenizer(prompt).input_ids, max_new_tokens=8))
+        assert [t["id"] for t in r.json()["details"]["tokens"]] == run_until_idle(engine).tokens["p"]
+        infos = asyncio.run(engine_infos(c.nats.url, model_name(c)))
+        decode = infos["decode"]  # the K/V came over the bus, and the decode engine went on from it
+        assert decode.prompt_tokens_total == 0 and decode.generation_tokens_total == 7, (infos, c.log_tails())
+    finally:
+        c.stop()
+
+
 def test_blocks_cached_on_the_decode_engine_do_not_travel_again(cluster, tiny_model_dir):
     """The same 1,000-token prompt twice: the second transfer sends only what the decode engine's prefix
     cache lacks (its last, partial block), and the answers are equal."""
