@@ -217,7 +217,7 @@ def unsafe_sources(port: int) -> list[tuple[str, str]]:
         (f"http://evil.example.net:{port}/cat.png", "not on the media allow-list"),
         (f"http://user:pw@{ALLOWED_HOST}/cat.png", "user name or password"),
         (f"ftp://{ALLOWED_HOST}/cat.png", "scheme"),
-        ("data:image/gif;base64,R0lGODlhAQABAAAAACw=", "data: URL type image/gif"),
+        ("data:image/bmp;base64,Qk0AAAAAAAAAAA==", "data: URL type image/bmp"),
     ]
 
 
