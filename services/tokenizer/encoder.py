@@ -59,6 +59,13 @@ def apply_length_limit(ids: list[int], deploy: ModelDeployConfig) -> list[int]:
     return ids[-limit:] if deploy.truncates_left else ids[:limit]
 
 
+def check_request_ids(req: GenerateRequest, vocab_size: int) -> None:
+    """The token ids a request names (its prompt's, its logit_bias keys) are in the vocabulary."""
+    if req.prompt_ids is not None:
+        check_token_ids(req.prompt_ids, vocab_size)
+    check_token_ids(list(req.sampling.logit_bias), vocab_size, "logit_bias")
+
+
 def check_token_ids(ids: list[int], vocab_size: int, param: str | None = None) -> None:
     bad = [i for i in ids if not 0 <= i < vocab_size]
     if bad:

@@ -24,7 +24,7 @@ from nats.aio.msg import Msg as NatsMsg
 
 from services.tokenizer.detokenizer import IncrementalDecoder, StopMatcher, next_text
 from services.tokenizer import counting
-from services.tokenizer.encoder import check_chat_template, check_media_prompt, check_token_ids, encode_prompt, too_large
+from services.tokenizer.encoder import check_chat_template, check_media_prompt, check_request_ids, encode_prompt, too_large
 from services.tokenizer.media.multimodal import MediaProcessor
 from services.tokenizer.cache_sync import CacheFollower
 from services.tokenizer.routing import Choice, EngineRouter
@@ -250,9 +250,7 @@ class TokenizerService:
         return await self.encode_text(req), None
 
     async def encode_text(self, req: GenerateRequest) -> list[int]:
-        if req.prompt_ids is not None:
-            check_token_ids(req.prompt_ids, self.vocab_size)
-        check_token_ids(list(req.sampling.logit_bias), self.vocab_size, "logit_bias")
+        check_request_ids(req, self.vocab_size)
         if len(req.prompt) > 2048:  # long texts: keep the event loop free
             return await asyncio.to_thread(encode_prompt, self.tok, req, self.cfg.deploy)
         return encode_prompt(self.tok, req, self.cfg.deploy)

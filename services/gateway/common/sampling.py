@@ -84,6 +84,7 @@ def vllm_sampling(f: Fields, dialect: VllmDialect, logprobs: int | None = None) 
     _refuse_unsupported(f)
     temperature = f.number("temperature", 1.0, 0.0, FLT_MAX, lo_open=False, hi_open=False)
     greedy = temperature < GREEDY_BELOW
+    max_new_tokens = _max_tokens(f, dialect)
     return Sampling(
         do_sample=not greedy,
         temperature=1.0 if greedy else temperature,
@@ -94,7 +95,7 @@ def vllm_sampling(f: Fields, dialect: VllmDialect, logprobs: int | None = None) 
         presence_penalty=f.number("presence_penalty", 0.0, -2.0, 2.0, lo_open=False, hi_open=False),
         frequency_penalty=f.number("frequency_penalty", 0.0, -2.0, 2.0, lo_open=False, hi_open=False),
         seed=f.integer("seed", None, 0, SEED_MAX),
-        max_new_tokens=_max_tokens(f, dialect),
+        max_new_tokens=max_new_tokens,
         stop=_stop(f),
         stop_token_ids=_stop_token_ids(f),
         ignore_eos=bool(f.boolean("ignore_eos", False)),
@@ -103,13 +104,12 @@ def vllm_sampling(f: Fields, dialect: VllmDialect, logprobs: int | None = None) 
         grammar=guided(f),
         min_p=f.number("min_p", 0.0, 0.0, 1.0, lo_open=False, hi_open=False),
         logit_bias=_logit_bias(f),
-        min_tokens=_min_tokens(f, dialect),
+        min_tokens=_min_tokens(f, max_new_tokens),
     )
 
 
-def _min_tokens(f: Fields, dialect: VllmDialect) -> int:
+def _min_tokens(f: Fields, most: int) -> int:
     value = f.integer("min_tokens", 0, 0, INT32_MAX)
-    most = _max_tokens(f, dialect)
     if value > most:
         raise validation(f"min_tokens must be less than or equal to max_tokens={most}, got {value}.", "min_tokens")
     return value
