@@ -37,6 +37,10 @@ class Leases(Generic[T]):
         last = entry[1] if entry is not None else since
         return self.clock() - last > self.lease_s
 
+    def heard_since(self, since: float) -> bool:
+        """Some instance has been heard after ``since`` (this table's clock)."""
+        return any(at > since for _, at in self._seen.values())
+
     def get(self, instance: str) -> T | None:
         """The last word of a live instance."""
         return self._seen[instance][0] if self.is_live(instance) else None

@@ -84,3 +84,13 @@ def test_an_instance_not_heard_yet_is_gone_only_a_lease_after_it_was_named(lease
     assert not leases.is_gone("new", named)
     clock.now += 0.001
     assert leases.is_gone("new", named) and leases.is_gone("new", clock.now)
+
+
+def test_heard_since_says_whether_any_instance_spoke_after_a_moment(leases, clock):
+    assert not leases.heard_since(50.0)  # nobody heard yet
+    leases.beat("a", "x")
+    back = clock.now
+    assert not leases.heard_since(back)  # heard at that moment, not after it
+    clock.now += 0.5
+    leases.beat("b", "y")
+    assert leases.heard_since(back) and not leases.heard_since(clock.now)

@@ -74,6 +74,16 @@ class Failover:
             raise SwitchboardError(ErrorKind.UNAVAILABLE,
                                    f"{prefix}no tokenizer is serving model {self.model}{cut_off}")
 
+    def bus_epoch(self) -> int:
+        """How many times the gateway's bus connection has come back so far."""
+        return self.nc.stats.get("reconnects", 0)
+
+    def lost_in_outage(self, epoch: int) -> bool:
+        """A message published at bus epoch ``epoch`` may be lost (sent on a dead connection, or buffered while a
+        tokenizer had not subscribed again): the bus came back since, and a tokenizer has been heard since then,
+        so its subscriptions are back and asking again reaches it."""
+        return self.reconnects > epoch and self.tokenizers.heard_since(self.reconnected_at)
+
     def tokenizer_subject(self) -> str:
         """Where a retried or resumed request goes: a live tokenizer's own subject (the queue group could hand
         it to a member that is connected but dead, e.g. frozen), else the queue group."""

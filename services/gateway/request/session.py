@@ -120,9 +120,10 @@ class Session:
         deaths, patience = failover.tokenizer_deaths, 0.0
         while True:
             subject = subjects.TOKENIZER_GENERATE if self.attempt == 0 else failover.tokenizer_subject()
+            epoch = failover.bus_epoch()
             await bus.publish(self.ctx.nc, subject, msgspec.structs.replace(self.request, id=self.current_id))
             asked = time.monotonic()
-            event = await self._answer(deadline, lambda: not failover.heard() or (
+            event = await self._answer(deadline, lambda: not failover.heard() or failover.lost_in_outage(epoch) or (
                 failover.tokenizer_deaths != deaths and time.monotonic() - asked >= patience))
             if isinstance(event, Started):
                 self.started, self.owned_since = event, time.monotonic()
@@ -136,8 +137,9 @@ class Session:
                     await failover.wait_serving("the request could not start:")
                 except SwitchboardError as exc:
                     raise self._fail(exc.kind, exc.message) from None
-            # A tokenizer died since the first try: it may have held this request.
-            self._supersede("a tokenizer died before it answered")
+            # The bus came back, or a tokenizer died, since the first try: the request may be lost with either.
+            self._supersede("the message bus reconnected before a tokenizer answered"
+                            if failover.lost_in_outage(epoch) else "a tokenizer died before it answered")
             patience = self.ctx.resume_timeout_s  # the next try goes to a live tokenizer: give it time
 
     async def _answer(self, deadline: float, ask_again=lambda: False):
