@@ -3,6 +3,7 @@ tokenizers and engines, one tagged union, encoded as every wire message (``share
 
 from __future__ import annotations
 
+import bisect
 from typing import Union
 
 import msgspec
@@ -12,6 +13,21 @@ from shared.messages import Msg
 
 
 PROBE_API = "health"  # the ``api`` of /health/timed's one-token probe: counted, but not in latencies or averages
+# time_per_output_token_seconds' buckets (MindIE's): each request's inter-token intervals are counted in them
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5)
+
+
+class Intervals(msgspec.Struct):
+    """One request's inter-token intervals as a histogram: ``counts[i]`` intervals fell in TPOT_BUCKETS[i] (the
+    last, above every bound), ``total`` their sum. Tokens that come together share their interval evenly."""
+
+    counts: list[int] = msgspec.field(default_factory=lambda: [0] * (len(TPOT_BUCKETS) + 1))
+    total: float = 0.0
+
+    def add(self, seconds: float, tokens: int) -> None:
+        each = seconds / tokens
+        self.counts[bisect.bisect_left(TPOT_BUCKETS, each)] += tokens
+        self.total += seconds
 
 
 class Received(Msg, tag="received"):
@@ -42,6 +58,7 @@ class Finished(Msg, tag="finished"):
     finish_reason: FinishReason
     adapter: str = ""
     api: str = ""
+    intervals: Intervals | None = None  # its inter-token intervals (time_per_output_token_seconds)
 
 
 class KvTransferred(msgspec.Struct, tag="kv", omit_defaults=True):

@@ -42,8 +42,16 @@ def inject(span: trace.Span | None = None) -> dict[str, str]:
 
 
 def start_span(name: str, headers: dict[str, str] | None, **attributes) -> trace.Span:
-    """A span continuing the trace carried in a message's headers (a new trace when there is none)."""
-    return trace.get_tracer("switchboard").start_span(name, context=extract(headers), attributes=attributes)
+    """A span continuing the trace carried in a message's headers (a new trace when there is none); with no
+    headers at all (None), a child of the current span (the gateway's HTTP server span)."""
+    parent = extract(headers) if headers is not None else None
+    return trace.get_tracer("switchboard").start_span(name, context=parent, attributes=attributes)
+
+
+def start_server_span(name: str, headers: dict[str, str], **attributes) -> trace.Span:
+    """An HTTP server's span, continuing the client's trace from its request headers (``traceparent``)."""
+    return trace.get_tracer("switchboard").start_span(name, context=extract(headers), kind=trace.SpanKind.SERVER,
+                                                      attributes=attributes)
 
 
 def end_span(span: trace.Span | None, error: str | None = None, **attributes) -> None:

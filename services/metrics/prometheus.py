@@ -43,6 +43,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from shared.engines import cache_usage, combined, host_cache_usage, prefix_hit_rate
 from shared.leases import Leases
 from services.metrics.fleet import FleetMetrics
+from services.metrics.histograms import SummedHistogram
 from shared.messages import EngineInfo, FinishReason
 from shared.metrics_messages import (
     PROBE_API,
@@ -55,12 +56,12 @@ from shared.metrics_messages import (
     Received,
     Refused,
     Routed,
+    TPOT_BUCKETS,
 )
 
 KV_BYTES_BUCKETS = tuple(float(1 << k) for k in range(16, 33, 2))  # 64 KiB .. 4 GiB
 KV_SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10)
-TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5)
 E2E_BUCKETS = (1, 2.5, 5, 10, 15, 20, 30, 40, 50, 60)
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 TOKEN_BUCKETS = (10, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 16000, 20000, 32000, 50000, 64000, 128000)
@@ -94,8 +95,9 @@ class PrometheusMetrics:
                               label, registry=r)
         self.ttft = Histogram("time_to_first_token_seconds", "Time to first token in seconds.", label,
                               buckets=TTFT_BUCKETS, registry=r)
-        self.tpot = Histogram("time_per_output_token_seconds", "Time per output token (inter-token latency) in seconds.",
-                              label, buckets=TPOT_BUCKETS, registry=r)
+        self.tpot = SummedHistogram("time_per_output_token_seconds",
+                                    "Time per output token (inter-token latency) in seconds.", label, TPOT_BUCKETS)
+        r.register(self.tpot)
         self.e2e = Histogram("e2e_request_latency_seconds", "End to end request latency in seconds.", label,
                              buckets=E2E_BUCKETS, registry=r)
         self.queue = Histogram("request_queue_time_seconds", "Time from receipt to first schedule in seconds.", label,
@@ -108,7 +110,10 @@ class PrometheusMetrics:
                                   "request.", label, buckets=KV_BYTES_BUCKETS, registry=r)
         self.kv_seconds = Histogram("kv_transfer_seconds", "Seconds a prefill engine took to hand one request's K/V "
                                     "to a decode engine.", label, buckets=KV_SECONDS_BUCKETS, registry=r)
-        self.prompt_total = Counter("prompt_tokens", "Number of prefill tokens processed.", label, registry=r)
+        self.prompt_total = Counter("prompt_tokens", "Number of prefill tokens processed (computed; the prompt tokens "
+                                    "found in the prefix cache are prompt_tokens_cached).", label, registry=r)
+        self.prompt_cached = Counter("prompt_tokens_cached", "Prompt tokens found in the prefix cache (not computed).",
+                                     label, registry=r)
         self.gen_total = Counter("generation_tokens", "Number of generation tokens processed.", label, registry=r)
         self.failed_perc = Gauge("failed_request_perc", "Failed requests ratio (1 = 100%).", label, registry=r)
         self.cache_usage = Gauge("npu_cache_usage_perc", "KV-cache block usage of the accelerator or CPU pool (1 = 100%).",
@@ -121,7 +126,8 @@ class PrometheusMetrics:
         self.radix_hit = Gauge("npu_radix_match_hit_num", "Prompt tokens hit by prefix-cache matching.", label,
                                registry=r)
         self._counted = ((self.prompt_total, "prompt_tokens_total"), (self.gen_total, "generation_tokens_total"),
-                         (self.preemptions, "preemptions_total"))  # counter, the EngineInfo field it sums
+                         (self.preemptions, "preemptions_total"),
+                         (self.prompt_cached, "prefix_hit_tokens_total"))  # counter, the EngineInfo field it sums
         self._sums = {field: 0 for _, field in self._counted}  # what every instance counted, together
         self._samples: list[tuple[float, int, int]] = []  # (time, prompt total, generation total)
         self._succeeded = self._failed = 0
@@ -164,8 +170,8 @@ class PrometheusMetrics:
             self.e2e.labels(m).observe(event.e2e_s)
             self.prompt_tokens.labels(m).observe(event.prompt_tokens)
             self.gen_tokens.labels(m).observe(event.generated_tokens)
-        if event.ttft_s is not None and event.generated_tokens > 1:
-            self.tpot.labels(m).observe((event.e2e_s - event.ttft_s) / (event.generated_tokens - 1))
+        if event.intervals is not None:  # (each token after the first: the time since the one before)
+            self.tpot.add((m,), event.intervals.counts, event.intervals.total)
         done = self._succeeded + self._failed
         self.failed_perc.labels(m).set(self._failed / done if done else 0.0)
 

@@ -17,6 +17,7 @@ import httpx
 import msgspec
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.trace import SpanKind, StatusCode
 
 from shared.config import load_config
 from switchboard.natsd import EmbeddedNats
@@ -24,6 +25,7 @@ from tests.conftest import write_config
 from tests.integration.stack import Stack
 
 SERVICES = ("metrics", "tokenizer", "engine", "gateway")
+CLIENT_TRACE = "0af7651916cd43dd8448eb211c80319c"  # the trace a client's traceparent names
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +45,11 @@ async def start_in_process(cfg, url: str, stop: asyncio.Event, services=None) ->
     return tasks
 
 
-async def post_until(port: int, body: dict, done) -> httpx.Response:
+async def post_until(port: int, body: dict, done, headers: dict | None = None) -> httpx.Response:
     """POST /generate until ``done(response)`` says so (at most 100 tries, 0.1 s apart); the last response."""
     async with httpx.AsyncClient(timeout=60) as client:
         for _ in range(100):
-            r = await client.post(f"http://127.0.0.1:{port}/generate", json=body)
+            r = await client.post(f"http://127.0.0.1:{port}/generate", json=body, headers=headers)
             if done(r):
                 break
             await asyncio.sleep(0.1)
@@ -61,22 +63,42 @@ async def test_one_trace_spans_all_three_services(tmp_path, tiny_model_dir, expo
         stop = asyncio.Event()
         tasks = await start_in_process(load_config(config), url, stop)
         try:
-            # the gateway serves once it has heard the engine's heartbeat
+            # the gateway serves once it has heard the engine's heartbeat; the client's trace goes on through it
             r = await post_until(port, {"inputs": "My name is", "parameters": {"max_new_tokens": 3}},
-                                 lambda r: r.status_code != 503)
+                                 lambda r: r.status_code != 503, {"traceparent": f"00-{CLIENT_TRACE}-b7ad6b7169203331-01"})
             assert r.status_code == 200, r.text
+            async with httpx.AsyncClient(timeout=60) as client:
+                refused = await client.post(f"http://127.0.0.1:{port}/generate", json={"inputs": "x", "parameters": {
+                    "temperature": "hot"}})
+                failed = await client.post(f"http://127.0.0.1:{port}/generate", json={"inputs": "hello " * 3000})
+            assert refused.status_code == 422 and failed.status_code == 422, (refused.text, failed.text)
             await asyncio.sleep(0.3)
         finally:
             stop.set()
             await asyncio.gather(*tasks, return_exceptions=True)
-    spans = {s.name: s for s in exporter.get_finished_spans() if s.name.split(".")[0] in ("gateway", "tokenizer", "engine")}
+    finished = exporter.get_finished_spans()
+    spans = {s.name: s for s in finished if s.name.split(".")[0] in ("gateway", "tokenizer", "engine")
+             and f"{s.context.trace_id:032x}" == CLIENT_TRACE}
     gateway, tokenizer, engine = spans["gateway.request"], spans["tokenizer.request"], spans["engine.generate"]
+    [server] = [s for s in finished if s.name == "POST /generate" and f"{s.context.trace_id:032x}" == CLIENT_TRACE]
+    assert server.kind is SpanKind.SERVER and server.parent.span_id == 0xb7ad6b7169203331
+    assert {k: server.attributes[k] for k in ("http.request.method", "http.route", "http.response.status_code")} == {
+        "http.request.method": "POST", "http.route": "/generate", "http.response.status_code": 200}
+    assert gateway.parent.span_id == server.context.span_id
     assert gateway.context.trace_id == tokenizer.context.trace_id == engine.context.trace_id
     assert tokenizer.parent.span_id == gateway.context.span_id
     assert engine.parent.span_id == tokenizer.context.span_id
     assert gateway.attributes["switchboard.finish_reason"] in ("length", "eos_token")
     assert tokenizer.attributes["switchboard.prompt_tokens"] == engine.attributes["switchboard.prompt_tokens"] == 3
     assert gateway.start_time <= tokenizer.start_time <= engine.start_time <= engine.end_time <= gateway.end_time
+    assert server.start_time <= gateway.start_time <= gateway.end_time <= server.end_time
+    # refused before it was received: its server span alone, a 4xx the client's (not an error status)
+    [refusal] = [s for s in finished if s.name == "POST /generate" and s.attributes["http.response.status_code"] == 422
+                 and not any(c.parent and c.parent.span_id == s.context.span_id for c in finished)]
+    assert refusal.status.status_code is StatusCode.UNSET
+    # failed once received (the prompt too long for the model): the gateway's span says why
+    [too_long] = [s for s in finished if s.name == "gateway.request" and s.status.status_code is StatusCode.ERROR]
+    assert "prompt" in too_long.status.description and "tokens" in too_long.status.description, too_long.status
 
 
 async def test_the_kv_handoff_is_a_span_of_the_request_trace(tmp_path, tiny_model_dir, exporter):

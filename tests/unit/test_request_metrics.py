@@ -72,3 +72,31 @@ def test_health_probes_are_counted_but_not_in_latencies_or_averages():
     metrics.observe(finished("c", "length"))
     samples = {s.name: s.value for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples}
     assert samples["e2e_request_latency_seconds_count"] == 1 and samples["failed_request_perc"] == 0
+
+
+def test_time_per_output_token_counts_each_interval_between_tokens():
+    """One observation per token after the first (vLLM's inter-token latency), not one per request: a request's
+    intervals come counted in the buckets already; tokens that came together share their interval."""
+    from shared.metrics_messages import Intervals
+
+    intervals = Intervals()
+    intervals.add(0.02, 1)  # 0.02 s: le 0.025
+    intervals.add(0.3, 3)  # three tokens in 0.3 s: 0.1 s each, le 0.1
+    intervals.add(4.0, 1)  # above every bound: +Inf only
+    metrics = PrometheusMetrics("m")
+    metrics.observe(Received(id="0", model="m"))
+    metrics.observe(Finished(id="0", model="m", arrival=0.0, e2e_s=5.0, ttft_s=0.5, prompt_tokens=3,
+                             generated_tokens=6, finish_reason="length", intervals=intervals))
+    metrics.observe(finished("1", "length"))  # no intervals (one token): nothing observed
+    [family] = [f for f in text_string_to_metric_families(metrics.render().decode())
+                if f.name == "time_per_output_token_seconds"]
+    assert family.type == "histogram"
+    got = {(s.name, s.labels.get("le")): s.value for s in family.samples}
+    assert got["time_per_output_token_seconds_count", None] == 5
+    assert abs(got["time_per_output_token_seconds_sum", None] - 4.32) < 1e-9
+    assert got["time_per_output_token_seconds_bucket", "0.01"] == 0
+    assert got["time_per_output_token_seconds_bucket", "0.025"] == 1
+    assert got["time_per_output_token_seconds_bucket", "0.075"] == 1
+    assert got["time_per_output_token_seconds_bucket", "0.1"] == 4
+    assert got["time_per_output_token_seconds_bucket", "2.5"] == 4
+    assert got["time_per_output_token_seconds_bucket", "+Inf"] == 5

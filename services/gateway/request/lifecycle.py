@@ -28,6 +28,7 @@ from litestar.response import Stream
 from services.gateway.pd import dmi
 from services.gateway.request.call import Call
 from services.gateway.request.disconnect import ClientDisconnected, unless_disconnected
+from services.gateway.request.marks import mark_failed_in_stream
 from shared.errors import ErrorKind, SwitchboardError
 from shared.messages import Started
 
@@ -116,6 +117,7 @@ async def _framed(call: Call, chunks: AsyncIterator[bytes], error_chunk: ErrorCh
         async for chunk in chunks:
             yield chunk
     except SwitchboardError as exc:
+        mark_failed_in_stream(exc.info.status)  # (a refusal unless a choice was received)
         yield error_chunk(exc)
     except Exception as exc:  # noqa: BLE001 - the stream must still end in the family's framing
         log.exception("stream failed", exc_info=exc)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 class Mark:
     received: bool = False
     api: str = ""
+    late_status: int = 0  # a stream begun before its call started (keep-alives while queued) whose start failed
 
 
 MARK: contextvars.ContextVar[Mark | None] = contextvars.ContextVar("switchboard_request_mark", default=None)
@@ -28,3 +29,10 @@ def mark_api(api: str) -> None:
     mark = MARK.get()
     if mark is not None:
         mark.api = api
+
+
+def mark_failed_in_stream(status: int) -> None:
+    """The call failed after its stream's 200 went out: the status its error would have had."""
+    mark = MARK.get()
+    if mark is not None and not mark.late_status:
+        mark.late_status = status

@@ -29,7 +29,7 @@ from shared.messages import (
     Started,
     TokenOut,
 )
-from shared.metrics_messages import PROBE_API, Finished, FirstToken, Received
+from shared.metrics_messages import PROBE_API, Finished, FirstToken, Intervals, Received
 
 from services.gateway.request.marks import mark_received
 
@@ -101,8 +101,11 @@ class Session:
         self.published = False
         self.closed = False
         self.first_token_at: float | None = None
+        self.last_token_at = 0.0
+        self.intervals = Intervals()  # the time between each token and the one before it
         self.first_token = asyncio.Event()  # set with the first token, or at the end (PD split answers then)
         self.finish_reason: FinishReason | None = None
+        self.error = ""  # the failure's message, when it ends with one
         self.upstream_ended = False  # the current attempt ended upstream (its failure or last output came)
         self.generated = 0
         self.tokens: list[TokenOut] = []
@@ -112,8 +115,6 @@ class Session:
     async def start(self) -> Started:
         """Publish the request and wait for the tokenizer's answer (raises on a validation error)."""
         self.ctx.inflight.add(self)
-        self.ctx.emit(Received(id=self.id, model=self.ctx.model, adapter=self.request.adapter, api=self.api))
-        mark_received()  # (its HTTP request's refusal, if it fails now, is this request's end: counted once)
         self.published = True
         deadline = time.monotonic() + START_TIMEOUT_S
         failover = self.ctx.failover
@@ -127,6 +128,7 @@ class Session:
                 failover.tokenizer_deaths != deaths and time.monotonic() - asked >= patience))
             if isinstance(event, Started):
                 self.started, self.owned_since = event, time.monotonic()
+                self._received()
                 return event
             if event is not None:
                 raise self._error(event)
@@ -141,6 +143,12 @@ class Session:
             self._supersede("the message bus reconnected before a tokenizer answered"
                             if failover.lost_in_outage(epoch) else "a tokenizer died before it answered")
             patience = self.ctx.resume_timeout_s  # the next try goes to a live tokenizer: give it time
+
+    def _received(self) -> None:
+        """The tokenizer took the request (its input is valid): from here its end is counted with the request
+        counters. Before, a failure is its HTTP request's refusal (``web/refusals.py``), counted once there."""
+        self.ctx.emit(Received(id=self.id, model=self.ctx.model, adapter=self.request.adapter, api=self.api))
+        mark_received()
 
     async def _answer(self, deadline: float, ask_again=lambda: False):
         """The current attempt's Started or Failed; None at the deadline, or once ``ask_again()`` (checked
@@ -245,6 +253,7 @@ class Session:
     def _failed(self, exc: SwitchboardError) -> SwitchboardError:
         """The request ends with ``exc`` here (``close`` cancels its attempt unless that ended upstream)."""
         self.finish_reason = FinishReason.ERROR
+        self.error = exc.message
         return exc
 
     async def result(self) -> End:
@@ -272,12 +281,16 @@ class Session:
             return None
         if event.prompt and not self.prompt:  # with the first token (a resumed attempt's are ignored)
             self.prompt = event.prompt
+        now = time.time()
         if event.tokens and self.first_token_at is None:
             if event.position == 0:
                 self.cached_tokens = event.cached_tokens
-            self.first_token_at = time.time()
+            self.first_token_at = self.last_token_at = now
             if self.api != PROBE_API:  # (a health probe's token is not a client's: latencies leave it out)
                 self.ctx.emit(FirstToken(id=self.id, model=self.ctx.model, ttft_s=self.first_token_at - self.arrival))
+        elif (new := event.generated_tokens - self.generated) > 0 and self.first_token_at is not None:
+            self.intervals.add(now - self.last_token_at, new)
+            self.last_token_at = now
         self.tokens.extend(event.tokens)
         self.generated = event.generated_tokens
         self.finish_reason = event.finish_reason
@@ -309,11 +322,16 @@ class Session:
         self._report()
 
     def _report(self) -> None:
+        telemetry.end_span(self.span, (self.error or "failed") if self.finish_reason is FinishReason.ERROR else None, **{
+            "switchboard.finish_reason": str(self.finish_reason), "switchboard.generated_tokens": self.generated})
+        if self.started is not None:  # (received: see ``_received``)
+            self._finished()
+
+    def _finished(self) -> None:
         now = time.time()
         ttft = None if self.first_token_at is None else self.first_token_at - self.arrival
         prompt_tokens = self.started.prompt_tokens if self.started else 0
-        telemetry.end_span(self.span, "failed" if self.finish_reason is FinishReason.ERROR else None, **{
-            "switchboard.finish_reason": str(self.finish_reason), "switchboard.generated_tokens": self.generated})
         self.ctx.emit(Finished(id=self.id, model=self.ctx.model, arrival=self.arrival, e2e_s=now - self.arrival,
                                ttft_s=ttft, prompt_tokens=prompt_tokens, generated_tokens=self.generated,
-                               finish_reason=self.finish_reason, adapter=self.request.adapter, api=self.api))
+                               finish_reason=self.finish_reason, adapter=self.request.adapter, api=self.api,
+                               intervals=self.intervals if any(self.intervals.counts) else None))

@@ -23,6 +23,7 @@ from services.gateway.triton import routes as triton
 from services.gateway.web import generate
 from services.gateway.web.errors import EXCEPTION_HANDLERS
 from services.gateway.web.refusals import refusal_middleware
+from services.gateway.web.tracing import tracing_middleware
 
 BUSINESS_ROUTES = [*tgi.ROUTES, *generate.ROUTES, *openai_api.ROUTES, *openai_tokenize.ROUTES, *responses_api.ROUTES,
                    *anthropic.ROUTES, *triton.ROUTES, *native.ROUTES, *dresult.ROUTES]
@@ -40,8 +41,9 @@ class Listener:
 
 
 def create_app(gateway: Gateway, route_handlers: list, business: bool = True) -> Litestar:
-    """``business``: the listener serves the inference routes (their refusals are counted)."""
-    counting = [refusal_middleware(lambda: gateway.cfg.model.model_name, gateway.emit)] if business else []
+    """``business``: the listener serves the inference routes (traced, and their refusals counted)."""
+    counting = [tracing_middleware, refusal_middleware(lambda: gateway.cfg.model.model_name, gateway.emit)] \
+        if business else []
     return Litestar(
         route_handlers=route_handlers,
         state=State({"gateway": gateway}),

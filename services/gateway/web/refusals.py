@@ -2,9 +2,10 @@
 engine serving, a body too large) are counted too (``request_refused_total{api, status}``), as TGI counts its
 validation and overload failures: a fleet shedding load must not look healthy.
 
-A request is *received* once a session of its call has said so (``Received``: from then on its end is counted
-with the request counters). The middleware gives each HTTP request a ``Mark`` (``request/marks.py``);
-``Session.start`` marks it received; an error status of an unmarked inference route is a refusal."""
+A request is *received* once a session of its call has said so (``Received``: a tokenizer took it, its input
+valid; from then on its end is counted with the request counters). The middleware gives each HTTP request a
+``Mark`` (``request/marks.py``); ``Session.start`` marks it received; an error status of an unmarked inference
+route is a refusal (a stream's too, when its start failed after the stream began: the status its error has)."""
 
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ def refusal_middleware(model: Callable[[], str], emit: Callable[[MetricsEvent], 
             try:
                 await app(scope, receive, capture)
             finally:
-                if status[0] >= 400 and status[0] != 499 and not mark.received:  # (499: the client left first)
-                    emit(Refused(model=model(), api=mark.api or api_of(scope["path"]), status=status[0]))
+                refused = status[0] if status[0] >= 400 else mark.late_status
+                if refused >= 400 and refused != 499 and not mark.received:  # (499: the client left first)
+                    emit(Refused(model=model(), api=mark.api or api_of(scope["path"]), status=refused))
         return middleware
     return wrap
