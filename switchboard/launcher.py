@@ -26,12 +26,13 @@ from urllib.parse import urlsplit
 from shared.config import Config
 from switchboard.natsd import EmbeddedNats, die_with_parent
 from switchboard.replicas import Replica, replicas
-from switchboard.runner import READY_LINE
+from switchboard.runner import FLEET_STOP_LINE, READY_LINE
 
 READY_TIMEOUT_S = 900.0
 STOP_GRACE_S = 10.0
 MAX_RESTARTS, RESTART_WINDOW_S = 3, 120.0
 NATS_POLL_S = 0.5
+PUMP_DRAIN_S = 2.0
 START_ERROR = re.compile(r"^switchboard [\w-]+: ")  # the line a service prints as it exits 2 (runner.py)
 
 
@@ -42,6 +43,8 @@ class Child:
     replica: Replica | None = None
     last_lines: deque = field(default_factory=lambda: deque(maxlen=20))
     ready: asyncio.Event = field(default_factory=asyncio.Event)
+    fleet_stop: bool = False  # it said it stops for /stopService (else an exit, even 0, is restarted)
+    pumps: list = field(default_factory=list)  # the tasks reading its stdout and stderr
 
     def last_error(self) -> str:
         return "\n".join(self.last_lines) or "(no output)"
@@ -55,8 +58,8 @@ async def spawn(replica: Replica, config_path: Path, nats_url: str) -> Child:
         start_new_session=True, preexec_fn=die_with_parent,
     )
     child = Child(replica.name, proc, replica)
-    asyncio.create_task(_pump(child, proc.stdout, sys.stdout))
-    asyncio.create_task(_pump(child, proc.stderr, sys.stderr))
+    child.pumps = [asyncio.create_task(_pump(child, proc.stdout, sys.stdout)),
+                   asyncio.create_task(_pump(child, proc.stderr, sys.stderr))]
     return child
 
 
@@ -65,6 +68,9 @@ async def _pump(child: Child, stream: asyncio.StreamReader, echo) -> None:
         line = raw.decode(errors="replace").rstrip()
         if line == READY_LINE:
             child.ready.set()
+            continue
+        if line == FLEET_STOP_LINE:
+            child.fleet_stop = True
             continue
         child.last_lines.append(line)
         if not START_ERROR.match(line):  # (a start-up error's one line is the launcher's to print, once)
@@ -138,13 +144,15 @@ async def _run(children: list[Child], cfg: Config, stop: asyncio.Event, respawn)
         died = await _first_death_or_stop(children, stop)
         if died is None:
             return 0
-        if died.proc.returncode == 0:  # services leave on their own only after GET /stopService
+        if died.proc.returncode == 0 and died.fleet_stop:
             print("switchboard: stopped by /stopService", flush=True)
             return 0
         if died.proc.returncode == 2 or not _may_restart(restarts.setdefault(died.name, deque())):
             return _report_death(died, gave_up=True)
-        print(f"switchboard: the {died.name} service exited with code {died.proc.returncode}; starting it again "
-              f"(the others serve on)", file=sys.stderr, flush=True)
+        # (exit 0: it was stopped alone, e.g. an operator's SIGTERM: it drained, and a restart brings it back)
+        how = "stopped (exit 0)" if died.proc.returncode == 0 else f"exited with code {died.proc.returncode}"
+        print(f"switchboard: the {died.name} service {how}; starting it again (the others serve on)",
+              file=sys.stderr, flush=True)
         child = await respawn(died.replica)
         children[children.index(died)] = child
         asyncio.create_task(_announce_back(child))
@@ -196,8 +204,10 @@ async def _first_of(waiters: list[asyncio.Future], children: list[Child], timeou
         task.cancel()
     for task in done:
         if task in exits:
-            await asyncio.sleep(0.2)  # let the pumps read its last words
-            return exits[task]
+            child = exits[task]
+            if child.pumps:  # let the pumps read its last words (to the end of its output, within a bound)
+                await asyncio.wait(child.pumps, timeout=PUMP_DRAIN_S)
+            return child
     return True if done else None
 
 

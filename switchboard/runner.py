@@ -15,6 +15,7 @@ from shared.telemetry import setup_tracing
 
 SERVICES = ("gateway", "tokenizer", "engine", "metrics")
 READY_LINE = "SWITCHBOARD-READY"
+FLEET_STOP_LINE = "SWITCHBOARD-STOPPING-FOR-STOPSERVICE"  # this service stops because /stopService said so
 
 
 def run_service(name: str, cfg: Config, nats_url: str, label: str | None = None) -> int:
@@ -56,6 +57,7 @@ async def _stop_on_shutdown(nats_url: str, stop: asyncio.Event) -> None:
         return
 
     async def on_shutdown(_msg) -> None:
+        print(FLEET_STOP_LINE, flush=True)  # (a launcher stops the deployment; a service's own SIGTERM it restarts)
         stop.set()
 
     await nc.subscribe(subjects.SHUTDOWN, cb=on_shutdown)

@@ -37,7 +37,7 @@ from shared.leases import Leases
 from shared.media import MediaPolicy
 from shared.messages import (
     Cancel, CancelKind, Detokenize, EngineInfo, EngineRequest, Failed, FinishReason, GenerateRequest, Heartbeat,
-    MediaInputs, Output, Started, TokenBatch, TokenEvent, Tokenize, TokenizerInfo, TokenLogprob, TokenOut, TopToken,
+    MediaInputs, Output, Started, TokenBatch, TokenEvent, Tokenize, TokenizerInfo, TokenOut,
     decoder,
 )
 from shared.tombstones import Tombstones
@@ -86,7 +86,6 @@ class TokenizerService:
         self.gateways: Leases[Heartbeat] = Leases(cfg.switchboard.lease_seconds)
         self.pending: dict[str, Pending] = {}
         self.cancelled = Tombstones()  # cancels that came before their request
-        self.special_ids = set(tokenizer.all_special_ids)
         self.vocab_size = len(tokenizer)
         self.requests = decoder(GenerateRequest)
         self.batches = decoder(TokenBatch)
@@ -266,7 +265,8 @@ class TokenizerService:
     def engine_request(self, req: GenerateRequest, ids: list[int], seed: int,
                        media: MediaInputs | None = None) -> EngineRequest:
         sampling = req.sampling
-        max_new = min(sampling.max_new_tokens, self.cfg.schedule.max_iter_times)
+        # (a prompt-only request, max_new_tokens 0, samples one token with its prefill: ``forward`` keeps it back)
+        max_new = min(max(sampling.max_new_tokens, 1), self.cfg.schedule.max_iter_times)
         e2e = float(self.cfg.server.e2e_timeout)
         limit = min(req.timeout_s or math.inf, e2e)
         return EngineRequest(
@@ -300,8 +300,11 @@ class TokenizerService:
             await bus.publish(self.nc, req.reply_to, Failed(id=req.id, error=event.error))
             return
         position = state.generated
-        tokens, stopped = self.detokenize(state, event)
-        finish = FinishReason.STOP_SEQUENCE if stopped else event.finish_reason
+        if req.sampling.max_new_tokens == 0:  # the prompt alone (its logprobs): nothing generated is given out
+            tokens, stopped, finish = [], False, FinishReason.LENGTH
+        else:
+            tokens, stopped = self.detokenize(state, event)
+            finish = FinishReason.STOP_SEQUENCE if stopped else event.finish_reason
         if finish:  # a stop string the engine does not know of: it is told to stop
             await self._end(req.id, cancel=CancelKind.STOP_SEQUENCE if stopped and not event.finish_reason else None,
                             **{"switchboard.finish_reason": str(finish), "switchboard.generated_tokens": state.generated})
@@ -309,7 +312,7 @@ class TokenizerService:
                      generated_tokens=state.generated, stop=state.stops.matched if stopped else "",
                      cached_tokens=event.cached_tokens)
         if event.prompt_logprobs and len(event.prompt_logprobs) == len(state.prompt_ids):
-            out.prompt = [self.token_out(i, self.tok.decode([i], skip_special_tokens=False), lp)
+            out.prompt = [self.token_bytes.out(i, self.tok.decode([i], skip_special_tokens=False), lp)
                           for i, lp in zip(state.prompt_ids, event.prompt_logprobs)]
         await bus.publish(self.nc, req.reply_to, out)
 
@@ -342,18 +345,10 @@ class TokenizerService:
             text, own, stopped = next_text(state.decoder, state.stops, token_id, final,
                                            event.finish_reason is FinishReason.EOS_TOKEN,
                                            state.generated >= state.request.sampling.min_tokens)
-            tokens.append(self.token_out(token_id, text, event.logprobs[i] if event.logprobs else None, own))
+            tokens.append(self.token_bytes.out(token_id, text, event.logprobs[i] if event.logprobs else None, own))
             if stopped:
                 return tokens, True
         return tokens, False
-
-    def token_out(self, token_id: int, text: str, logprob: TokenLogprob | None, own: str | None = None) -> TokenOut:
-        special = token_id in self.special_ids
-        if logprob is None:
-            return TokenOut(token_id, text, special, own=own)
-        top = [TopToken(i, self.tok.decode([i]), lp, self.token_bytes.of(i))
-               for i, lp in zip(logprob.top_ids, logprob.top_logprobs)]
-        return TokenOut(token_id, text, special, logprob.logprob, top, self.token_bytes.of(token_id), own)
 
     async def on_cancel(self, msg: NatsMsg) -> None:
         cancel = self.cancels.decode(msg.data)

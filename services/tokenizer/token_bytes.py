@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import functools
 
+from shared.messages import TokenLogprob, TokenOut, TopToken
+
 SPIECE_SPACE = "\u2581"
 
 
@@ -37,6 +39,15 @@ class TokenBytes:
         self.tok = tokenizer
         self.kind = _kind(tokenizer)
         self.special = set(getattr(tokenizer, "all_special_ids", []) or [])
+
+    def out(self, token_id: int, text: str, logprob: TokenLogprob | None = None, own: str | None = None) -> TokenOut:
+        """The token as the gateway gets it: ``text`` what it released, with its logprob, alternatives and bytes
+        when logprobs were asked."""
+        special = token_id in self.special
+        if logprob is None:
+            return TokenOut(token_id, text, special, own=own)
+        top = [TopToken(i, self.tok.decode([i]), lp, self.of(i)) for i, lp in zip(logprob.top_ids, logprob.top_logprobs)]
+        return TokenOut(token_id, text, special, logprob.logprob, top, self.of(token_id), own)
 
     @functools.lru_cache(maxsize=65536)
     def of(self, token_id: int) -> bytes:

@@ -199,6 +199,24 @@ def test_the_launcher_starts_a_killed_engine_and_tokenizer_again_and_no_stream_n
     assert len(asyncio.run(heartbeats(many))) == ENGINES
 
 
+def test_an_engine_given_sigterm_alone_drains_and_is_started_again(many):
+    """An operator's SIGTERM to one engine (a rollout): its streams end exactly as uninterrupted, the deployment
+    serves on, and the launcher starts it again; only /stopService stops the deployment (it stopped it all)."""
+    from tests.integration.test_failover import Streams
+
+    expected = Streams(many.url, seeded=False)
+    asyncio.run(expected.run())
+    before = pid_of(many, "engine-1")
+    streams = Streams(many.url, seeded=False)
+    asyncio.run(streams.run(fault=lambda: os.kill(before, signal.SIGTERM)))
+    assert not any(streams.errors) and streams.tokens == expected.tokens, (streams.errors, many.output[-30:])
+    many.wait_for_line("switchboard: the engine-1 service stopped (exit 0); starting it again", 60)
+    many.wait_for_line("switchboard: engine-1 is serving again", 120)
+    assert pid_of(many, "engine-1") != before and many.proc.poll() is None
+    assert not any("stopped by /stopService" in line for line in many.output)
+    assert len(asyncio.run(heartbeats(many))) == ENGINES
+
+
 def test_sigterm_drains_the_streams_then_stops_every_child(many):
     """SIGTERM: the gateway takes no new connection, the streams it serves run to their ends (exactly as
     uninterrupted), then every child stops."""

@@ -51,6 +51,29 @@ def test_lm_eval_style_requests_with_token_ids_and_one_new_token(tiny_stack, ref
         assert got == pytest.approx(want, abs=1e-4)
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(tiny_stack, reference):
+    """OpenAI's legacy API and vLLM take ``max_tokens: 0`` with ``echo``: the prompt and its logprobs, nothing
+    generated (finish_reason length, no completion tokens); streamed too. Without echo, 0 stays a 400."""
+    done = client(tiny_stack).completions.create(model=tiny_stack.model, prompt=PROMPT, echo=True, logprobs=1,
+                                                  max_tokens=0, temperature=0)
+    [choice] = done.choices
+    assert choice.text == PROMPT and choice.finish_reason == "length"
+    assert len(choice.logprobs.tokens) == len(IDS) and choice.logprobs.token_logprobs[0] is None
+    want = [float(reference[p - 1][IDS[p]]) for p in range(1, len(IDS))]
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (len(IDS), 0)
+    events = stream_payloads(post(tiny_stack, "/v1/completions", {
+        "model": tiny_stack.model, "prompt": [IDS, IDS[:5]], "stream": True, "echo": True, "logprobs": 1,
+        "max_tokens": 0}))
+    texts = {}
+    for event in events:
+        for c in event["choices"]:
+            texts.setdefault(c["index"], []).append((c["text"], c["finish_reason"]))
+    assert sorted(texts) == [0, 1] and all(chunks[-1] == ("", "length") for chunks in texts.values()), texts
+    refused = post(tiny_stack, "/v1/completions", {"model": tiny_stack.model, "prompt": PROMPT, "max_tokens": 0})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+
+
 def test_a_stream_echoes_the_prompt_with_its_logprobs_first(tiny_stack, reference):
     events = stream_payloads(post(tiny_stack, "/v1/completions", {
         "model": tiny_stack.model, "prompt": PROMPT, "stream": True, "echo": True, "logprobs": 1, "max_tokens": 4,

@@ -77,6 +77,7 @@ def _max_new_tokens(p: Fields, dialect: MindieDialect) -> int:
 class VllmDialect:
     repetition_max: float  # OpenAI routes: 2.0; vLLM /generate: FLT_MAX
     max_tokens_default: int
+    prompt_only: bool = False  # max_tokens may be 0 (completions with echo: the prompt's logprobs alone, as vLLM)
 
 
 def vllm_sampling(f: Fields, dialect: VllmDialect, logprobs: int | None = None) -> Sampling:
@@ -146,8 +147,8 @@ def choice_sampling(sampling: Sampling, j: int) -> Sampling:
 
 def _max_tokens(f: Fields, dialect: VllmDialect) -> int:
     """``max_completion_tokens`` (OpenAI's newer name) wins over ``max_tokens``."""
-    value = f.integer("max_tokens", dialect.max_tokens_default, 0, INT32_MAX, lo_open=True)
-    return f.integer("max_completion_tokens", value, 0, INT32_MAX, lo_open=True)
+    value = f.integer("max_tokens", dialect.max_tokens_default, 0, INT32_MAX, lo_open=not dialect.prompt_only)
+    return f.integer("max_completion_tokens", value, 0, INT32_MAX, lo_open=not dialect.prompt_only)
 
 
 def _top_k(f: Fields) -> int:

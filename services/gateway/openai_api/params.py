@@ -32,9 +32,11 @@ class Common:
     adapter: str = ""  # the LoRA adapter ``model`` names; "" = the base model
 
 
-def parse_common(data: dict[str, Any], cfg: Config, served: Served, logprobs: int | None, chat: bool) -> Common:
+def parse_common(data: dict[str, Any], cfg: Config, served: Served, logprobs: int | None, chat: bool,
+                 echo: bool = False) -> Common:
     """Check the fields every OpenAI generation request has; ``served`` names the model and the adapters
-    ``model`` may take; ``logprobs`` is the family's reading.
+    ``model`` may take; ``logprobs`` is the family's reading; ``echo`` (completions): max_tokens may be 0, the
+    prompt scored alone (OpenAI's legacy API and vLLM take that).
 
     max_tokens defaults to maxIterTimes for chat (reference §3.25) and to 16 for completions, as
     OpenAI's and vLLM's completions APIs do."""
@@ -42,7 +44,8 @@ def parse_common(data: dict[str, Any], cfg: Config, served: Served, logprobs: in
     model = _model(f)
     adapter = _adapter(model, served)
     stream = bool(f.boolean("stream", False))
-    dialect = VllmDialect(repetition_max=2.0, max_tokens_default=cfg.schedule.max_iter_times if chat else COMPLETIONS_MAX_TOKENS)
+    dialect = VllmDialect(repetition_max=2.0, max_tokens_default=cfg.schedule.max_iter_times if chat else COMPLETIONS_MAX_TOKENS,
+                          prompt_only=echo and not chat)
     sampling = vllm_sampling(f, dialect, logprobs)
     grammar = response_format(f.data.get("response_format"))
     if grammar is not None:

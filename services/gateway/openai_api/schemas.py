@@ -181,7 +181,7 @@ def parse_completion(body: bytes, cfg: Config, served: Served) -> CompletionRequ
         raise bad_param("suffix", "suffix is not supported.")
     echo = bool(f.boolean("echo", False))
     logprobs = f.integer("logprobs", None, 0, 5)
-    common = parse_common(data, cfg, served, logprobs, chat=False)
+    common = parse_common(data, cfg, served, logprobs, chat=False, echo=echo)
     if echo and logprobs is not None:  # the echoed prompt's tokens carry logprobs too
         common = replace(common, sampling=msgspec.structs.replace(common.sampling, prompt_logprobs=logprobs))
     return CompletionRequest(common, prompts, echo, logprobs)
