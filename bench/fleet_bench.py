@@ -41,6 +41,8 @@ from peers_report import cpu, git_head  # noqa: E402
 from processes import run_main  # noqa: E402
 from rounds import publish  # noqa: E402
 
+MAX_SEQ_LEN = 2560  # the shipped config's ModelDeployConfig.maxSeqLen
+
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = ("river stone market window lantern harbor quiet orange engine meadow copper signal violet "
          "garden planet silver thunder canyon marble velvet anchor bridge castle dragon falcon glacier").split()
@@ -228,8 +230,9 @@ def main() -> int:
     work = Workload(args)
     final_tokens = final_history_tokens(model_dir, work)
     per_token = kv_bytes_per_token(model_dir, args.dtype)
-    half_mb = max(16, math.ceil(args.conversations / 2 * final_tokens * per_token / 2**20))
-    all_mb = max(16, math.ceil(1.5 * args.conversations * final_tokens * per_token / 2**20))
+    least_mb = max(16, math.ceil(MAX_SEQ_LEN * per_token / 2**20))  # an engine refuses a cache short of maxSeqLen
+    half_mb = max(least_mb, math.ceil(args.conversations / 2 * final_tokens * per_token / 2**20))
+    all_mb = max(least_mb, math.ceil(1.5 * args.conversations * final_tokens * per_token / 2**20))
     print(f"KV per engine: {half_mb} MiB (about half of {args.conversations} conversations of ~{final_tokens} "
           f"tokens at {per_token} B/token); one engine holding everything: {all_mb} MiB", flush=True)
     deployments = [(f"{args.engines} engines, {policy}", args.engines, half_mb, {**args.routing, "policy": policy})

@@ -219,6 +219,7 @@ def load_config(path: str | os.PathLike) -> Config:
 
 
 def parse_config(raw: bytes, source_dir: str = ".") -> Config:
+    raw = raw.removeprefix(UTF8_BOM)  # (an editor's byte-order mark: MindIE's JSON reader skips it too)
     try:
         cfg = msgspec.json.decode(raw, type=Config)
     except msgspec.ValidationError as exc:
@@ -228,6 +229,9 @@ def parse_config(raw: bytes, source_dir: str = ".") -> Config:
     cfg.source_dir = source_dir
     _check_cross_keys(cfg)
     return cfg
+
+
+UTF8_BOM = b"\xef\xbb\xbf"
 
 
 def _readable(msg: str) -> str:
@@ -316,10 +320,12 @@ def _unwrap(info):
 def _describe(info) -> str:
     if isinstance(info, msgspec.inspect.LiteralType):
         return " | ".join(repr(v) for v in info.values)
-    lo, hi = getattr(info, "ge", None), getattr(info, "le", None)
-    if lo is None and hi is None:
+    ge, gt, le, lt = (getattr(info, bound, None) for bound in ("ge", "gt", "le", "lt"))
+    if ge is None and gt is None and le is None and lt is None:
         return ""
-    return f"[{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}]"
+    low = f"[{ge}" if ge is not None else f"({gt}" if gt is not None else "(-inf"
+    high = f"{le}]" if le is not None else f"{lt})" if lt is not None else "inf)"
+    return f"{low}, {high}"
 
 
 def _check_cross_keys(cfg: Config) -> None:
@@ -344,10 +350,28 @@ def _check_cross_keys(cfg: Config) -> None:
         )
     if d.max_seq_len < 2:
         raise ConfigError(f"BackendConfig.ModelDeployConfig.maxSeqLen: must be >= 2, got {d.max_seq_len}")
+    _check_schedule_bounds(cfg)
     _check_lora_modules(cfg)
     _check_media(cfg.switchboard)
     if isinstance(d.truncation, int) and not isinstance(d.truncation, bool) and d.truncation not in (-1, 0, 1):
         raise ConfigError(f"BackendConfig.ModelDeployConfig.truncation: must be -1, 0, 1, true or false, got {d.truncation}")
+
+
+def _check_schedule_bounds(cfg: Config) -> None:
+    """The ranges the reference gives in terms of other keys (§1.4, §1.5), and one model per deployment."""
+    d, sc, models = cfg.deploy, cfg.schedule, cfg.deploy.model_config
+    if len(models) > 1:
+        raise ConfigError(f"BackendConfig.ModelDeployConfig.ModelConfig[1]: a deployment serves one model "
+                          f"(ModelConfig holds one element), got {len(models)}")
+    if sc.max_preempt_count > sc.max_batch_size:
+        raise ConfigError(f"BackendConfig.ScheduleConfig.maxPreemptCount: must be in [0, maxBatchSize="
+                          f"{sc.max_batch_size}], got {sc.max_preempt_count}")
+    if sc.max_iter_times > d.max_seq_len:
+        raise ConfigError(f"BackendConfig.ScheduleConfig.maxIterTimes: must be in [1, ModelDeployConfig.maxSeqLen="
+                          f"{d.max_seq_len}], got {sc.max_iter_times}")
+    if cfg.model.npu_mem_size == 0:
+        raise ConfigError("BackendConfig.ModelDeployConfig.ModelConfig[0].npuMemSize: must be -1 (automatic) or in "
+                          "(0, 2147483647], got 0")
 
 
 def _check_lora_modules(cfg: Config) -> None:

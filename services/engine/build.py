@@ -37,6 +37,7 @@ def build_engine(cfg: Config) -> tuple[Engine, str]:
         quantization=sb.quantization,
         kv_cache_dtype=sb.kv_cache_dtype,
     )
+    check_pool_holds_a_sequence(runner, cfg, device.kind)
     load_lora_modules(runner, cfg)
     limits = Limits(sc.max_batch_size, sc.prefill_batch_size, sc.max_prefill_tokens, deploy.max_seq_len,
                     token_timeout_s=float(cfg.server.token_timeout), max_preempt_count=sc.max_preempt_count,
@@ -53,6 +54,18 @@ def graph_plan(cfg: Config) -> GraphPlan:
     sc = cfg.schedule
     tokens = sc.prefill_chunk_size + sc.max_batch_size if sc.template_type == "Mix" else sc.max_prefill_tokens
     return GraphPlan(sc.max_batch_size, cfg.deploy.max_seq_len, max_tokens=tokens)
+
+
+def check_pool_holds_a_sequence(runner: ModelRunner, cfg: Config, device_kind: str) -> None:
+    """A K/V pool smaller than one sequence of maxSeqLen tokens would refuse long requests one by one, forever:
+    refused at start, as vLLM refuses a max_model_len its cache cannot hold."""
+    held, longest = runner.num_blocks * runner.block_size, cfg.deploy.max_seq_len
+    if held < longest:
+        budget = ("Switchboard.kvCacheMemoryMb" if device_kind == "cpu"
+                  else "ModelConfig[0].npuMemSize (or the device's free memory)")
+        raise ConfigError(f"BackendConfig.ModelDeployConfig.maxSeqLen: {longest} tokens do not fit the K/V cache, "
+                          f"which holds {held} tokens ({runner.num_blocks} blocks of {runner.block_size}); raise "
+                          f"{budget} or lower maxSeqLen")
 
 
 def host_blocks(runner: ModelRunner, cfg: Config) -> int:

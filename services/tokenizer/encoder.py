@@ -19,9 +19,9 @@ def encode_prompt(tokenizer, req: GenerateRequest, deploy: ModelDeployConfig) ->
     if req.prompt_ids is not None:
         ids = list(req.prompt_ids)
     elif req.messages is not None:
-        ids = render_chat(tokenizer, req)
+        ids = render_chat(tokenizer, req, deploy)
     else:
-        refuse_surely_too_long(tokenizer, req, deploy)
+        refuse_surely_too_long(tokenizer, req.prompt, req.truncate, deploy, "the prompt")
         ids = tokenizer(req.prompt).input_ids
     if not ids:
         raise validation("the prompt is empty after tokenization")
@@ -30,14 +30,14 @@ def encode_prompt(tokenizer, req: GenerateRequest, deploy: ModelDeployConfig) ->
     return apply_length_limit(ids, deploy)
 
 
-def refuse_surely_too_long(tokenizer, req: GenerateRequest, deploy: ModelDeployConfig) -> None:
+def refuse_surely_too_long(tokenizer, text: str, truncate: int, deploy: ModelDeployConfig, what: str) -> None:
     """Refuse, before tokenizing it, a prompt longer than the limit's tokens could hold even at the vocabulary's
     longest token (twice over, for normalizers): a 4 MiB prompt took the tokenizer ~4 s, and every other request
     waited behind it. A prompt that is to be cut (``truncate``, or a deployment that truncates) is tokenized."""
     limit = min(deploy.effective_max_input_len, MAX_TOKENS_NUM)
-    too_long = len(req.prompt) > 2 * limit and len(req.prompt) > 2 * limit * longest_token(tokenizer)
-    if too_long and not (deploy.truncates or req.truncate):
-        raise validation(f"the prompt has {len(req.prompt)} characters: more than the limit of {limit} tokens "
+    too_long = len(text) > 2 * limit and len(text) > 2 * limit * longest_token(tokenizer)
+    if too_long and not (deploy.truncates or truncate):
+        raise validation(f"{what} has {len(text)} characters: more than the limit of {limit} tokens "
                          f"(min(maxInputTokenLen, maxSeqLen - 1)) can hold; {SHORTEN.format(limit=limit)}")
 
 
@@ -97,9 +97,10 @@ def check_chat_template(tokenizer, folder: str) -> None:
             raise ModelFolderError(f"{folder}: the chat template ({where}) does not compile: {exc}") from None
 
 
-def render_chat(tokenizer, req: GenerateRequest | Tokenize) -> list[int]:
+def render_chat(tokenizer, req: GenerateRequest | Tokenize, deploy: ModelDeployConfig | None = None) -> list[int]:
     """The conversation through the model's chat template, ending with the assistant's turn opened (or, as the
-    request asks, with no turn added, or the last message left open for the answer to continue)."""
+    request asks, with no turn added, or the last message left open for the answer to continue). With ``deploy``
+    (a generation), a rendering surely over the prompt limit is refused before it is tokenized."""
     if not getattr(tokenizer, "chat_template", None):
         raise validation("the model has no chat_template in its tokenizer_config.json; use /v1/completions")
     messages, extra = req.messages, {}
@@ -112,6 +113,8 @@ def render_chat(tokenizer, req: GenerateRequest | Tokenize) -> list[int]:
                                              **req.chat_template_kwargs)
     except Exception as exc:  # a template error is the caller's messages not fitting the template
         raise validation(f"the messages do not fit the model's chat template: {exc}") from None
+    if deploy is not None:
+        refuse_surely_too_long(tokenizer, text, req.truncate, deploy, "the conversation (as its chat template renders it)")
     return tokenizer(text, add_special_tokens=False).input_ids
 
 

@@ -233,7 +233,7 @@ async def engines_idle_within(nats_url: str, model: str, seconds: float) -> floa
 
 def test_a_dead_gateways_requests_are_cancelled(tmp_path, tiny_model_dir):
     cluster = Cluster(tmp_path, tiny_model_dir, engines=1, tokenizers=1,
-                      **{"BackendConfig.ScheduleConfig": {"maxIterTimes": 20000}})
+                      **{"BackendConfig.ScheduleConfig": {"maxIterTimes": 2500}})
     try:
         cluster.wait_ready()
         model = json.loads(cluster.config.read_text())["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0][

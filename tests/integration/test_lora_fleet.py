@@ -48,7 +48,7 @@ def expected(smol_dir, adapter):
 @pytest.fixture
 def cluster(tmp_path, smol_dir):
     c = Cluster(tmp_path, smol_dir, engines=2, tokenizers=1,
-                Switchboard={"kvCacheMemoryMb": 64, "torchThreads": 1})
+                Switchboard={"kvCacheMemoryMb": 128, "torchThreads": 1})
     try:
         yield c.wait_ready()
     finally:

@@ -27,7 +27,7 @@ def media_body(i: int, seeded: bool) -> dict:
 def cluster(tmp_path, smolvlm_dir, monkeypatch):
     monkeypatch.setattr(test_failover, "body", media_body)
     monkeypatch.setattr(test_failover, "STREAMS", 4)
-    c = Cluster(tmp_path, smolvlm_dir, engines=2, tokenizers=2)
+    c = Cluster(tmp_path, smolvlm_dir, engines=2, tokenizers=2, Switchboard={"kvCacheMemoryMb": 128})  # a maxSeqLen sequence
     try:
         yield c.wait_ready()
     finally:

@@ -175,6 +175,7 @@ def test_all_zero_ip_allowed_with_flag(tmp_path):
         ({"Switchboard": {"bodyTimeoutSeconds": 86400}}, "Switchboard.bodyTimeoutSeconds", "[1, 3600]"),
         ({"Switchboard": {"maxConnections": 0}}, "Switchboard.maxConnections", "[1, 65536]"),
         ({"Switchboard": {"maxConnections": 65537}}, "Switchboard.maxConnections", "[1, 65536]"),
+        ({"Switchboard": {"kvTransTimeoutSeconds": 0}}, "Switchboard.kvTransTimeoutSeconds", "(0, 3600]"),
     ],
 )
 def test_out_of_range_value_names_key_and_range(tmp_path, sections, key, allowed):
@@ -328,3 +329,33 @@ def test_a_nats_url_that_is_not_one_is_refused(url):
         parse_config(json.dumps(patched(Switchboard={"natsUrl": url})).encode())
     for good in ("", "nats://nats:4222", "tls://10.0.0.1:4222"):
         parse_config(json.dumps(patched(Switchboard={"natsUrl": good})).encode())
+
+
+@pytest.mark.parametrize(
+    "sections, message",
+    [
+        ({"BackendConfig.ScheduleConfig": {"maxPreemptCount": 100, "maxBatchSize": 4,
+                                           "maxPrefillBatchSize": 4}},
+         "BackendConfig.ScheduleConfig.maxPreemptCount: must be in [0, maxBatchSize=4], got 100"),
+        ({"BackendConfig.ScheduleConfig": {"maxIterTimes": 4000}},
+         "BackendConfig.ScheduleConfig.maxIterTimes: must be in [1, ModelDeployConfig.maxSeqLen=2560], got 4000"),
+        ({"BackendConfig.ModelDeployConfig.ModelConfig.0": {"npuMemSize": 0}},
+         "ModelConfig[0].npuMemSize: must be -1 (automatic) or in (0, 2147483647], got 0"),
+    ],
+)
+def test_ranges_given_by_other_keys_are_checked(tmp_path, sections, message):
+    """The reference's ranges in terms of other keys (§1.4, §1.5): refused at start, naming both."""
+    assert message in load_error(tmp_path, patched(**sections))
+
+
+def test_a_second_model_config_is_refused(tmp_path):
+    data = patched()
+    models = data["BackendConfig"]["ModelDeployConfig"]["ModelConfig"]
+    models.append({**models[0], "modelName": "second"})
+    assert "ModelConfig[1]: a deployment serves one model" in load_error(tmp_path, data)
+
+
+def test_a_utf8_byte_order_mark_is_skipped(tmp_path):
+    """A config saved by an editor that writes a BOM reads as without it (MindIE's JSON reader skips it too)."""
+    cfg = load_config(write(tmp_path, b"\xef\xbb\xbf" + json.dumps(patched()).encode()))
+    assert cfg.server.port == BASE["ServerConfig"]["port"]

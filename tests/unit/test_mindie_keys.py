@@ -21,3 +21,11 @@ def test_mindies_own_keys_are_not_misspelt():
     assert misspelt("ServerConfig.distDPServerEnabled") == misspelt("LogConfig") == ""
     assert misspelt("BackendConfig.ModelDeployConfig.ModelConfig[0].trustRemoteCode") == ""
     assert [key for key in unused_keys(SHIPPED.read_bytes()) if misspelt(key)] == []  # the shipped config's
+
+
+def test_keys_from_mindies_own_docs_are_mindies():
+    """Keys a config copied from MindIE's documentation has (reference §1): never called misspelt."""
+    for path in ("EnableDynamicAdjustTimeoutConfig", "ServerConfig.kmcKsfStandby", "ServerConfig.interCommTlsCert",
+                 "BackendConfig.interNodeKmcKsfMaster", "BackendConfig.ScheduleConfig.maxNumPartialPrefills",
+                 "ServerConfig.layerwiseDisaggregatedRoleType"):
+        assert misspelt(path) == "", path
