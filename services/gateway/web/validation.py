@@ -31,6 +31,9 @@ _DEPTH_STEP[ord("]")] = _DEPTH_STEP[ord("}")] = -1
 _LONG_DIGITS = re.compile(rb"[0-9]{19,}")  # any integer outside 64 bits has at least 19 digits
 _BAD_NUMBER = re.compile(rb"-?(?:NaN|Infinity)")
 _AT_BYTE = re.compile(r"\(byte (\d+)\)")
+# a \uD800-\uDBFF escape not followed by a \uDC00-\uDFFF one, or one of those not after a \uD800-\uDBFF
+_LONE_SURROGATE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+                             rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}")
 
 
 class BodyError(ValueError):
@@ -110,7 +113,12 @@ def _decode(body: bytes) -> Any:
 
 
 def _decode_problem(body: bytes, text: str) -> str:
-    """msgspec's parse error, naming NaN and Infinity, which JSON does not allow."""
+    """msgspec's parse error, naming NaN and Infinity, which JSON does not allow, and a lone surrogate escape
+    (msgspec calls that "Input data was truncated")."""
+    lone = _LONE_SURROGATE.search(body) if "truncated" in text else None
+    if lone is not None:
+        return (f"{lone.group().decode()} at byte {lone.start()} is a lone UTF-16 surrogate: a JSON string's "
+                "\\u escapes must make whole characters")
     at = _AT_BYTE.search(text)
     if at is not None:
         start = max(int(at.group(1)) - 1, 0)
