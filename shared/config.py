@@ -259,41 +259,8 @@ def _keys(path: str) -> list[str]:
     """The keys the section at ``path`` takes."""
     info = msgspec.inspect.type_info(Config)
     for part in path.split("."):
-        info = {f.encode_name: _unwrap(f.type) for f in _unwrap(info).fields}[part]
+        info = {f.encode_name: unwrap(f.type) for f in unwrap(info).fields}[part]
     return sorted(f.encode_name for f in info.fields)
-
-
-# MindIE keys the schema checks (their types and ranges) but nothing reads: set to anything but their default,
-# they are listed with the unused keys (a user who set them expects an effect)
-NO_EFFECT = frozenset({"support_select_batch", "prefill_time_ms_per_req", "decode_time_ms_per_req",
-                       "npu_usage_threshold", "trust_remote_code", "backend_name", "max_first_token_wait_time"})
-
-
-def unused_keys(raw: bytes) -> list[str]:
-    """The keys of config.json that Switchboard reads nothing from (MindIE's sections hold keys for MindIE's
-    own features), as paths such as ``BackendConfig.ModelDeployConfig.ModelConfig[0].trustRemoteCode``: those
-    the schema does not have, and those of ``NO_EFFECT`` set to anything but their default."""
-    try:
-        return list(_unused(msgspec.json.decode(raw), msgspec.inspect.type_info(Config), ""))
-    except msgspec.DecodeError:
-        return []
-
-
-def _unused(value, info, path: str):
-    info = _unwrap(info)
-    if isinstance(info, msgspec.inspect.StructType) and isinstance(value, dict):
-        fields = {f.encode_name: f for f in info.fields}
-        for key, item in value.items():
-            where = f"{path}.{key}" if path else key
-            if key in fields and fields[key].name in NO_EFFECT and item != fields[key].default:
-                yield where
-            elif key in fields:
-                yield from _unused(item, fields[key].type, where)
-            elif not key.startswith("_"):
-                yield where
-    elif isinstance(info, msgspec.inspect.ListType) and isinstance(value, list):
-        for index, item in enumerate(value):
-            yield from _unused(item, info.item_type, f"{path}[{index}]")
 
 
 def _allowed(path: str) -> str:
@@ -303,15 +270,15 @@ def _allowed(path: str) -> str:
         if part.startswith("["):
             info = getattr(info, "item_type", info)
             continue
-        info = _unwrap(info)
+        info = unwrap(info)
         fields = {f.encode_name: f.type for f in getattr(info, "fields", ())}
         if part not in fields:
             return ""
         info = fields[part]
-    return _describe(_unwrap(info))
+    return _describe(unwrap(info))
 
 
-def _unwrap(info):
+def unwrap(info):
     if isinstance(info, msgspec.inspect.UnionType):
         return next((t for t in info.types if not isinstance(t, msgspec.inspect.NoneType)), info)
     return info

@@ -1,10 +1,15 @@
 """The key names of MindIE's config.json (every section; ../shared/reference/mindie-api.md §1), to tell a MindIE key
 Switchboard does not use from a key that is neither MindIE's nor Switchboard's: most likely a misspelt one, whose
-setting then has no effect (``ServerConfig.prot`` leaves ``port`` at its default)."""
+setting then has no effect (``ServerConfig.prot`` leaves ``port`` at its default); and which keys of a config.json
+Switchboard reads nothing from (``unused_keys``), listed once at start."""
 
 from __future__ import annotations
 
 import difflib
+
+import msgspec
+
+from shared.config import Config, unwrap
 
 MINDIE_KEYS = frozenset({
     "allowAllZeroIpListening", "async_scheduler_wait_time", "BackendConfig", "backendName", "backendType",
@@ -45,3 +50,36 @@ def misspelt(path: str) -> str:
         return ""
     close = difflib.get_close_matches(key, MINDIE_KEYS, n=1, cutoff=0.6)
     return f"{path} ({close[0]}?)" if close else path
+
+
+# MindIE keys the schema checks (their types and ranges) but nothing reads: set to anything but their default,
+# they are listed with the unused keys (a user who set them expects an effect)
+NO_EFFECT = frozenset({"support_select_batch", "prefill_time_ms_per_req", "decode_time_ms_per_req",
+                       "npu_usage_threshold", "trust_remote_code", "backend_name", "max_first_token_wait_time"})
+
+
+def unused_keys(raw: bytes) -> list[str]:
+    """The keys of config.json that Switchboard reads nothing from (MindIE's sections hold keys for MindIE's
+    own features), as paths such as ``BackendConfig.ModelDeployConfig.ModelConfig[0].trustRemoteCode``: those
+    the schema does not have, and those of ``NO_EFFECT`` set to anything but their default."""
+    try:
+        return list(_unused(msgspec.json.decode(raw), msgspec.inspect.type_info(Config), ""))
+    except msgspec.DecodeError:
+        return []
+
+
+def _unused(value, info, path: str):
+    info = unwrap(info)
+    if isinstance(info, msgspec.inspect.StructType) and isinstance(value, dict):
+        fields = {f.encode_name: f for f in info.fields}
+        for key, item in value.items():
+            where = f"{path}.{key}" if path else key
+            if key in fields and fields[key].name in NO_EFFECT and item != fields[key].default:
+                yield where
+            elif key in fields:
+                yield from _unused(item, fields[key].type, where)
+            elif not key.startswith("_"):
+                yield where
+    elif isinstance(info, msgspec.inspect.ListType) and isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _unused(item, info.item_type, f"{path}[{index}]")

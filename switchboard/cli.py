@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 from shared import model_folder
-from shared.config import Config, ConfigError, load_config, unused_keys
+from shared.config import Config, ConfigError, load_config
 from shared.listen import check_free
-from shared.mindie_keys import misspelt
+from shared.mindie_keys import misspelt, unused_keys
 from switchboard.runner import SERVICES
 
 DEFAULT_CONFIG = "config/config.json"

@@ -1,8 +1,10 @@
-"""maxLinkNum: that many requests in progress, twice as many waiting, beyond that 429 + Retry-After."""
+"""Limits: maxLinkNum (that many requests in progress, twice as many waiting, beyond that 429 + Retry-After), and
+a prompt surely over the prompt limit, refused before it is tokenized."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import pytest
@@ -11,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from switchboard.natsd import EmbeddedNats
 from tests.conftest import write_config
 from tests.integration.stack import Stack
+from tests.integration.test_openai_api import post
 
 # Long enough to still be running a second later, however fast the engine is.
 LONG = {"prompt": "My name is Olivier and I", "max_tokens": 2000, "temperature": 0, "ignore_eos": True}
@@ -52,3 +55,19 @@ async def test_beyond_links_and_queue_is_429_in_each_family_shape(one_link_stack
     assert metrics[("request_refused_total", "tgi", "429")] == 1
     assert metrics[("request_refused_total", "openai-completions", "429")] == 1
     assert metrics[("request_received_total", "vllm", None)] == 3 and metrics[("request_received_total", "mindie", None)] == 1
+
+
+def test_a_conversation_surely_over_the_limit_is_refused_before_it_is_tokenized(tiny_stack):
+    """A message surely over the limit (500 kB here, within this stack's 1 MB body limit; a user's 4 MB took the
+    tokenizer ~4 s while every other request waited) on chat and Anthropic: refused from its rendered length, as
+    a prompt is on the other routes, rather than tokenized first."""
+    huge = "word " * 100_000
+    started = time.monotonic()
+    chat = post(tiny_stack, "/v1/chat/completions", {"model": tiny_stack.model, "max_tokens": 1,
+                                                     "messages": [{"role": "user", "content": huge}]})
+    anthropic = post(tiny_stack, "/v1/messages", {"model": tiny_stack.model, "max_tokens": 1,
+                                                  "messages": [{"role": "user", "content": huge}]})
+    assert (chat.status_code, anthropic.status_code) == (400, 400), (chat.text[:300], anthropic.text[:300])
+    assert "the conversation (as its chat template renders it) has" in chat.json()["error"]["message"]
+    assert "characters: more than the limit" in anthropic.json()["error"]["message"]
+    assert time.monotonic() - started < 3.0

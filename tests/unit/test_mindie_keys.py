@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shared.config import unused_keys
-from shared.mindie_keys import misspelt
+from shared.mindie_keys import misspelt, unused_keys
 
 SHIPPED = Path(__file__).resolve().parents[2] / "config" / "config.json"
 

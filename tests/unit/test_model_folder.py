@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from shared.config import ConfigError, parse_config, unused_keys
+from shared.config import ConfigError, parse_config
+from shared.mindie_keys import unused_keys
 from shared.model_folder import ModelFolderError, check, processor_config
 from tests.conftest import write_config
 from tests.unit.test_config import BASE, patched

@@ -330,8 +330,7 @@ class Session:
     def _finished(self) -> None:
         now = time.time()
         ttft = None if self.first_token_at is None else self.first_token_at - self.arrival
-        prompt_tokens = self.started.prompt_tokens if self.started else 0
         self.ctx.emit(Finished(id=self.id, model=self.ctx.model, arrival=self.arrival, e2e_s=now - self.arrival,
-                               ttft_s=ttft, prompt_tokens=prompt_tokens, generated_tokens=self.generated,
+                               ttft_s=ttft, prompt_tokens=self.started.prompt_tokens, generated_tokens=self.generated,
                                finish_reason=self.finish_reason, adapter=self.request.adapter, api=self.api,
                                intervals=self.intervals if any(self.intervals.counts) else None))

@@ -5,6 +5,8 @@ Requests refused before they were received (bad input, the slots full) are trace
 
 from __future__ import annotations
 
+import asyncio
+
 from opentelemetry import context, trace
 
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
@@ -34,6 +36,9 @@ def tracing_middleware(app: ASGIApp) -> ASGIApp:
         token = context.attach(trace.set_span_in_context(span))
         try:
             await app(scope, receive, capture)
+        except asyncio.CancelledError:  # the client left: not the server's failure
+            status[0] = status[0] or 499
+            raise
         except BaseException as exc:
             span.record_exception(exc)
             status[0] = status[0] or 500
