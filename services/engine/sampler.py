@@ -40,9 +40,9 @@ def sample_on_device(logits: torch.Tensor, seqs: list[Sequence], last: torch.Ten
     (penalties). ``last``: each row's last token, on the device (a step launched ahead: ``seq.token_ids`` holds a
     placeholder there); None: ``seq.token_ids`` is whole."""
     raw_best = best_finite(logits)
+    apply_logit_bias(logits, seqs)  # before the penalties, as vLLM's sampler orders them
     apply_repetition_penalty(logits, seqs, last)
     apply_output_penalties(logits, seqs, last)
-    apply_logit_bias(logits, seqs)
     hold_ending_ids(logits, seqs)
     tokens = greedy_ids(logits, raw_best)
     rows = [i for i, s in enumerate(seqs) if draws(s.sampling)]

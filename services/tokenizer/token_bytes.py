@@ -44,6 +44,8 @@ class TokenBytes:
         """The token as the gateway gets it: ``text`` what it released, with its logprob, alternatives and bytes
         when logprobs were asked."""
         special = token_id in self.special
+        if special and own is None and not text:  # the answer leaves it out; its own text is its vocabulary's
+            own = self.tok.decode([token_id])
         if logprob is None:
             return TokenOut(token_id, text, special, own=own)
         top = [TopToken(i, self.tok.decode([i]), lp, self.of(i)) for i, lp in zip(logprob.top_ids, logprob.top_logprobs)]

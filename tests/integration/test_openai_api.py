@@ -17,8 +17,8 @@ PROMPT = "My name is Olivier and I"
 GREEDY = {"temperature": 0, "max_tokens": 8}
 
 CHAT_KEYS = {"id", "object", "created", "model", "choices", "usage"}  # system_fingerprint: a string or absent
-CHAT_CHOICE_KEYS = {"index", "message", "logprobs", "finish_reason"}
-CHUNK_CHOICE_KEYS = {"index", "delta", "logprobs", "finish_reason"}
+CHAT_CHOICE_KEYS = {"index", "message", "logprobs", "finish_reason", "stop_reason"}
+CHUNK_CHOICE_KEYS = {"index", "delta", "logprobs", "finish_reason", "stop_reason"}
 COMPLETION_CHOICE_KEYS = {"index", "text", "logprobs", "finish_reason", "stop_reason"}
 USAGE_KEYS = {"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"}
 

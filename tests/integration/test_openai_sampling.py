@@ -35,3 +35,31 @@ def test_min_p_logit_bias_min_tokens_and_chat_echo_do_what_vllm_does(smol_stack)
     streamed = "".join(c.choices[0].delta.content or "" for c in api.chat.completions.create(**echo, stream=True)
                        if c.choices)
     assert streamed == "Hello, my name" + plain
+
+
+def test_vllm_reporting_extras_usage_so_far_token_ids_stop_reason_and_the_end_token(smol_stack):
+    """stream_options.continuous_usage_stats puts each choice's usage so far on every chunk;
+    return_tokens_as_token_ids shows logprobs' tokens as "token_id:<id>"; chat choices carry vLLM's
+    stop_reason; a sampled end token is shown by its own text in logprobs (the answer leaves it out)."""
+    api = client(smol_stack)
+    ask = dict(model=smol_stack.model, prompt="The capital of France is", temperature=0, max_tokens=4)
+    chunks = list(api.completions.create(**ask, stream=True, extra_body={
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}}))
+    seen = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert seen == sorted(seen) and seen[-1] == 4 and chunks[-1].usage.completion_tokens == 4
+    assert {c.usage.prompt_tokens for c in chunks} == {chunks[-1].usage.prompt_tokens}
+    plain = api.completions.create(**ask, logprobs=2)
+    ids = api.completions.create(**ask, logprobs=2, extra_body={"return_tokens_as_token_ids": True})
+    assert ids.choices[0].text == plain.choices[0].text
+    assert all(t.startswith("token_id:") for t in ids.choices[0].logprobs.tokens)
+    assert all(k.startswith("token_id:") for top in ids.choices[0].logprobs.top_logprobs for k in top)
+    hi = dict(model=smol_stack.model, messages=[{"role": "user", "content": "Hi"}], temperature=0, max_tokens=40)
+    chat = api.chat.completions.create(**hi, logprobs=True, top_logprobs=1,
+                                       extra_body={"return_tokens_as_token_ids": True}).choices[0]
+    assert all(e.token.startswith("token_id:") and bytes(e.bytes).decode() == e.token for e in chat.logprobs.content)
+    answer = api.chat.completions.create(**hi, logprobs=True, top_logprobs=1).choices[0]
+    assert answer.finish_reason == "stop" and answer.logprobs.content[-1].token == "<|im_end|>"
+    assert answer.logprobs.content[-1].top_logprobs[0].token == "<|im_end|>"
+    word = answer.message.content.split()[1]
+    stopped = api.chat.completions.create(**hi, stop=[word]).choices[0]
+    assert stopped.finish_reason == "stop" and stopped.model_extra["stop_reason"] == word

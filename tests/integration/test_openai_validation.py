@@ -35,6 +35,8 @@ BAD_SAMPLING = [  # (fields, param) — checked on both endpoints
     ({"min_p": 1.5}, "min_p"), ({"min_p": -0.1}, "min_p"), ({"use_beam_search": True}, "use_beam_search"),
     ({"skip_special_tokens": False}, "skip_special_tokens"), ({"min_tokens": -1}, "min_tokens"),
     ({"min_tokens": 9, "max_tokens": 8}, "min_tokens"),
+    ({"spaces_between_special_tokens": "no"}, "spaces_between_special_tokens"), ({"user": 5}, "user"),
+    ({"logits_processors": ["x"]}, "logits_processors"), ({"return_tokens_as_token_ids": 1}, "return_tokens_as_token_ids"),
     ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
     ({"truncate_prompt_tokens": "5"}, "truncate_prompt_tokens"),

@@ -385,3 +385,10 @@ def test_logit_bias_moves_greedy_and_drawn_tokens():
     assert drawn == {worst}
     with pytest.raises(ValueError, match="vocabulary"):
         sample(logits[:1].clone(), [seq(logit_bias={VOCAB: 1.0})])
+
+
+def test_logit_bias_is_added_before_the_repetition_penalty_as_vllm_orders_them():
+    logits = torch.full((1, VOCAB), -5.0)
+    logits[0, 1], logits[0, 5] = 10.0, 8.0  # token 1 is in the context [1, 2, 3]
+    # (10 + 4) / 2 = 7 < 8: token 5 (bias after the penalty would give 10 / 2 + 4 = 9: token 1)
+    assert sample(logits, [seq(repetition_penalty=2.0, logit_bias={1: 4.0})]) == [5]

@@ -50,3 +50,12 @@ def test_other_decoders_give_the_tokens_text():
 
 def vocab_id(tokenizer, piece: str) -> int:
     return tokenizer.convert_tokens_to_ids(piece)
+
+
+def test_a_special_token_the_answer_leaves_out_is_shown_by_its_own_text(smol_dir):
+    from shared.messages import TokenLogprob
+
+    tokenizer = AutoTokenizer.from_pretrained(smol_dir)
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    out = TokenBytes(tokenizer).out(eos, "", TokenLogprob(-0.5, [eos], [-0.5]))
+    assert (out.text, out.own_text, out.top[0].text, out.raw) == ("", "<|im_end|>", "<|im_end|>", b"<|im_end|>")

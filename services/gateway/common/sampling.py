@@ -185,7 +185,8 @@ def _refuse_unsupported(f: Fields) -> None:
     if f.boolean("skip_special_tokens", True) is False:
         raise validation("skip_special_tokens=false is not supported: special tokens are always skipped.",
                          "skip_special_tokens")
-    for name in ("bad_words", "allowed_token_ids"):
+    f.boolean("spaces_between_special_tokens", True)  # moot (special tokens are skipped), but typed
+    for name in ("bad_words", "allowed_token_ids", "logits_processors"):
         if f.data.get(name):
             raise validation(f"{name} is not supported.", name)
     if f.data.get("prompt_logprobs") is not None:

@@ -6,29 +6,32 @@ from typing import Any, AsyncIterator
 
 from services.gateway.common import finish
 from services.gateway.openai_api.schemas import CompletionRequest
-from services.gateway.openai_api.sse import Meta, UsagePlacement, sse
+from services.gateway.openai_api.sse import Meta, UsagePlacement, sse, token_id_text
 from services.gateway.request.call import Call
 from services.gateway.request.session import End
 from shared.messages import TokenOut
 
 
 class Logprobs:
-    """The legacy logprobs object of one choice; offsets run on across a stream's chunks."""
+    """The legacy logprobs object of one choice; offsets run on across a stream's chunks (in the text, also
+    when ``as_ids``, vLLM's return_tokens_as_token_ids, shows each token as ``token_id:<id>``)."""
 
-    def __init__(self, offset: int):
+    def __init__(self, offset: int, as_ids: bool = False):
         self.offset = offset
+        self.as_ids = as_ids
 
     def of(self, tokens: list[TokenOut]) -> dict[str, list]:
         body: dict[str, list] = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
         for token in tokens:  # each token's own text (a stop string's hold-back does not move it)
             text = token.own_text
+            shown = token_id_text(token.id) if self.as_ids else text
             body["text_offset"].append(self.offset)
             body["token_logprobs"].append(token.logprob)
-            body["tokens"].append(text)
+            body["tokens"].append(shown)
             top = None  # the prompt's first token has no logprob, nor alternatives (as OpenAI and vLLM)
             if token.logprob is not None:
-                top = {t.text: t.logprob for t in token.top}
-                top.setdefault(text, token.logprob)  # the token itself is always listed, as in vLLM
+                top = {(token_id_text(t.id) if self.as_ids else t.text): t.logprob for t in token.top}
+                top.setdefault(shown, token.logprob)  # the token itself is always listed, as in vLLM
             body["top_logprobs"].append(top)
             self.offset += len(text)
         return body
@@ -54,9 +57,9 @@ def prompt_logprobs(req: CompletionRequest, call: Call, index: int) -> tuple[Log
     """Choice ``index``'s logprobs tracker, and with ``echo`` and ``logprobs`` its prompt's part (the prompt
     tokens' logprobs, the first null), offsets from 0; else offsets start after the echoed text."""
     if req.echo and req.logprobs is not None:
-        tracker = Logprobs(0)
+        tracker = Logprobs(0, req.common.tokens_as_ids)
         return tracker, tracker.of(call.sessions[index].prompt)
-    return Logprobs(len(echo_texts(req, call)[index])), None
+    return Logprobs(len(echo_texts(req, call)[index]), req.common.tokens_as_ids), None
 
 
 def _joined(first: dict[str, list] | None, then: dict[str, list]) -> dict[str, list]:
@@ -77,26 +80,28 @@ async def completion_body(req: CompletionRequest, call: Call) -> dict[str, Any]:
 async def completion_chunks(req: CompletionRequest, call: Call) -> AsyncIterator[bytes]:
     """With echo, each choice's prompt first; then text deltas, each choice's end, the usage (if asked)."""
     meta = Meta.new("cmpl", "text_completion", req.common.model)
-    usage = UsagePlacement(call, req.common.include_usage)
+    usage = UsagePlacement(call, req.common.include_usage, req.common.continuous_usage)
     echoes = echo_texts(req, call)
     wants_logprobs = req.logprobs is not None
-    trackers = [Logprobs(len(echo)) for echo in echoes]
+    trackers = [Logprobs(len(echo), req.common.tokens_as_ids) for echo in echoes]
     late = set()  # choices whose echo waits for their prompt logprobs (they come with the first token)
     for index, echo in enumerate(echoes):
         if echo and wants_logprobs:
             late.add(index)
         elif echo:
-            yield sse(meta.body([_choice(index, echo, None, None, req)], **usage.on_chunk(False)))
+            yield sse(meta.body([_choice(index, echo, None, None, req)], **usage.on_chunk(False, index)))
     async for step in call.steps():
+        usage.count(step)
         if step.index in late:
             late.discard(step.index)
             trackers[step.index], prompt = prompt_logprobs(req, call, step.index)
-            yield sse(meta.body([_choice(step.index, echoes[step.index], prompt, None, req)], **usage.on_chunk(False)))
+            echoed = _choice(step.index, echoes[step.index], prompt, None, req)
+            yield sse(meta.body([echoed], **usage.on_chunk(False, step.index)))
         text = step.text
         ends = step.end is not None
         if not (text or ends or (wants_logprobs and step.tokens)):
             continue
         logprobs = trackers[step.index].of(step.tokens) if wants_logprobs else None
-        yield sse(meta.body([_choice(step.index, text, logprobs, step.end, req)], **usage.on_chunk(ends)))
+        yield sse(meta.body([_choice(step.index, text, logprobs, step.end, req)], **usage.on_chunk(ends, step.index)))
     for closing in usage.closing(meta):
         yield sse(closing)

@@ -30,6 +30,8 @@ class Common:
     sampling: Sampling
     truncate: int  # keep the last n prompt tokens; 0 = off
     adapter: str = ""  # the LoRA adapter ``model`` names; "" = the base model
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats (with include_usage)
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs' tokens are "token_id:<id>"
 
 
 def parse_common(data: dict[str, Any], cfg: Config, served: Served, logprobs: int | None, chat: bool,
@@ -54,7 +56,10 @@ def parse_common(data: dict[str, Any], cfg: Config, served: Served, logprobs: in
                                                "fields: give one.")
         sampling = msgspec.structs.replace(sampling, grammar=grammar)
     n = _n(f, cfg, sampling)
-    return Common(model, n, stream, _include_usage(f, stream), sampling, _truncate(f, cfg), adapter)
+    include_usage, continuous = _usage_options(f, stream)
+    f.string("user")  # OpenAI's end-user id: typed, not used
+    return Common(model, n, stream, include_usage, sampling, _truncate(f, cfg), adapter, continuous,
+                  bool(f.boolean("return_tokens_as_token_ids", False)))
 
 
 def _model(f: Fields) -> str:
@@ -74,14 +79,14 @@ def _adapter(model: str, served: Served) -> str:
     return adapter
 
 
-def _include_usage(f: Fields, stream: bool) -> bool:
+def _usage_options(f: Fields, stream: bool) -> tuple[bool, bool]:
+    """stream_options' include_usage and continuous_usage_stats."""
     if f.data.get("stream_options") is None:
-        return False
+        return False, False
     if not stream:
         raise bad_param("stream_options", "stream_options can only be given when stream is true.")
     options = Fields(f.obj("stream_options").data, "stream_options.")
-    options.boolean("continuous_usage_stats", False)
-    return bool(options.boolean("include_usage", False))
+    return (bool(options.boolean("include_usage", False)), bool(options.boolean("continuous_usage_stats", False)))
 
 
 def _n(f: Fields, cfg: Config, sampling: Sampling) -> int:

@@ -11,6 +11,7 @@ import msgspec
 
 from services.gateway.openai_api.errors import switchboard_body
 from services.gateway.request.call import Call
+from services.gateway.request.session import Step
 from shared.errors import SwitchboardError
 
 DONE = b"data: [DONE]\n\n"
@@ -37,22 +38,40 @@ class Meta:
 
 
 class UsagePlacement:
-    """include_usage: ``usage: null`` on every chunk and a last ``choices: []`` chunk with the usage.
-    Without it, the chunk that ends the last choice carries the usage (MindIE), the others none."""
+    """include_usage: ``usage: null`` on every chunk and a last ``choices: []`` chunk with the usage; with
+    vLLM's ``continuous_usage_stats`` too, every chunk carries its choice's usage so far instead of null.
+    Without include_usage, the chunk that ends the last choice carries the usage (MindIE), the others none."""
 
-    def __init__(self, call: Call, include_usage: bool):
+    def __init__(self, call: Call, include_usage: bool, continuous: bool = False):
         self.call = call
         self.include = include_usage
+        self.continuous = include_usage and continuous
         self.unfinished = len(call)
+        self.generated = [0] * len(call)
 
-    def on_chunk(self, ends_a_choice: bool) -> dict[str, Any]:
+    def count(self, step: Step) -> None:
+        """Every step of the stream, sent or held back: its choice's tokens so far."""
+        self.generated[step.index] += len(step.tokens)
+        if step.end is not None:
+            self.generated[step.index] = step.end.generated_tokens
+
+    def on_chunk(self, ends_a_choice: bool, index: int = 0) -> dict[str, Any]:
         self.unfinished -= ends_a_choice
+        if self.continuous:
+            prompt = self.call.started[index].prompt_tokens
+            return {"usage": {"prompt_tokens": prompt, "completion_tokens": self.generated[index],
+                              "total_tokens": prompt + self.generated[index]}}
         if self.include:
             return {"usage": None}
         return {"usage": self.call.usage()} if ends_a_choice and not self.unfinished else {}
 
     def closing(self, meta: Meta) -> list[dict[str, Any]]:
         return [meta.body([], usage=self.call.usage())] if self.include else []
+
+
+def token_id_text(token_id: int) -> str:
+    """A logprobs token as vLLM's return_tokens_as_token_ids shows it."""
+    return f"token_id:{token_id}"
 
 
 def sse(payload: dict[str, Any]) -> bytes:
