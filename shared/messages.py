@@ -101,6 +101,8 @@ class GenerateRequest(Msg):
     gateway: str = ""  # the owning gateway instance: when its lease runs out, its requests are cancelled
     resume_ids: list[int] = []  # a resumed request: the tokens its client already has (seed pinned)
     adapter: str = ""  # the LoRA adapter it runs with; "" = the base model
+    cache_salt: str = ""  # vLLM's: its prefix-cache blocks are shared only with requests of the same salt
+    add_special_tokens: bool = True  # a text prompt: the tokenizer's special tokens (BOS) added
     parts: list[ContentPart] = []  # list-form input with media, in order (``prompt`` is then empty); for chat
     # input only the media, in order of appearance: their places are the {"type": <kind>} items of ``messages``
 
@@ -139,6 +141,7 @@ class EngineRequest(Msg):
     media: MediaInputs | None = None  # preprocessed media; their features go at the media tokens of prompt_ids
     handoff: bool = False  # PD split: compute the prompt and the first token, then hand over to a decode engine
     pull_from: str = ""  # fleet prefix cache: the engine holding a longer cached prefix, to pull it from first
+    cache_salt: str = ""  # the client's: its prefix-cache keys are salted by it (shared.prefix_hash.client_salt)
 
 
 class Cancel(Msg):

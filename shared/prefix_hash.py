@@ -4,7 +4,7 @@ find which engine holds the longest prefix of it.
 
 A key names a whole prefix: block i's key hashes its tokens chained to block i-1's key, and the first
 block's parent is the request's salt: its LoRA adapter's weights digest (``services/engine/lora.py``, listed
-in the engines' heartbeats) followed by its media's digest. A cryptographic hash: Python's ``hash()``
+in the engines' heartbeats) followed by its media's digest and its client's ``cache_salt``. A cryptographic hash: Python's ``hash()``
 collides on purpose-made inputs, and a collision would hand one request another's cached K/V.
 """
 
@@ -37,6 +37,12 @@ def media_salt(digest: str) -> bytes:
     """The first block's parent for a request with media (their preprocessed tensors' digest): K/V after an
     image are that image's own, though its placeholder tokens are the same for any image."""
     return hashlib.blake2b(digest.encode(), digest_size=16).digest()
+
+
+def client_salt(cache_salt: str) -> bytes:
+    """The first block's parent's part for a client's ``cache_salt`` (vLLM's field): requests share cached K/V
+    only with requests giving the same salt, so one tenant cannot time another's prompts through the cache."""
+    return hashlib.blake2b(b"cache_salt\0" + cache_salt.encode(), digest_size=16).digest() if cache_salt else b""
 
 
 def checksum(keys) -> tuple[int, bytes]:

@@ -305,7 +305,7 @@ class Engine:
             return [TokenEvent(req.id, [], FinishReason.ERROR, error)]
         seq = Sequence(req.id, req.prompt_ids, req.sampling, priority=req.priority, deadline=req.deadline,
                        deadline_reason=req.deadline_reason, last_event_at=time.time(), arrival=req.arrival, lora=slot)
-        seq.media, seq.media_salt = req.media, salt(req.media)
+        seq.media, seq.more_salt = req.media, salt(req)
         if req.sampling.grammar is not None:
             try:
                 seq.matcher = self.constraints.matcher(req.sampling.grammar, req.generated_ids)

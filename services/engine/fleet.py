@@ -131,7 +131,8 @@ class FleetCache:
         Never raises: whatever does not arrive is computed."""
         size = self.blocks.block_size
         adapter = self.engine.runner.lora.salt(req.adapter) or b""  # none for the base model ("")
-        keys = chain(req.prompt_ids, size, adapter + salt(req.media), matchable_blocks(len(req.prompt_ids), size))
+        first = adapter + salt(req)
+        keys = chain(req.prompt_ids, size, first, matchable_blocks(len(req.prompt_ids), size))
         have = self.blocks.cached_run(keys)
         budget = self.budget((len(keys) - have) * size)
         if budget is None:

@@ -24,8 +24,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from shared.messages import MediaInputs, Tensor
-from shared.prefix_hash import media_salt
+from shared.messages import EngineRequest, MediaInputs, Tensor
+from shared.prefix_hash import client_salt, media_salt
 
 
 @dataclass(frozen=True)
@@ -196,6 +196,7 @@ def from_wire(t: Tensor) -> torch.Tensor:
     return flat.reshape(t.shape)
 
 
-def salt(media: MediaInputs | None) -> bytes:
-    """Prefix-cache salt of a request's media: K/V after an image are that image's own."""
-    return b"" if media is None else media_salt(media.digest)
+def salt(req: EngineRequest) -> bytes:
+    """A request's prefix-cache salt after its adapter's: its media's (K/V after an image are that image's
+    own) and its client's cache_salt's (blocks shared only among requests giving the same salt)."""
+    return (b"" if req.media is None else media_salt(req.media.digest)) + client_salt(req.cache_salt)

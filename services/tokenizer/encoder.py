@@ -22,7 +22,7 @@ def encode_prompt(tokenizer, req: GenerateRequest, deploy: ModelDeployConfig) ->
         ids = render_chat(tokenizer, req, deploy)
     else:
         refuse_surely_too_long(tokenizer, req.prompt, req.truncate, deploy, "the prompt")
-        ids = tokenizer(req.prompt).input_ids
+        ids = tokenizer(req.prompt, add_special_tokens=req.add_special_tokens).input_ids
     if not ids:
         raise validation("the prompt is empty after tokenization")
     if req.truncate and req.truncate < len(ids):

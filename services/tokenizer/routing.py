@@ -24,7 +24,7 @@ from shared.engines import adapter_names
 from shared.leases import Leases
 from shared.messages import EngineInfo
 from shared.metrics_messages import Routed
-from shared.prefix_hash import chain, matchable_blocks, media_salt
+from shared.prefix_hash import chain, client_salt, matchable_blocks, media_salt
 from shared.switchboard_config import RoutingConfig
 
 
@@ -109,12 +109,12 @@ class EngineRouter:
         return Choice(best, hits[best], hits[holder], holder if hits[holder] else "", queued[best] - least,
                       holder if pull else "")
 
-    def prefix_keys(self, adapter: str, ids: list[int], media_digest: str = "") -> list[bytes] | None:
+    def prefix_keys(self, adapter: str, ids: list[int], media_digest: str = "", cache_salt: str = "") -> list[bytes] | None:
         """A prompt's matchable block keys, as the engines key their caches (None: route by load)."""
         salt = self.adapter_salt(adapter) if adapter else b""
         if not self.by_cache or salt is None:
             return None
-        salt += media_salt(media_digest) if media_digest else b""
+        salt += (media_salt(media_digest) if media_digest else b"") + client_salt(cache_salt)
         return chain(ids, self.block_size, salt, matchable_blocks(len(ids), self.block_size))
 
     def routed(self, model: str, prompt_tokens: int, choice: Choice) -> Routed:

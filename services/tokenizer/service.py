@@ -183,7 +183,7 @@ class TokenizerService:
                 span.set_attribute("switchboard.media_items", sum(p.media is not None for p in req.parts))
                 span.set_attribute("switchboard.media_prepare_ms", round((time.perf_counter() - started) * 1000, 1))
             keys = None if req.sampling.prompt_logprobs is not None else self.router.prefix_keys(
-                req.adapter, ids, media.digest if media is not None else "")  # prompt logprobs: computed whole
+                req.adapter, ids, media.digest if media is not None else "", req.cache_salt)  # prompt logprobs: whole
             choice = await self.choose_engine(req.adapter, keys)
             engine = choice.engine
         except SwitchboardError as exc:
@@ -275,7 +275,7 @@ class TokenizerService:
             deadline_reason="client timeout" if limit < e2e else "server e2eTimeout",
             sampling=msgspec.structs.replace(sampling, seed=seed, max_new_tokens=max_new),
             generated_ids=req.resume_ids, tokenizer=self.instance, adapter=req.adapter, media=media,
-        )
+            cache_salt=req.cache_salt)
 
     # ---- token events -----------------------------------------------------------------------
 

@@ -3,7 +3,7 @@ chat ``echo``, against the greedy answers of the default model."""
 
 from __future__ import annotations
 
-from tests.integration.test_openai_api import client
+from tests.integration.test_openai_api import client, complete
 
 
 def test_min_p_logit_bias_min_tokens_and_chat_echo_do_what_vllm_does(smol_stack):
@@ -63,3 +63,22 @@ def test_vllm_reporting_extras_usage_so_far_token_ids_stop_reason_and_the_end_to
     word = answer.message.content.split()[1]
     stopped = api.chat.completions.create(**hi, stop=[word]).choices[0]
     assert stopped.finish_reason == "stop" and stopped.model_extra["stop_reason"] == word
+
+
+def test_cache_salt_keeps_cached_blocks_among_requests_of_the_same_salt_and_request_id_names_the_answer(tiny_stack):
+    """vLLM's cache_salt: a prompt seen before under another salt (or none) finds nothing in the prefix cache,
+    one seen under the same salt does (blocks of 16); request_id is the answer's id; add_special_tokens is
+    taken on completions (SmolLM2's tokenizer adds none: the same count either way)."""
+    prompt = " ".join(f"salt{i}" for i in range(20))
+    cached = []
+    for salt in (None, "tenant-a", "tenant-b", "tenant-a"):
+        extra = {"cache_salt": salt} if salt else {}
+        cached.append(complete(tiny_stack, prompt=prompt, max_tokens=1, temperature=0, **extra)
+                      ["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert cached[:3] == [0, 0, 0] and cached[3] >= 16
+    answer = client(tiny_stack).chat.completions.create(
+        model=tiny_stack.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+        extra_body={"request_id": "mine-1", "documents": [{"title": "t", "text": "x"}]})
+    assert answer.id == "chatcmpl-mine-1"
+    plain = complete(tiny_stack, prompt=prompt, max_tokens=1, temperature=0, add_special_tokens=False)
+    assert plain["usage"]["prompt_tokens"] == complete(tiny_stack, prompt=prompt, max_tokens=1)["usage"]["prompt_tokens"]

@@ -37,12 +37,18 @@ BAD_SAMPLING = [  # (fields, param) — checked on both endpoints
     ({"min_tokens": 9, "max_tokens": 8}, "min_tokens"),
     ({"spaces_between_special_tokens": "no"}, "spaces_between_special_tokens"), ({"user": 5}, "user"),
     ({"logits_processors": ["x"]}, "logits_processors"), ({"return_tokens_as_token_ids": 1}, "return_tokens_as_token_ids"),
+    ({"functions": [{"name": "f"}]}, "functions"), ({"function_call": "auto"}, "function_call"),
+    ({"modalities": ["text", "audio"]}, "modalities"), ({"priority": 1}, "priority"), ({"priority": "1"}, "priority"),
+    ({"prompt_embeds": "AAAA"}, "prompt_embeds"), ({"cache_salt": ""}, "cache_salt"), ({"cache_salt": 5}, "cache_salt"),
+    ({"request_id": 7}, "request_id"), ({"add_special_tokens": "no"}, "add_special_tokens"),
     ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
     ({"truncate_prompt_tokens": "5"}, "truncate_prompt_tokens"),
     ({"model": None}, "model"), ({"model": 5}, "model"), ({"model": ""}, "model"),
 ]
 BAD_CHAT = [
+    ({"add_special_tokens": True}, "add_special_tokens"), ({"documents": "x"}, "documents"),
+    ({"documents": [{"title": 1}]}, "documents"),
     ({"messages": None}, "messages"), ({"messages": []}, "messages"), ({"messages": "hi"}, "messages"),
     ({"messages": [1]}, "messages[0]"), ({"messages": [{"content": "hi"}]}, "messages[0].role"),
     ({"messages": [{"role": 5, "content": "hi"}]}, "messages[0].role"),

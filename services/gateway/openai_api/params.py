@@ -32,6 +32,8 @@ class Common:
     adapter: str = ""  # the LoRA adapter ``model`` names; "" = the base model
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats (with include_usage)
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs' tokens are "token_id:<id>"
+    cache_salt: str = ""  # vLLM's: prefix-cache blocks shared only by requests giving the same salt
+    request_id: str = ""  # vLLM's: the response's id is <prefix>-<request_id> ("": a random one)
 
 
 def parse_common(data: dict[str, Any], cfg: Config, served: Served, logprobs: int | None, chat: bool,
@@ -57,9 +59,47 @@ def parse_common(data: dict[str, Any], cfg: Config, served: Served, logprobs: in
         sampling = msgspec.structs.replace(sampling, grammar=grammar)
     n = _n(f, cfg, sampling)
     include_usage, continuous = _usage_options(f, stream)
-    f.string("user")  # OpenAI's end-user id: typed, not used
+    _refuse_extras(f)
     return Common(model, n, stream, include_usage, sampling, _truncate(f, cfg), adapter, continuous,
-                  bool(f.boolean("return_tokens_as_token_ids", False)))
+                  bool(f.boolean("return_tokens_as_token_ids", False)), _non_empty(f, "cache_salt"),
+                  _non_empty(f, "request_id"))
+
+
+REFUSED = {  # OpenAI's and vLLM's fields that would change the answer in ways this server cannot honour
+    "functions": "functions (OpenAI's deprecated function calling) is not supported; declare them as tools.",
+    "function_call": "function_call is not supported; use tools and tool_choice.",
+    "audio": "audio output is not supported.",
+    "prediction": "predicted outputs are not supported.",
+    "web_search_options": "web search is not supported.",
+    "prompt_embeds": "prompt_embeds is not supported; send text or token ids.",
+    "mm_processor_kwargs": "mm_processor_kwargs is not supported: media are processed as the model's processor "
+                           "does by default.",
+    "vllm_xargs": "vllm_xargs is not supported.",
+    "kv_transfer_params": "kv_transfer_params is not supported; prefill/decode disaggregation is configured "
+                          "per engine (README, engineRole).",
+}
+
+
+def _refuse_extras(f: Fields) -> None:
+    """A 400 for each field in REFUSED, for output modalities other than text and a priority other than 0
+    (vLLM's answer when priority scheduling is not enabled); ``user`` is typed (OpenAI's end-user id, unused)."""
+    for name, message in REFUSED.items():
+        if f.data.get(name):
+            raise bad_param(name, message)
+    modalities = f.data.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise bad_param("modalities", 'only text output is supported: modalities must be ["text"].')
+    if f.integer("priority", 0, -INT32_MAX - 1, INT32_MAX):
+        raise bad_param("priority", "priority scheduling is not enabled on the OpenAI routes (MindIE's native "
+                                    "and Triton routes take priority [1, 5]); send priority 0 or none.")
+    f.string("user")
+
+
+def _non_empty(f: Fields, key: str) -> str:
+    value = f.string(key, "")
+    if f.data.get(key) is not None and not value:
+        raise bad_param(key, f"{key} must be a non-empty string.")
+    return value
 
 
 def _model(f: Fields) -> str:

@@ -92,7 +92,8 @@ async def chat_completions(request: Request) -> Response:
     req = parse_chat(await request.body(), gateway.cfg, gateway.served())
     admit(req.listed, gateway.media_policy, content_error, gateway.modalities())
     prompt = {"messages": req.messages, "chat_template_kwargs": req.chat_template_kwargs,
-              "truncate": req.common.truncate, "parts": chat_media(req.listed), **req.turn}
+              "truncate": req.common.truncate, "parts": chat_media(req.listed), "cache_salt": req.common.cache_salt,
+              **req.turn}
     if req.tools is not None:
         prompt.update(tools=req.tools.declared, tool_choice=req.tools.choice)
     call = build_call(gateway.context, [prompt], req.common.sampling, req.common.n, req.common.adapter, "openai-chat")
@@ -105,7 +106,8 @@ async def completions(request: Request) -> Response:
     gateway = request.app.state.gateway
     req = parse_completion(await request.body(), gateway.cfg, gateway.served())
     prompts = [{"prompt": p.text, "prompt_ids": p.ids, "return_prompt_ids": req.echo and p.ids is not None,
-                "truncate": req.common.truncate} for p in req.prompts]
+                "truncate": req.common.truncate, "cache_salt": req.common.cache_salt,
+                "add_special_tokens": req.add_special_tokens} for p in req.prompts]
     call = build_call(gateway.context, prompts, req.common.sampling, req.common.n, req.common.adapter,
                       "openai-completions")
     return await respond(request, req.common, call, "prompt",

@@ -46,6 +46,7 @@ class CompletionRequest:
     prompts: list[Prompt]
     echo: bool
     logprobs: int | None
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's special tokens (BOS) added to a text prompt
 
 
 def parse_chat(body: bytes, cfg: Config, served: Served) -> ChatRequest:
@@ -68,9 +69,21 @@ def parse_chat(body: bytes, cfg: Config, served: Served) -> ChatRequest:
         common = replace(common, sampling=msgspec.structs.replace(common.sampling, grammar=grammar))
     if tools is not None:
         _tool_roles(messages)
-    kwargs = f.obj("chat_template_kwargs").data
+    kwargs = {**f.obj("chat_template_kwargs").data, **documents_kwargs(f)}
     return ChatRequest(common, messages, logprobs, top, kwargs, listed, tools, chat_turn(data, f),
                        _echoed(messages) if f.boolean("echo", False) else "")
+
+
+def documents_kwargs(f: Fields) -> dict[str, Any]:
+    """vLLM's ``documents`` (RAG sources: objects of strings) for the chat template, which places them (a
+    template without a ``documents`` section leaves them out, as transformers and vLLM do)."""
+    documents = f.data.get("documents")
+    if documents is None:
+        return {}
+    if not isinstance(documents, list) or not all(
+            isinstance(d, dict) and all(isinstance(v, str) for v in d.values()) for d in documents):
+        raise bad_param("documents", "documents must be an array of objects whose values are strings.")
+    return {"documents": documents}
 
 
 def _echoed(messages: list[dict[str, Any]]) -> str:
@@ -103,6 +116,9 @@ def _tool_roles(messages: list[dict[str, Any]]) -> None:
 def _refuse_chat_extras(f: Fields) -> None:
     if f.data.get("chat_template") is not None:
         raise bad_param("chat_template", "chat_template overrides are not supported; the model's template is used.")
+    if f.boolean("add_special_tokens", False):
+        raise bad_param("add_special_tokens", "add_special_tokens applies to a prompt; the chat template places the "
+                                              "special tokens of messages.")
 
 
 def chat_messages(value: Any) -> tuple[list[dict[str, Any]], tuple[ListInput, ...]]:
@@ -184,7 +200,7 @@ def parse_completion(body: bytes, cfg: Config, served: Served) -> CompletionRequ
     common = parse_common(data, cfg, served, logprobs, chat=False, echo=echo)
     if echo and logprobs is not None:  # the echoed prompt's tokens carry logprobs too
         common = replace(common, sampling=msgspec.structs.replace(common.sampling, prompt_logprobs=logprobs))
-    return CompletionRequest(common, prompts, echo, logprobs)
+    return CompletionRequest(common, prompts, echo, logprobs, bool(f.boolean("add_special_tokens", True)))
 
 
 PROMPT_FORMS = "prompt must be a string, an array of strings, an array of token ids or an array of token-id arrays."

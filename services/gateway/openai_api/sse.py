@@ -27,8 +27,9 @@ class Meta:
     created: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod
-    def new(cls, prefix: str, obj: str, model: str) -> "Meta":
-        return cls(obj, model, f"{prefix}-{uuid.uuid4().hex}")
+    def new(cls, prefix: str, obj: str, model: str, request_id: str = "") -> "Meta":
+        """The id is ``<prefix>-<request_id>`` (vLLM's request_id field), else ``<prefix>-<random hex>``."""
+        return cls(obj, model, f"{prefix}-{request_id or uuid.uuid4().hex}")
 
     def body(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         """No ``system_fingerprint``: OpenAI's schema wants a string or nothing, and there is no backend

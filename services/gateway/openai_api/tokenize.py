@@ -15,7 +15,7 @@ from litestar import Request, Response, Router, post
 
 from services.gateway.common.content import admit, chat_media
 from services.gateway.openai_api.errors import OPENAI_EXCEPTION_HANDLERS, bad_param, content_error, model_not_found
-from services.gateway.openai_api.schemas import PARSE_ERROR, chat_messages, chat_turn
+from services.gateway.openai_api.schemas import PARSE_ERROR, chat_messages, chat_turn, documents_kwargs
 from services.gateway.openai_api.tools import parse_tools
 from services.gateway.web.validation import MAX_INPUT_CHARS, Fields, parse_json_object
 from shared.messages import Tokenize
@@ -81,7 +81,8 @@ def _chat(data: dict[str, Any], f: Fields, gateway) -> Tokenize:
     turn = chat_turn(data, f)
     tools = parse_tools(data)
     return Tokenize(messages=messages, tools=tools.declared if tools else [], tool_choice=tools.choice if tools else "",
-                    chat_template_kwargs=f.obj("chat_template_kwargs").data, parts=chat_media(listed), **turn)
+                    chat_template_kwargs={**f.obj("chat_template_kwargs").data, **documents_kwargs(f)},
+                    parts=chat_media(listed), **turn)
 
 
 ROUTES = [Router("/", route_handlers=[tokenize, detokenize], exception_handlers=OPENAI_EXCEPTION_HANDLERS)]
