@@ -334,6 +334,7 @@ class Tokenize(msgspec.Struct, omit_defaults=True):
     add_generation_prompt: bool = True  # chat: end with the assistant's turn opened ...
     continue_final_message: bool = False  # ... or leave the last (assistant) message open
     token_strs: bool = False  # also each token's own string (the vocabulary's, e.g. "Ġthe")
+    offsets: bool = False  # text: also each token's [start, stop) character offsets in it (TGI's /tokenize)
     parts: list[ContentPart] = []  # chat with media: the messages' parts in order, expanded as a request's are
     trace: dict[str, str] = {}
 
@@ -343,6 +344,8 @@ class Tokenized(msgspec.Struct, omit_defaults=True):
     pieces: list[str]  # text per token; a character spread over several tokens appears once, merged
     error: str = ""  # the input could not be encoded (a conversation that does not fit the template): why
     strs: list[str] = []  # with Tokenize.token_strs: each token's vocabulary string
+    offsets: list[tuple[int, int]] = []  # with Tokenize.offsets: each token's characters of the text (a special
+    # token the tokenizer added has (0, 0))
 
 
 class Detokenize(msgspec.Struct, omit_defaults=True):

@@ -14,15 +14,19 @@ MEDIA_COUNT_TIMEOUT_S = 25.0  # under the gateway's 30 s wait for a count
 
 
 def tokenize(tokenizer, req: Tokenize) -> Tokenized:
+    offsets: list[tuple[int, int]] = []
     if req.messages is not None:
         try:
             ids = render_chat(tokenizer, req)
         except SwitchboardError as exc:
             return Tokenized(ids=[], pieces=[], error=exc.message)
     else:
-        ids = tokenizer(req.text, add_special_tokens=req.add_special_tokens).input_ids
+        encoded = tokenizer(req.text, add_special_tokens=req.add_special_tokens, return_offsets_mapping=req.offsets)
+        ids = encoded.input_ids
+        if req.offsets:
+            offsets = [(start, stop) for start, stop in encoded.offset_mapping]
     strs = tokenizer.convert_ids_to_tokens(ids) if req.token_strs else []
-    return Tokenized(ids=ids, pieces=token_pieces(tokenizer, ids), strs=strs)
+    return Tokenized(ids=ids, pieces=token_pieces(tokenizer, ids), strs=strs, offsets=offsets)
 
 
 async def tokenize_with_media(tokenizer, req: Tokenize, media, policy) -> Tokenized:

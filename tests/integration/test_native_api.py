@@ -113,6 +113,12 @@ def test_multimodal_items_name_the_limitation(tiny_stack):
     ({"inputs": PROMPT, "parameters": {"priority": 6}}, "Parameter priority must be in [1,5], got 6."),
     ({"inputs": PROMPT, "parameters": {"timeout": 0}}, "timeout must be in (0, 3600], got 0."),
     ({"inputs": PROMPT, "parameters": {"timeout": 3601}}, "timeout must be in (0, 3600], got 3601."),
+    ({"inputs": PROMPT, "parameters": {"grammar": {"type": "regex", "value": "[0-9]+"}}},
+     "parameters.grammar is a TGI parameter"),
+    ({"inputs": PROMPT, "parameters": {"truncate": 2}}, "parameters.truncate is a TGI parameter"),
+    ({"inputs": PROMPT, "parameters": {"return_full_text": True}}, "parameters.return_full_text is a TGI"),
+    ({"inputs": PROMPT, "parameters": {"best_of": 2}}, "parameters.best_of is a TGI parameter"),
+    ({"inputs": PROMPT, "parameters": {"adapter_id": "x"}}, "parameters.adapter_id is a TGI parameter"),
     ({"inputs": "word " * 200}, "more than the limit of 64"),
     # more characters than 64 tokens can hold: refused before it is tokenized (the tokenizer is not held up)
     ({"inputs": "a " * 200_000}, "400000 characters: more than the limit of 64 tokens"),

@@ -78,6 +78,8 @@ def test_streams_are_sse_token_events(tiny_stack, path, body):
     last = events[-1]
     assert last["generated_text"] == "".join(e["token"]["text"] for e in events)
     assert last["details"]["generated_tokens"] == len(events)
+    assert [e["index"] for e in events] == list(range(1, len(events) + 1))  # TGI's event numbers
+    assert last["details"]["input_length"] == last["details"]["prompt_tokens"] == 8
     assert last["details"]["finish_reason"] in ("length", "eos_token")
     full = post(tiny_stack, "/generate", {"inputs": PROMPT, "parameters": GREEDY}).json()["generated_text"]
     assert last["generated_text"] == full
@@ -266,3 +268,19 @@ def test_the_seed_documents_examples_work(tiny_stack):
     assert r.json()["details"]["finish_reason"] in ("length", "eos_token")
     events = sse_events(post(tiny_stack, "/generate_stream", SEED_000_BODY).text)
     assert "error" not in events[-1] and events[-1]["generated_text"] is not None
+
+
+def test_tgi_tokenize_gives_each_tokens_text_and_offsets(tiny_stack):
+    """TGI's /tokenize body (``inputs``): id, text and [start, stop) offsets of each token, truncate keeping the
+    last; its errors are TGI's; and ``stream`` on /generate is ignored, as the reference says."""
+    tokens = post(tiny_stack, "/tokenize", {"inputs": PROMPT}).json()
+    assert [t["text"] for t in tokens] == [PROMPT[t["start"]:t["stop"]] for t in tokens]
+    assert "".join(t["text"] for t in tokens) == PROMPT and len(tokens) == 8
+    kept = post(tiny_stack, "/tokenize", {"inputs": PROMPT, "parameters": {"truncate": 3}}).json()
+    assert kept == tokens[-3:]
+    bad = post(tiny_stack, "/tokenize", {"inputs": 5})
+    assert bad.status_code == 422 and bad.json()["error_type"] == "validation", bad.text
+    assert post(tiny_stack, "/generate", {"inputs": PROMPT, "stream": "x", "parameters": GREEDY}).status_code == 200
+    special = post(tiny_stack, "/generate", {"inputs": "<|im_start|>user\nhi<|im_end|>", "parameters": {
+        **GREEDY, "decoder_input_details": True}}).json()["details"]["prefill"]
+    assert [t["special"] for t in special if t["text"] in ("<|im_start|>", "<|im_end|>")] == [True, True]

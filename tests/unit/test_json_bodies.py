@@ -22,3 +22,18 @@ def test_a_body_that_is_not_json_names_its_fault(body, fault):
 
 def test_a_whole_surrogate_pair_is_one_character():
     assert read_json_object(b'{"prompt": "\\ud83d\\ude00"}') == {"prompt": "\U0001F600"}
+
+
+@pytest.mark.parametrize("body, param", [
+    (b'{"parameters": {"seed": 18446744073709551616}}', "parameters.seed"),
+    (b'{"inputs": "x", "parameters": {"temperature": 1e999}}', "parameters.temperature"),
+    (b'{"a": [1, {"b": -1e400}]}', "a[1].b"),
+])
+def test_a_number_no_64_bit_type_holds_is_the_fields_error_not_a_parse_error(body, param):
+    from services.gateway.web.validation import parse_json_object
+    from shared.errors import SwitchboardError
+
+    with pytest.raises(SwitchboardError) as info:
+        parse_json_object(body, "THE FAMILY'S PARSE MESSAGE")
+    assert info.value.param == param and info.value.message.startswith(param)
+    assert "PARSE MESSAGE" not in info.value.message

@@ -4,7 +4,8 @@
 true) or chat ``messages`` (rendered as ``/v1/chat/completions`` renders them, with ``tools``,
 ``chat_template_kwargs``, ``add_generation_prompt`` default true or ``continue_final_message``) and answers
 ``{"count", "max_model_len", "tokens", "token_strs"}``; its count equals the ``prompt_tokens`` those routes
-report. ``/detokenize`` takes ``tokens`` and answers ``{"prompt"}``.
+report. ``/detokenize`` takes ``tokens`` and answers ``{"prompt"}``. A body with TGI's ``inputs`` is TGI's
+``/tokenize`` (``services/gateway/tgi/tokenize.py``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from services.gateway.common.content import admit, chat_media
 from services.gateway.openai_api.errors import OPENAI_EXCEPTION_HANDLERS, bad_param, content_error, model_not_found
 from services.gateway.openai_api.schemas import PARSE_ERROR, chat_messages, chat_turn, documents_kwargs
 from services.gateway.openai_api.tools import parse_tools
+from services.gateway.tgi.tokenize import is_tgi, tgi_tokenize
 from services.gateway.web.validation import MAX_INPUT_CHARS, Fields, parse_json_object
 from shared.messages import Tokenize
 
@@ -27,6 +29,8 @@ MAX_DETOKENIZE_IDS = 1048576
 async def tokenize(request: Request) -> Response:
     gateway = request.app.state.gateway
     data = parse_json_object(await request.body(), PARSE_ERROR)
+    if is_tgi(data):
+        return await tgi_tokenize(request, data)
     _check_model(data, gateway)
     f = Fields(data)
     strs = bool(f.boolean("return_token_strs", False))

@@ -29,7 +29,7 @@ def top_json(token: TokenOut) -> list[dict[str, Any]]:
 def prefill_json(started: Started, prompt: list[TokenOut]) -> list[dict[str, Any]]:
     """``decoder_input_details``: each prompt token with its logprob under the model (the first's is null)."""
     if prompt:
-        return [{"id": t.id, "text": t.text, "logprob": t.logprob, "special": False} for t in prompt]
+        return [{"id": t.id, "text": t.text, "logprob": t.logprob, "special": t.special} for t in prompt]
     return [{"id": i, "text": t, "logprob": None, "special": False}
             for i, t in zip(started.prompt_ids, started.prompt_texts)]
 
@@ -75,24 +75,28 @@ async def stream_events(call: Call, req: TgiRequest, full_text_mode: bool) -> As
     """SSE token events; the last carries generated_text (and details when asked)."""
     text = ""
     last: TokenOut | None = None
+    sent = 0  # TGI's ``index``: the event's number, from 1
     async for step in call.steps():
         for index, token in enumerate(step.tokens):
             text += token.text
             last = token
             shown = TokenOut(token.id, text, token.special, token.logprob, token.top) if full_text_mode else token
             end = step.end if index == len(step.tokens) - 1 else None
-            yield sse(_event(shown, call, req, end))
+            sent += 1
+            yield sse(_event(sent, shown, call, req, end))
         if step.end is not None and not step.tokens:
-            yield sse(_event(last or TokenOut(0, "", True), call, req, step.end))
+            yield sse(_event(sent + 1, last or TokenOut(0, "", True), call, req, step.end))
 
 
-def _event(token: TokenOut, call: Call, req: TgiRequest, end: End | None) -> dict[str, Any]:
+def _event(index: int, token: TokenOut, call: Call, req: TgiRequest, end: End | None) -> dict[str, Any]:
+    """One SSE event; the last one's details carry MindIE's ``prompt_tokens`` and TGI's ``input_length``."""
     details = None
     if end is not None and req.wants_details:
-        details = {"prompt_tokens": end.prompt_tokens, "finish_reason": finish.tgi(end.finish_reason),
-                   "generated_tokens": end.generated_tokens, "seed": call.started[0].seed}
-    event = {"token": token_json(token), "generated_text": None if end is None else full_text(req, end.text),
-             "details": details}
+        details = {"prompt_tokens": end.prompt_tokens, "input_length": end.prompt_tokens,
+                   "finish_reason": finish.tgi(end.finish_reason), "generated_tokens": end.generated_tokens,
+                   "seed": call.started[0].seed}
+    event = {"index": index, "token": token_json(token),
+             "generated_text": None if end is None else full_text(req, end.text), "details": details}
     if req.top_n_tokens:
         event["top_tokens"] = top_json(token)
     return event

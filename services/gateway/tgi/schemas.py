@@ -45,9 +45,8 @@ def parse_tgi(body: bytes | dict[str, Any], served: Served, stream: bool | None 
     data = body if isinstance(body, dict) else parse_json_object(body, PARSE_ERROR)
     top = Fields(data)
     inputs, listed = _inputs(data.get("inputs"))
-    body_stream = stream_flag(data)
     params = top.obj("parameters")
-    streaming = body_stream if stream is None else stream
+    streaming = stream_flag(data) if stream is None else stream  # /generate and /generate_stream ignore ``stream``
     decoder_details = params.boolean("decoder_input_details", False)
     top_n = params.integer("top_n_tokens", 0, 0, MAX_TOP_N_TOKENS)
     if streaming and decoder_details:

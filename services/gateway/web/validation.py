@@ -6,6 +6,7 @@ an out-of-range value names the range and the value. Every failure is a 422 vali
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from itertools import accumulate
@@ -40,6 +41,15 @@ class BodyError(ValueError):
     """A request body that is not one usable JSON object; the message names the problem."""
 
 
+class NumberError(BodyError):
+    """Valid JSON with a number no 64-bit integer or float holds: a field's error (``param``, its path), not
+    a parse error."""
+
+    def __init__(self, message: str, param: str | None):
+        super().__init__(message)
+        self.param = param
+
+
 def parse_json_object(body: bytes, message: str) -> dict[str, Any]:
     """Decode a request body that must be a JSON object; ``message`` is the family's parse error.
 
@@ -47,6 +57,8 @@ def parse_json_object(body: bytes, message: str) -> dict[str, Any]:
     """
     try:
         return read_json_object(body)
+    except NumberError as exc:
+        raise validation(str(exc), exc.param) from None
     except BodyError as exc:
         raise validation(f"{message} ({exc})") from None
 
@@ -105,7 +117,8 @@ def _decode(body: bytes) -> Any:
     except msgspec.ValidationError as exc:  # msgspec's word for a number it cannot hold
         if str(exc).startswith("Integer"):
             raise BodyError("an integer is outside the 64-bit range") from None
-        raise BodyError("a number is too large for a 64-bit float (like 1e400)") from None
+        where = _infinite_number(body)
+        raise NumberError(f"{where or 'a number'} is too large for a 64-bit float (like 1e400)", where) from None
     except msgspec.DecodeError as exc:
         raise BodyError(_decode_problem(body, str(exc))) from None
     except (RecursionError, UnicodeDecodeError) as exc:  # guarded against above; never a 500
@@ -132,13 +145,22 @@ def _check_integers(body: bytes, data: dict[str, Any]) -> None:
     """Refuse integers outside [-2^63, 2^64-1], naming where; the tree is walked only when digits are long."""
     if _LONG_DIGITS.search(body) is None:
         return
-    where = _outsized_integer(data)
+    where = _first_path(data, lambda v: isinstance(v, int) and not INT64_MIN <= v <= UINT64_MAX)
     if where is not None:
-        raise BodyError(f"{where} is an integer outside the 64-bit range")
+        raise NumberError(f"{where} is an integer outside the 64-bit range", where)
 
 
-def _outsized_integer(data: dict[str, Any]) -> str | None:
-    """The path of the first integer outside 64 bits, walked without recursion."""
+def _infinite_number(body: bytes) -> str | None:
+    """The path of the first number a 64-bit float cannot hold (the standard library reads it as inf)."""
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    return _first_path(data, lambda v: isinstance(v, float) and math.isinf(v)) if isinstance(data, dict) else None
+
+
+def _first_path(data: dict[str, Any], bad) -> str | None:
+    """The path of the first value ``bad`` holds for, walked without recursion."""
     stack: list[tuple[str, Any]] = [(str(k), v) for k, v in data.items()]
     while stack:
         path, value = stack.pop()
@@ -146,7 +168,7 @@ def _outsized_integer(data: dict[str, Any]) -> str | None:
             stack.extend((f"{path}.{k}", v) for k, v in value.items())
         elif isinstance(value, list):
             stack.extend((f"{path}[{i}]", v) for i, v in enumerate(value))
-        elif isinstance(value, int) and not INT64_MIN <= value <= UINT64_MAX:
+        elif bad(value):
             return path
     return None
 
