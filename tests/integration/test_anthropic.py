@@ -163,6 +163,15 @@ def test_count_tokens_equals_the_requests_input_tokens(smol_stack, tools):
      "type custom"),
     ({"max_tokens": 5, "messages": ASK, "stop_sequences": [""]}, 400, "stop_sequences"),
     ({"max_tokens": 5, "messages": ASK, "service_tier": "priority"}, 400, "service_tier"),
+    ({"max_tokens": 5, "messages": ASK, "top_k": -1}, 400, "top_k"),
+    ({"max_tokens": 5, "messages": ASK, "metadata": {"user_id": "u" * 257}}, 400, "metadata.user_id"),
+    ({"max_tokens": 5, "messages": ASK, "system": [{"type": "text", "text": ""}]}, 400, "non-empty"),
+    ({"max_tokens": 5, "tools": [WEATHER], "messages": [*ASK, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {}}]}, {"role": "user", "content": "ok?"}]},
+     400, "toolu_1"),
+    ({"max_tokens": 5, "messages": [*ASK, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {}}]}, {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"}]}]}, 400, "must define tools"),
 ])
 def test_bad_bodies_get_anthropic_shaped_4xx(tiny_stack, body, status, named):
     r = httpx.post(tiny_stack.url + "/v1/messages", json={"model": tiny_stack.model, **body}, timeout=30)

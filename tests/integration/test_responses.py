@@ -131,6 +131,12 @@ def test_previous_response_id_retrieve_and_delete(smol_stack):
     ({"input": [{"role": "user", "content": ASK}, {"type": "function_call_output", "call_id": "call_nope", "output": "sunny"}]}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}]}]},
      "input[0].content[0]"),
+    ({"input": ASK, "metadata": "x"}, "metadata"), ({"input": ASK, "metadata": {"a": 1}}, "metadata.a"),
+    ({"input": ASK, "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"), ({"input": ASK, "user": 123}, "user"),
+    ({"input": ASK, "service_tier": "ultra"}, "service_tier"),
+    ({"input": ASK, "stream_options": {"include_obfuscation": False}}, "stream_options"),
+    ({"input": [{"role": "user", "content": "q"}, {"type": "function_call", "name": "f", "arguments": "{}"}]},
+     "input[1].call_id"),
 ])
 def test_bad_bodies_get_openai_shaped_400s(tiny_stack, body, param):
     r = httpx.post(tiny_stack.url + "/v1/responses", json={"model": tiny_stack.model, **body}, timeout=30)
@@ -147,9 +153,16 @@ def test_routes_and_queries_it_does_not_serve_are_openai_shaped_4xx(tiny_stack):
         api.responses.retrieve(stored.id, include=["message.output_text.logprobs"])
     assert api.responses.retrieve(stored.id, stream=False).id == stored.id
     for method, path, status in [("GET", "/v1/responses", 405), ("POST", "/v1/embeddings", 404),
-                                 ("GET", f"/v1/responses/{stored.id}/input_items", 404)]:
+                                 ("GET", f"/v1/responses/{stored.id}/input_items", 400),
+                                 ("POST", f"/v1/responses/{stored.id}/cancel", 400),
+                                 ("POST", "/v1/responses/resp_nope/cancel", 404)]:
         r = httpx.request(method, tiny_stack.url + path, json={}, timeout=30)
         assert r.status_code == status and r.json()["error"]["type"] == "invalid_request_error", r.text
+    with pytest.raises(openai.BadRequestError, match="background"):
+        api.responses.cancel(stored.id)
+    counted = api.responses.input_tokens.count(model=tiny_stack.model, input="Hi", instructions="Be brief.")
+    answered = api.responses.create(model=tiny_stack.model, input="Hi", instructions="Be brief.", max_output_tokens=1)
+    assert counted.input_tokens == answered.usage.input_tokens > 0
     r = httpx.get(tiny_stack.url + "/v1/messages/batches", timeout=30)  # Anthropic's prefix: its shape
     assert r.status_code == 404 and r.json()["type"] == "error"
 

@@ -204,3 +204,14 @@ def test_strict_functions_take_no_undeclared_keys():
     weather, time_ = (c["properties"]["arguments"] for c in required["items"]["anyOf"])
     assert weather["additionalProperties"] is False and "additionalProperties" not in time_
     assert named.declared[0]["function"] == WEATHER["function"]  # the template sees the declaration unchanged
+
+
+@pytest.mark.parametrize("size", [1, 5, 1000])
+def test_without_parallel_tool_calls_an_auto_answer_makes_one_call(size):
+    two = ('<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>\n'
+           '<tool_call>{"name": "get_time", "arguments": {"zone": "CET"}}</tool_call>')
+    assert len(extract(tools(), two)[1]) == 2
+    content, calls = extract(tools(parallel_tool_calls=False), two)
+    assert content is None and [c["function"]["name"] for c in calls] == ["get_weather"]
+    content, streamed = replay(ToolStream(tools(parallel_tool_calls=False)), two, size)
+    assert content.strip() == "" and [c["name"] for c in streamed.values()] == ["get_weather"]

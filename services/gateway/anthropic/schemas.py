@@ -87,9 +87,12 @@ def _parse(data: dict[str, Any], cfg: Config, served: Served, counting: bool) ->
     if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and not 0 <= temperature <= 1:
         raise invalid(f"temperature: must be between 0 and 1, got {temperature}")
     _check_metadata(data.get("metadata"))
+    top_k = data.get("top_k")
+    if isinstance(top_k, int) and not isinstance(top_k, bool) and top_k < 0:
+        raise invalid(f"top_k: Input should be greater than or equal to 0, got {top_k}")
     chat = {"model": data.get("model"), "max_tokens": 1 if counting else data.get("max_tokens"),
             "stream": data.get("stream"), "temperature": temperature, "top_p": data.get("top_p"),
-            "top_k": data.get("top_k"), "stop": _stop_sequences(data.get("stop_sequences")),
+            "top_k": -1 if top_k == 0 else top_k, "stop": _stop_sequences(data.get("stop_sequences")),
             **_tools(data.get("tools"), data.get("tool_choice"))}
     common = parse_common({k: v for k, v in chat.items() if v is not None}, cfg, served, None, chat=True)
     tools = parse_tools(chat)
@@ -97,6 +100,8 @@ def _parse(data: dict[str, Any], cfg: Config, served: Served, counting: bool) ->
     if grammar is not None:  # "any" or a named tool: the output is the call, constrained as a chat's is
         common = replace(common, sampling=msgspec.structs.replace(common.sampling, grammar=grammar))
     messages, listed = chat_messages(openai_messages(data.get("system"), data.get("messages")))
+    if tools is None and any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+        raise invalid("Requests which include `tool_use` or `tool_result` blocks must define tools.")
     last = messages[-1]
     prefill = last["role"] == "assistant" and bool(last["content"]) and not last.get("tool_calls")
     return MessagesRequest(common, messages, listed, tools, prefill)
@@ -107,6 +112,8 @@ def _check_metadata(value: Any) -> None:
         return
     if not isinstance(value, dict) or not isinstance(value.get("user_id", ""), (str, type(None))):
         raise invalid("metadata: must be an object whose user_id is a string")
+    if len(value.get("user_id") or "") > 256:
+        raise invalid("metadata.user_id: String should have at most 256 characters")
     for key in sorted(set(value) - {"user_id"}):
         raise invalid(f"metadata.{key}: Extra inputs are not permitted")
 
@@ -132,6 +139,7 @@ def openai_messages(system: Any, messages: Any) -> list[dict[str, Any]]:
     for i, message in enumerate(messages):
         converted = _message(message, f"messages.{i}", last=i == len(messages) - 1)
         _check_results(converted, calls, f"messages.{i}")
+        _check_answered(converted, calls, f"messages.{i - 1}")
         calls = {call["id"] for m in converted for call in m.get("tool_calls", ())}
         out.extend(converted)
     return out
@@ -142,6 +150,15 @@ def _check_results(converted: list[dict[str, Any]], calls: set[str], where: str)
     if unanswerable:
         raise invalid(f"{where}: unexpected `tool_use_id` found in `tool_result` blocks: {', '.join(unanswerable)}. "
                       "Each `tool_result` block must have a corresponding `tool_use` block in the previous message.")
+
+
+def _check_answered(converted: list[dict[str, Any]], calls: set[str], where: str) -> None:
+    """Each tool_use of the previous message is answered by a tool_result in this one (Anthropic's rule)."""
+    missing = sorted(calls - {m["tool_call_id"] for m in converted if m["role"] == "tool"})
+    if missing:
+        raise invalid(f"{where}: `tool_use` ids were found without `tool_result` blocks immediately after: "
+                      f"{', '.join(missing)}. Each `tool_use` block must have a corresponding `tool_result` block "
+                      "in the next message.")
 
 
 EMPTY_TEXT = "messages: text content blocks must be non-empty"  # Anthropic's words
@@ -206,6 +223,8 @@ def _text_of(value: Any, where: str) -> str:
         return value
     if isinstance(value, list) and all(isinstance(b, dict) and b.get("type") == "text"
                                        and isinstance(b.get("text"), str) for b in value):
+        if any(not b["text"] for b in value):
+            raise invalid(f"{where}: text content blocks must be non-empty")
         return "".join(b["text"] for b in value)
     raise invalid(f"{where}: must be a string or an array of text blocks")
 

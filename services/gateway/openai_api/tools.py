@@ -52,6 +52,10 @@ class Tools:
         parameters = self.functions[name]["parameters"]
         return strict_schema(parameters) if name in self.strict else parameters
 
+    def allowed(self, calls: list[Any]) -> list[Any]:
+        """The calls an answer may make: without parallel_tool_calls, its first only."""
+        return calls if self.parallel else calls[:1]
+
     def grammar(self) -> Grammar | None:
         if self.choice == "named":
             return json_schema(self.arguments(self.named))
@@ -171,9 +175,9 @@ def extract(tools: Tools, text: str, fmt: str = "hermes") -> tuple[str | None, l
         calls = [c for c in map(_hermes, BLOCK.findall(text)) if c is not None and c[0] in tools.functions]
         if calls:
             content = BLOCK.sub("", text).strip()
-            return content or None, [tool_call(name, args) for name, args in calls]
+            return content or None, [tool_call(name, args) for name, args in tools.allowed(calls)]
     elif tools.choice == "auto" and (calls := _whole_answer_calls(text, fmt, tools)):
-        return None, [tool_call(name, args) for name, args in calls]
+        return None, [tool_call(name, args) for name, args in tools.allowed(calls)]
     return text, []
 
 
@@ -267,7 +271,7 @@ class ToolStream:
             self.fmt == "llama3_json" and (head.startswith(PYTHON_TAG) or PYTHON_TAG.startswith(head)))
         if not final and maybe_calls:
             return "", []
-        if final and maybe_calls and (calls := _whole_answer_calls(self.text, self.fmt, self.tools)):
+        if final and maybe_calls and (calls := self.tools.allowed(_whole_answer_calls(self.text, self.fmt, self.tools))):
             self.calls = len(calls)
             self.sent = len(self.text)
             return "", [first_delta(i, n, a) for i, (n, a) in enumerate(calls)]
@@ -304,8 +308,9 @@ class ToolStream:
                 return content, out
             call = _hermes(rest[start + len(OPEN):end].strip())
             if call is not None and call[0] in self.tools.functions:
-                out.append(first_delta(self.calls, *call))
-                self.calls += 1
+                if self.tools.parallel or not self.calls:  # without parallel_tool_calls, later calls are dropped
+                    out.append(first_delta(self.calls, *call))
+                    self.calls += 1
             else:
                 content += rest[start:end + len(CLOSE)]
             self.sent += end + len(CLOSE)

@@ -18,6 +18,7 @@ from services.gateway.request import lifecycle
 from services.gateway.responses_api.responses import Builder, error_event, response_body, response_events
 from services.gateway.responses_api.schemas import parse_responses, read_body, renamed
 from shared.errors import ErrorKind, SwitchboardError
+from shared.messages import Tokenize
 from shared.response_store import ResponseStore
 
 
@@ -52,6 +53,35 @@ async def create(request: Request) -> Response:
             raise renamed(bad_param(media_place(chat.listed, exc.message) or "messages", exc.message), req.before) \
                 from None
         raise
+
+
+@post("/v1/responses/input_tokens", status_code=200)
+async def input_tokens(request: Request) -> Response:
+    """The input tokens the same body's response would count (its instructions, previous turns and tools)."""
+    gateway = request.app.state.gateway
+    data = read_body(await request.body())
+    previous = await _previous(data.get("previous_response_id"), gateway.responses)
+    chat = parse_responses(data, previous, gateway.cfg, gateway.served()).chat
+    admit(chat.listed, gateway.media_policy, content_error, gateway.modalities())
+    tools = chat.tools
+    counted = await gateway.tokenize(Tokenize(messages=chat.messages, tools=tools.declared if tools else [],
+                                              tool_choice=tools.choice if tools else "", parts=chat_media(chat.listed)))
+    return Response({"object": "response.input_tokens", "input_tokens": len(counted.ids)},
+                    media_type="application/json")
+
+
+@post("/v1/responses/{response_id:str}/cancel", status_code=200)
+async def cancel(request: Request, response_id: FromPath[str]) -> Response:
+    await _record(request.app.state.gateway.responses, response_id)
+    raise bad_param(None, "Only responses created with background=true can be cancelled; this server answers each "
+                          "response in its request (background is not supported).")
+
+
+@get("/v1/responses/{response_id:str}/input_items")
+async def input_items(request: Request, response_id: FromPath[str]) -> Response:
+    await _record(request.app.state.gateway.responses, response_id)
+    raise bad_param(None, "listing a response's input items is not supported by this server; GET "
+                          f"/v1/responses/{response_id} returns the response.")
 
 
 @get("/v1/responses/{response_id:str}")
@@ -109,4 +139,5 @@ async def _record(store: ResponseStore, response_id: str) -> dict[str, Any]:
     return record
 
 
-ROUTES = [Router("/", route_handlers=[create, retrieve, remove], exception_handlers=OPENAI_EXCEPTION_HANDLERS)]
+ROUTES = [Router("/", route_handlers=[create, input_tokens, cancel, input_items, retrieve, remove],
+                 exception_handlers=OPENAI_EXCEPTION_HANDLERS)]

@@ -49,6 +49,7 @@ class ResponsesRequest:
 # Hints that change nothing in an answer here: a prompt-cache routing key (the fleet routes by cache on its own),
 # a service tier, an end user's id for abuse monitoring. Checked for their type, then set aside.
 HINTS = {"prompt_cache_key": str, "safety_identifier": str, "service_tier": str}
+SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
 # Fields this server takes only at their default (absent, null or empty): anything else is a 400 naming them.
 DEFAULT_ONLY = {"include", "reasoning", "stream_options", "conversation", "prompt", "top_logprobs", "max_tool_calls",
                 "background"}
@@ -67,7 +68,22 @@ def read_body(body: bytes) -> dict[str, Any]:
             raise bad_param(key, f"{key} must be boolean type.")
     if data.get("previous_response_id") is not None and not isinstance(data["previous_response_id"], str):
         raise bad_param("previous_response_id", "previous_response_id must be a string.")
+    if data.get("user") is not None and not isinstance(data["user"], str):
+        raise bad_param("user", "user must be a string.")
+    _check_metadata(data.get("metadata"))
     return data
+
+
+def _check_metadata(value: Any) -> None:
+    """OpenAI's metadata: at most 16 pairs, keys of up to 64 characters, string values of up to 512."""
+    if value is None:
+        return
+    if not isinstance(value, dict) or len(value) > 16:
+        raise bad_param("metadata", "metadata must be an object of at most 16 key-value pairs.")
+    for key, item in value.items():
+        if len(key) > 64 or not isinstance(item, str) or len(item) > 512:
+            raise bad_param(f"metadata.{key[:64]}", "metadata keys must have at most 64 characters and its values "
+                                                    "be strings of at most 512.")
 
 
 def _set_aside(data: dict[str, Any]) -> None:
@@ -77,8 +93,12 @@ def _set_aside(data: dict[str, Any]) -> None:
         value = data.pop(key, None)
         if value is not None and not isinstance(value, kind):
             raise bad_param(key, f"{key} must be a string.")
+        if key == "service_tier" and value is not None and value not in SERVICE_TIERS:
+            raise bad_param(key, f"service_tier must be one of {', '.join(SERVICE_TIERS)}, got {value!r}.")
     for key in sorted(DEFAULT_ONLY & set(data)):
         value = data.pop(key)
+        if key == "stream_options" and value is not None and data.get("stream") is not True:
+            raise bad_param(key, "stream_options can only be given when stream is true.")
         if key == "stream_options" and isinstance(value, dict) and not value.get("include_obfuscation"):
             continue  # (no obfuscation is added to this server's events)
         if value not in (None, [], {}, 0, False):
@@ -157,7 +177,9 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
         if kind == "message":
             out.append(_message(item, where))
         elif kind == "function_call":
-            call = {"id": str(item.get("call_id", "")), "type": "function",
+            if not isinstance(item.get("call_id"), str) or not item["call_id"]:
+                raise bad_param(f"{where}.call_id", f"Missing required parameter: '{where}.call_id'.")
+            call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
             if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments"), str):
                 raise bad_param(where, f"{where}: a function_call needs name and arguments (a JSON string).")
@@ -227,7 +249,8 @@ def _tool(tool: Any, i: int) -> dict[str, Any]:
     if not isinstance(tool, dict) or tool.get("type") != "function":
         raise bad_param(where, f'{where} must be {{"type": "function", "name", "parameters"}}: this server runs '
                                "function tools only.")
-    function = {key: tool[key] for key in ("name", "description", "parameters", "strict") if tool.get(key) is not None}
+    function = {key: tool[key] for key in ("name", "description", "parameters") if tool.get(key) is not None}
+    function["strict"] = True if tool.get("strict") is None else tool["strict"]  # Responses' default (not chat's)
     return {"type": "function", "function": function}
 
 
