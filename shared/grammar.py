@@ -37,7 +37,12 @@ def problem(grammar: Grammar) -> str | None:
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar_text(grammar))
     except (ValueError, TypeError) as exc:
         return str(exc)
-    return messages[0] if is_error else None
+    return messages[0].replace(ONE_OF_HINT, ONE_OF_INSTEAD) if is_error else None
+
+
+# llguidance's hint names an option of its own that no API here exposes
+ONE_OF_HINT = "Enable 'coerce_one_of' option to approximate oneOf with anyOf"
+ONE_OF_INSTEAD = "Use anyOf instead (OpenAI's strict mode takes anyOf, not oneOf)"
 
 
 def json_schema(schema: object) -> Grammar:

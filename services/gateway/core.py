@@ -103,11 +103,10 @@ class Gateway:
             await msg.respond(b"")
 
     async def _stop_local(self, user_id: str) -> bool:
-        session = self.inflight.by_user(user_id)
-        if session is None:
-            return False
-        await bus.publish(self.nc, subjects.CANCEL, Cancel(id=session.current_id, reason=CancelKind.STOP_INFER))
-        return True
+        sessions = self.inflight.by_user(user_id)
+        for session in sessions:
+            await bus.publish(self.nc, subjects.CANCEL, Cancel(id=session.current_id, reason=CancelKind.STOP_INFER))
+        return bool(sessions)
 
     async def on_heartbeat(self, msg) -> None:
         info = self._heartbeats.decode(msg.data)

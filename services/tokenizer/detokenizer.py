@@ -67,8 +67,22 @@ class StopMatcher:
         if cut is not None:
             self.text = self.text[:cut]
             return self._release(cut), True
-        end = len(self.text) if final else max(self.released, len(self.text) - self.hold)
+        end = len(self.text) if final else len(self.text) - self._held()
         return self._release(end), False
+
+    def _held(self) -> int:
+        """How many trailing unreleased characters could still begin a stop string: only those wait (as vLLM
+        holds back), so text that cannot start one streams as it comes."""
+        tail = self.text[self.released:]
+        start, held = max(0, len(tail) - self.hold), 0
+        for stop in self.stops:
+            at = tail.find(stop[0], start)
+            while 0 <= at and len(tail) - at > held:
+                if stop.startswith(tail[at:]):
+                    held = len(tail) - at
+                    break
+                at = tail.find(stop[0], at + 1)
+        return held
 
     def _first_stop(self) -> int | None:
         hits = [(i, len(s), s) for s in self.stops if (i := self.text.find(s, self.released)) >= 0]

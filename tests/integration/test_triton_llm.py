@@ -130,6 +130,7 @@ def test_tritonclient_binary_text_tensors(tiny_stack):
     ([tensor("text_input", "BYTES", [PROMPT]), tensor("bad_words", "BYTES", ["Paris"])], None, "bad_words"),
     ([tensor("text_input", "BYTES", [PROMPT, "again"])], None, "exactly one"),
     ([tensor("text_input", "INT32", [5])], None, "BYTES"),
+    ([tensor("text_input", "STRING", [PROMPT])], None, "not a KServe v2 datatype"),
     ([tensor("text_input", "BYTES", [PROMPT]), tensor("text_input", "BYTES", [PROMPT])], None, "twice"),
     ([{"name": "text_input", "shape": [2], "datatype": "BYTES", "data": [PROMPT]}], None, "shape"),
     ([tensor("text_input", "BYTES", [PROMPT]), tensor("temperature", "FP32", [-1.0])], None, "inputs.temperature"),

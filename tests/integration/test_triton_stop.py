@@ -53,3 +53,28 @@ def test_stop_infer_unknown_id_is_404(tiny_stack):
     r = post(tiny_stack, model_path(tiny_stack, "/stopInfer"), {"id": "never-sent"})
     assert r.status_code == 404
     assert r.json() == {"error": "RequestId is never-sent not found.", "error_type": "NotFoundError"}
+
+
+async def test_stop_infer_ends_every_running_request_its_id_names(tiny_stack):
+    """Two running streams a client gave the same id: stopInfer ends both (none is left unstoppable)."""
+    body = {"id": "twice", "text_input": PROMPT, "parameters": {"max_new_tokens": 512, "do_sample": False,
+                                                                "details": True}}
+    url = tiny_stack.url + model_path(tiny_stack, "/generate_stream")
+
+    async def run(http: httpx.AsyncClient, started: asyncio.Event) -> dict:
+        async with http.stream("POST", url, json=body) as r:
+            events = []
+            async for line in r.aiter_lines():
+                if line.startswith("data:"):
+                    events.append(json.loads(line[len("data:"):]))
+                    started.set()
+            return events[-1]["details"]
+
+    async with httpx.AsyncClient(timeout=60) as http:
+        flags = [asyncio.Event(), asyncio.Event()]
+        streams = [asyncio.ensure_future(run(http, flag)) for flag in flags]
+        await asyncio.wait_for(asyncio.gather(*(flag.wait() for flag in flags)), 30)
+        stop = await http.post(tiny_stack.url + model_path(tiny_stack, "/stopInfer"), json={"id": "twice"})
+        assert stop.status_code == 200
+        ends = await asyncio.wait_for(asyncio.gather(*streams), 30)
+    assert all(e["finish_reason"] == "stop_sequence" and e["generated_tokens"] < 512 for e in ends)

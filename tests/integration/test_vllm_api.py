@@ -131,3 +131,10 @@ async def test_disconnect_mid_stream_frees_the_engine(tiny_stack):
                 break
     info = await tiny_stack.wait_engine_idle()
     assert (info.running, info.waiting, info.free_blocks) == (0, 0, info.total_blocks)
+
+
+def test_a_field_vllm_generate_does_not_take_is_a_422_naming_it(tiny_stack):
+    """response_format (the OpenAI routes') or a misspelt field would otherwise be set aside in silence."""
+    for field, value in (("response_format", {"type": "json_object"}), ("max_new_tokens", 4)):
+        r = post(tiny_stack, "/generate", {"prompt": PROMPT, field: value})
+        assert r.status_code == 422 and field in r.json()["error"], r.text

@@ -200,11 +200,15 @@ def test_earliest_of_several_stops_wins():
     assert "".join(pieces) == "Hel"
 
 
-def test_longest_stop_sets_the_hold_back():
+def test_only_a_tail_that_may_begin_a_stop_is_held_back():
     matcher = StopMatcher(["x", "abcdef"])
-    piece, hit = matcher.feed("0123456789", final=False)
-    assert not hit
-    assert piece == "01234"  # len("abcdef") - 1 = 5 characters held
+    assert matcher.feed("0123456789", final=False) == ("0123456789", False)  # nothing here can begin a stop
+    assert matcher.feed("zzabc", final=False) == ("zz", False)  # "abc" may begin "abcdef"
+    assert matcher.feed("dX", final=False) == ("abcdX", False)  # it did not
+    assert matcher.feed("abcde", final=False) == ("", False)  # the longest stop less one, at most
+    assert matcher.feed("f!", final=False) == ("", True) and matcher.matched == "abcdef"
+    repeat = StopMatcher(["aab"])
+    assert repeat.feed("aaaa", final=False) == ("aa", False)  # "aa" may still begin "aab"
 
 
 def test_no_stops_release_everything_at_once():

@@ -83,3 +83,11 @@ def test_tokens_outside_the_grammar_end_a_resumed_request_with_an_error(tiny_run
     req.generated_ids = [prompt(1, start=900)[0]]  # not a digit
     result = run(tiny_runner, [req])
     assert result.reason("bad") == "error" and "grammar" in result.finish["bad"].error.message
+
+
+def test_a_refused_one_of_points_to_any_of_not_to_an_option_no_api_has():
+    from shared.grammar import problem
+
+    why = problem(json_schema({"oneOf": [{"type": "object", "properties": {"a": {"type": "string"}}},
+                                         {"type": "object", "properties": {"b": {"type": "integer"}}}]}))
+    assert "Use anyOf instead" in why and "coerce_one_of" not in why

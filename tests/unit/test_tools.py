@@ -215,3 +215,16 @@ def test_without_parallel_tool_calls_an_auto_answer_makes_one_call(size):
     assert content is None and [c["function"]["name"] for c in calls] == ["get_weather"]
     content, streamed = replay(ToolStream(tools(parallel_tool_calls=False)), two, size)
     assert content.strip() == "" and [c["name"] for c in streamed.values()] == ["get_weather"]
+
+
+def test_a_strict_response_format_closes_its_objects_as_strict_tools_do():
+    from services.gateway.openai_api.response_format import response_format
+
+    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "string"}}}},
+              "patternProperties": {"^x": {"type": "object"}}}
+    strict = json.loads(response_format({"type": "json_schema", "json_schema": {
+        "name": "x", "strict": True, "schema": schema}}).value)
+    assert strict["additionalProperties"] is False and strict["properties"]["a"]["additionalProperties"] is False
+    assert strict["patternProperties"]["^x"]["additionalProperties"] is False
+    loose = json.loads(response_format({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}).value)
+    assert loose == schema

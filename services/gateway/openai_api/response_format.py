@@ -1,7 +1,8 @@
 """OpenAI ``response_format`` (chat and completions, reference §3.25): ``text`` (free), ``json_object`` (any
 JSON object) or ``json_schema`` (``{"name", "schema", "strict", "description"}``), as a ``Grammar`` the engine
-enforces token by token (``strict`` or not: the output always follows the schema). A schema the grammar
-engine cannot compile is a 400 naming ``response_format`` before anything runs."""
+enforces token by token (``strict`` or not: the output always follows the schema; ``strict`` also closes every
+object that does not say otherwise to undeclared keys, as OpenAI's strict mode and strict tools do). A schema
+the grammar engine cannot compile is a 400 naming ``response_format`` before anything runs."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import re
 from typing import Any
 
 from services.gateway.openai_api.errors import bad_param
+from services.gateway.openai_api.tools import strict_schema
 from shared.grammar import json_schema, problem
 from shared.messages import Grammar
 
@@ -46,7 +48,7 @@ def _json_schema(spec: Any) -> Grammar:
         schema = {}  # no schema: any JSON value
     if not isinstance(schema, dict):
         raise bad_param(f"{where}.schema", f"{where}.schema must be a JSON Schema object.")
-    grammar = json_schema(schema)
+    grammar = json_schema(strict_schema(schema) if spec.get("strict") else schema)
     if (why := problem(grammar)) is not None:
         raise bad_param(f"{where}.schema", f"{where}.schema cannot be used for structured output: {why}")
     return grammar

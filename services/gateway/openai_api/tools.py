@@ -105,9 +105,11 @@ def strict_schema(schema: Any) -> Any:
         return schema
     out = {key: strict_schema(value) if key in ("items", "anyOf", "oneOf", "allOf", "prefixItems") else value
            for key, value in schema.items()}
-    for key in ("properties", "$defs", "definitions"):
+    for key in ("properties", "$defs", "definitions", "patternProperties"):
         if isinstance(schema.get(key), dict):
             out[key] = {name: strict_schema(sub) for name, sub in schema[key].items()}
+    if isinstance(schema.get("additionalProperties"), dict):
+        out["additionalProperties"] = strict_schema(schema["additionalProperties"])
     if (schema.get("type") == "object" or "properties" in schema) and "additionalProperties" not in schema:
         out["additionalProperties"] = False
     return out

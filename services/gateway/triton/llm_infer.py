@@ -76,6 +76,10 @@ def parse_text_infer(data: dict[str, Any], tail: Tail, user_id: str | None, bina
                             outputs=_outputs(data.get("outputs"), flags, binary))
 
 
+KSERVE_DATATYPES = ("BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64", "FP16", "FP32",
+                    "FP64", "BF16", "BYTES")
+
+
 def _tensors(inputs: list, tail: Tail) -> dict[str, list]:
     tensors: dict[str, list] = {}
     for item in inputs:
@@ -85,6 +89,9 @@ def _tensors(inputs: list, tail: Tail) -> dict[str, list]:
         name, datatype = tensor.string("name"), tensor.string("datatype")
         if name is None or datatype is None:
             raise validation("each inputs item needs a string name and datatype.", "inputs")
+        if datatype not in KSERVE_DATATYPES:
+            raise validation(f"inputs.{name}.datatype {datatype!r} is not a KServe v2 datatype "
+                             f"({', '.join(KSERVE_DATATYPES)}).", "inputs")
         if name in tensors:
             raise validation(f"inputs names {name!r} twice.", "inputs")
         size = tensor.obj("parameters").integer("binary_data_size", None, 0, 2**63 - 1)

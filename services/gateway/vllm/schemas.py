@@ -24,8 +24,24 @@ class VllmRequest:
     listed: ListInput | None = None  # ``prompt`` in the list form (``prompt`` is then its joined text)
 
 
+# what a vLLM /generate body may hold (reference §3.23b, and the sampling and guided-decoding fields it shares with
+# the OpenAI routes); anything else is refused (vLLM's own server builds SamplingParams(**body), which refuses it)
+FIELDS = frozenset({
+    "prompt", "model", "stream", "n", "best_of", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+    "min_p", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty", "ignore_eos", "skip_special_tokens",
+    "spaces_between_special_tokens", "stop", "stop_token_ids", "include_stop_str_in_output", "min_tokens",
+    "logit_bias", "use_beam_search", "bad_words", "allowed_token_ids", "logits_processors", "prompt_logprobs",
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+    "guided_whitespace_pattern", "structured_outputs",
+    "inputs"})  # TGI's prompt: beside ``prompt`` the body is still vLLM's and it is set aside (reference §3.23)
+
+
 def parse_vllm(data: dict[str, Any], served: Served, max_iter_times: int, max_n: int) -> VllmRequest:
     """``served``: the model and adapter names ``model`` may take (reference §3.23b: the LoRA id)."""
+    unknown = sorted(set(data) - FIELDS)
+    if unknown:
+        raise validation(f"{unknown[0]} is not a field of vLLM's /generate (it takes "
+                         f"{', '.join(sorted(FIELDS - {'inputs'}))}).", unknown[0])
     f = Fields(data)
     prompt, listed = mindie_input(data.get("prompt"), "prompt", lambda text: text_input(text, "prompt"))
     adapter = _adapter(f.string("model"), served)
