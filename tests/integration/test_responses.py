@@ -195,6 +195,21 @@ def test_fields_at_their_defaults_and_hints_are_taken(tiny_stack):
     assert r.status_code == 200 and r.json()["status"] in ("completed", "incomplete"), r.text
 
 
+def test_cache_salt_keeps_cached_blocks_among_responses_of_the_same_salt(tiny_stack):
+    """vLLM's cache_salt on Responses too: a long input seen under another salt finds nothing cached."""
+    text = " ".join(f"r{i}" for i in range(12))  # the tiny stack takes inputs of at most 64 tokens
+    cached = []
+    for salt in ("tenant-a", "tenant-b", "tenant-a"):
+        body = {"model": tiny_stack.model, "input": text, "max_output_tokens": 1, "store": False, "cache_salt": salt}
+        r = httpx.post(tiny_stack.url + "/v1/responses", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        cached.append(r.json()["usage"]["input_tokens_details"]["cached_tokens"])
+    assert cached[:2] == [0, 0] and cached[2] >= 16
+    bad = httpx.post(tiny_stack.url + "/v1/responses", json={"model": tiny_stack.model, "input": text,
+                                                             "cache_salt": ""}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt", bad.text
+
+
 def test_stored_responses_are_shared_by_gateways_and_outlive_a_restart(tmp_path, tiny_model_dir):
     cluster = Cluster(tmp_path, tiny_model_dir, engines=1, tokenizers=1)
     second = None

@@ -35,7 +35,8 @@ async def create(request: Request) -> Response:
         admit(chat.listed, gateway.media_policy, content_error, gateway.modalities())
     except SwitchboardError as exc:
         raise renamed(exc, req.before) from None
-    prompt = {"messages": chat.messages, "truncate": chat.common.truncate, "parts": chat_media(chat.listed)}
+    prompt = {"messages": chat.messages, "truncate": chat.common.truncate, "parts": chat_media(chat.listed),
+              "cache_salt": chat.common.cache_salt}
     if chat.tools is not None:
         prompt.update(tools=chat.tools.declared, tool_choice=chat.tools.choice)
     call = build_call(gateway.context, [prompt], chat.common.sampling, 1, chat.common.adapter, "openai-responses")

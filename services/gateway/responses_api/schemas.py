@@ -26,7 +26,7 @@ from shared.errors import SwitchboardError
 PARSE_ERROR = "The request body must be a JSON object."
 FIELDS = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice",
           "text", "stream", "store", "previous_response_id", "metadata", "parallel_tool_calls", "user", "truncation",
-          "seed"}  # seed: vLLM's extension, as on chat completions
+          "seed", "cache_salt"}  # seed, cache_salt: vLLM's extensions, as on chat completions
 # a chat field's name (the start of a parameter's path) as the Responses request names it
 CHAT_NAMES = [(re.compile(r"^max_tokens\b"), "max_output_tokens"),
               (re.compile(r"^response_format(\.json_schema)?\b"), "text.format"),
@@ -119,7 +119,7 @@ def parse_responses(data: dict[str, Any], previous: list[dict[str, Any]], cfg: C
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + history
     chat = {"model": data.get("model"), "messages": messages, "max_tokens": data.get("max_output_tokens"),
             "temperature": data.get("temperature"), "top_p": data.get("top_p"), "stream": data.get("stream"),
-            "seed": data.get("seed"),
+            "seed": data.get("seed"), "cache_salt": data.get("cache_salt"),
             "parallel_tool_calls": data.get("parallel_tool_calls"), **_tools(data.get("tools"), data.get("tool_choice")),
             "response_format": _format(data.get("text"))}
     try:
