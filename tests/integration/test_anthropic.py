@@ -164,6 +164,8 @@ def test_count_tokens_equals_the_requests_input_tokens(smol_stack, tools):
     ({"max_tokens": 5, "messages": ASK, "stop_sequences": [""]}, 400, "stop_sequences"),
     ({"max_tokens": 5, "messages": ASK, "service_tier": "priority"}, 400, "service_tier"),
     ({"max_tokens": 5, "messages": ASK, "top_k": -1}, 400, "top_k"),
+    ({"max_tokens": 5, "messages": ASK, "top_k": False}, 400, "top_k"),
+    ({"max_tokens": 5, "messages": ASK, "top_k": 0.0}, 400, "top_k"),
     ({"max_tokens": 5, "messages": ASK, "metadata": {"user_id": "u" * 257}}, 400, "metadata.user_id"),
     ({"max_tokens": 5, "messages": ASK, "system": [{"type": "text", "text": ""}]}, 400, "non-empty"),
     ({"max_tokens": 5, "tools": [WEATHER], "messages": [*ASK, {"role": "assistant", "content": [

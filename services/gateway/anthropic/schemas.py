@@ -88,11 +88,11 @@ def _parse(data: dict[str, Any], cfg: Config, served: Served, counting: bool) ->
         raise invalid(f"temperature: must be between 0 and 1, got {temperature}")
     _check_metadata(data.get("metadata"))
     top_k = data.get("top_k")
-    if isinstance(top_k, int) and not isinstance(top_k, bool) and top_k < 0:
+    if _is_int(top_k) and top_k < 0:
         raise invalid(f"top_k: Input should be greater than or equal to 0, got {top_k}")
     chat = {"model": data.get("model"), "max_tokens": 1 if counting else data.get("max_tokens"),
             "stream": data.get("stream"), "temperature": temperature, "top_p": data.get("top_p"),
-            "top_k": -1 if top_k == 0 else top_k, "stop": _stop_sequences(data.get("stop_sequences")),
+            "top_k": -1 if _is_int(top_k) and top_k == 0 else top_k, "stop": _stop_sequences(data.get("stop_sequences")),
             **_tools(data.get("tools"), data.get("tool_choice"))}
     common = parse_common({k: v for k, v in chat.items() if v is not None}, cfg, served, None, chat=True)
     tools = parse_tools(chat)
@@ -105,6 +105,11 @@ def _parse(data: dict[str, Any], cfg: Config, served: Served, counting: bool) ->
     last = messages[-1]
     prefill = last["role"] == "assistant" and bool(last["content"]) and not last.get("tool_calls")
     return MessagesRequest(common, messages, listed, tools, prefill)
+
+
+def _is_int(value: Any) -> bool:
+    """An integer as JSON writes one: ``false`` and ``0.0`` are not 0 (the chat checks name their type)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check_metadata(value: Any) -> None:

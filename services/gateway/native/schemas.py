@@ -55,7 +55,7 @@ def _refuse_tgi_only(p: Fields) -> None:
     """A TGI parameter asking for something /infer does not do is a 422 naming it, not ignored."""
     for name, idle in TGI_ONLY.items():
         value = p.data.get(name)
-        if not any(value is v or (type(value) is type(v) and value == v) for v in idle):
+        if not any(type(value) is type(v) and value == v for v in idle):  # True is not 1, 0.0 is not 0
             raise validation(f"parameters.{name} is a TGI parameter: /infer and /infer_token do not take it "
                              f"(send it to /generate or /generate_stream).", f"parameters.{name}")
 
