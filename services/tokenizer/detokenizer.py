@@ -102,12 +102,24 @@ def next_text(decoder: IncrementalDecoder, stops: StopMatcher, token_id: int, fi
     """One generated token's text: what it releases into the answer, its own text where that differs (a stop
     string's hold-back), and whether a stop string ended the answer. ``final``: the answer's last token (what is
     held back goes out with it); a stop id it ended on leaves its own text out (``StopMatcher.hides``)."""
-    if final and ended_on_eos and stops.hides(token_id):
-        delta = decoder.flush()
-    else:
-        delta = decoder.add(token_id) + (decoder.flush() if final else "")
-    text, stopped = stops.feed(delta, final, armed)
+    added = "" if final and ended_on_eos and stops.hides(token_id) else decoder.add(token_id)
+    held = decoder.flush() if final else ""
+    text, stopped = _feed(stops, added, held, final, armed)
+    delta = added + held
     return text, (delta if delta != text else None), stopped
+
+
+def _feed(stops: StopMatcher, added: str, held: str, final: bool, armed: bool) -> tuple[str, bool]:
+    """``stops.feed`` of a token's text; at the end, the U+FFFD that stands for an incomplete character in what the
+    decoder held back is decode's placeholder, not text the model wrote: no stop string is looked for in it."""
+    real = held.rstrip(REPLACEMENT)
+    if len(real) == len(held):
+        return stops.feed(added + held, final, armed)
+    text, stopped = stops.feed(added + real, False, armed)
+    if stopped:
+        return text, True
+    rest, _ = stops.feed(held[len(real):], True, armed=False)
+    return text + rest, False
 
 
 def token_pieces(tokenizer, ids: list[int]) -> list[str]:
@@ -116,3 +128,14 @@ def token_pieces(tokenizer, ids: list[int]) -> list[str]:
     pieces = [decoder.add(i) for i in ids]
     pieces.append(decoder.flush())
     return [p for p in pieces if p]
+
+
+def token_texts(tokenizer, ids: list[int]) -> list[str]:
+    """Each token's text as a stream releases it (special tokens shown): a character split over tokens is in the
+    token that completes it ("" before), so the texts join into the ids' decoded text and their lengths are
+    offsets in it (an incomplete character at the end is the last token's U+FFFD)."""
+    decoder = IncrementalDecoder(tokenizer, [], skip_special_tokens=False)
+    texts = [decoder.add(i) for i in ids]
+    if texts:
+        texts[-1] += decoder.flush()
+    return texts

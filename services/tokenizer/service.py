@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 from nats.aio.msg import Msg as NatsMsg
 
-from services.tokenizer.detokenizer import IncrementalDecoder, StopMatcher, next_text
+from services.tokenizer.detokenizer import IncrementalDecoder, StopMatcher, next_text, token_texts
 from services.tokenizer import counting
 from services.tokenizer.encoder import check_chat_template, check_media_prompt, check_request_ids, encode_prompt, too_large
 from services.tokenizer.media.multimodal import MediaProcessor
@@ -259,7 +259,7 @@ class TokenizerService:
                           tool_format=tool_format(self.tok) if req.tools else "")
         if req.return_prompt_ids:
             started.prompt_ids = ids
-            started.prompt_texts = [self.tok.decode([i], skip_special_tokens=False) for i in ids]
+            started.prompt_texts = token_texts(self.tok, ids)
         return started
 
     def engine_request(self, req: GenerateRequest, ids: list[int], seed: int,
@@ -312,8 +312,8 @@ class TokenizerService:
                      generated_tokens=state.generated, stop=state.stops.matched if stopped else "",
                      cached_tokens=event.cached_tokens)
         if event.prompt_logprobs and len(event.prompt_logprobs) == len(state.prompt_ids):
-            out.prompt = [self.token_bytes.out(i, self.tok.decode([i], skip_special_tokens=False), lp)
-                          for i, lp in zip(state.prompt_ids, event.prompt_logprobs)]
+            out.prompt = [self.token_bytes.out(i, text, lp) for i, text, lp in
+                          zip(state.prompt_ids, token_texts(self.tok, state.prompt_ids), event.prompt_logprobs)]
         await bus.publish(self.nc, req.reply_to, out)
 
     async def lost(self, state: Pending, event: TokenEvent) -> None:

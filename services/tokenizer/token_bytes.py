@@ -1,6 +1,7 @@
 """Each token's own bytes, for logprobs (OpenAI's ``bytes``): a token that holds part of a character (an emoji
 spread over three byte-level tokens) has bytes of its own even when the text it releases is empty, and the
-tokens' bytes joined are the answer's UTF-8.
+tokens' bytes joined are the answer's UTF-8 (an answer cut inside a character ends in the bytes its tokens
+have, where its text ends in U+FFFD, as decode writes an incomplete character).
 
 * byte-level BPE (GPT-2's vocabulary alphabet, as SmolLM2, Llama 3, Qwen use): each character of the token's
   vocabulary string stands for one byte;

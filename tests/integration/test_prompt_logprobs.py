@@ -137,3 +137,24 @@ def test_lm_eval_harness_scores_switchboard_as_its_hf_model(smol_stack, smol_dir
     theirs = [float(r[0][0]) for s in local["samples"][task] for r in s["resps"]]
     assert len(ours) == sum(len(c) for _, c, _ in QUESTIONS)
     assert ours == pytest.approx(theirs, abs=1e-3)  # each choice's log-likelihood
+
+
+def test_an_echoed_prompt_of_ids_splitting_characters_reads_as_its_text(tiny_stack, smol_dir):
+    """Token ids of an emoji prompt (byte-level BPE spreads each emoji over tokens): echo gives the decoded
+    prompt, not one U+FFFD per token, and with logprobs the tokens join into the text and their offsets index it,
+    whole and streamed."""
+    from transformers import AutoTokenizer
+
+    text = "Emoji: 😀😃😄"
+    ids = AutoTokenizer.from_pretrained(smol_dir)(text, add_special_tokens=False).input_ids
+    body = complete(tiny_stack, prompt=ids, echo=True, max_tokens=2, temperature=0)
+    assert body["choices"][0]["text"].startswith(text)
+    [choice] = complete(tiny_stack, prompt=ids, echo=True, logprobs=2, max_tokens=2, temperature=0)["choices"]
+    lp = choice["logprobs"]
+    assert choice["text"].startswith(text) and "".join(lp["tokens"]) == choice["text"]
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:k]) for k in range(len(lp["tokens"]))]
+    events = stream_payloads(post(tiny_stack, "/v1/completions", {
+        "model": tiny_stack.model, "prompt": ids, "stream": True, "echo": True, "logprobs": 2, "max_tokens": 2,
+        "temperature": 0}))
+    streamed = [t for e in events if e["choices"] for t in e["choices"][0]["logprobs"]["tokens"]]
+    assert streamed == lp["tokens"]

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from services.tokenizer.detokenizer import REPLACEMENT, IncrementalDecoder, StopMatcher
+from services.tokenizer.detokenizer import REPLACEMENT, IncrementalDecoder, StopMatcher, _feed, next_text, token_texts
 from services.tokenizer.encoder import apply_length_limit, check_token_ids, encode_prompt
 from shared.config import ModelConfig, ModelDeployConfig
 from shared.errors import ErrorKind, SwitchboardError
@@ -369,3 +369,30 @@ def test_a_stop_matcher_not_armed_yet_releases_everything_and_matches_nothing():
     stops = StopMatcher(["stop"])
     assert stops.feed("no stop here ", final=False, armed=False) == ("no stop here ", False)
     assert stops.feed("then stop", final=False) == ("then ", True) and stops.matched == "stop"
+
+
+@pytest.mark.parametrize("text", ["Emoji: 😀😃😄", "中文：你好，世界。我", TEXTS[2]])
+def test_token_texts_join_into_the_decoded_ids_and_their_lengths_are_offsets(tokenizer, text):
+    """Prompt tokens as echo and its logprobs show them: a character split over tokens is in the token that
+    completes it, so the texts join into the text (each decoded alone they were several U+FFFD)."""
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    assert any(tokenizer.decode([i]) == REPLACEMENT for i in ids)  # the text does split characters
+    texts = token_texts(tokenizer, ids)
+    assert len(texts) == len(ids) and "".join(texts) == text
+    assert REPLACEMENT not in "".join(texts)
+    inside = next(k for k in range(1, len(ids)) if tokenizer.decode(ids[:k]).endswith(REPLACEMENT))
+    cut = token_texts(tokenizer, ids[:inside])  # ends inside a character: the last token shows decode's U+FFFD
+    assert "".join(cut) == tokenizer.decode(ids[:inside]) and cut[-1].endswith(REPLACEMENT)
+
+
+def test_a_stop_string_is_not_found_in_the_placeholder_of_a_character_cut_at_the_end(tokenizer):
+    """max_tokens ending inside an emoji leaves decode's U+FFFD at the end: it is not the model's text, so a
+    stop string "\ufffd" does not end the answer there (finish stays length); real text flushed with it still
+    meets the stop strings."""
+    ids = tokenizer("ok 🎉", add_special_tokens=False).input_ids
+    decoder, stops = IncrementalDecoder(tokenizer, []), StopMatcher(["\ufffd"])
+    pieces = [next_text(decoder, stops, i, final=False, ended_on_eos=False) for i in ids[:-2]]
+    pieces.append(next_text(decoder, stops, ids[-2], final=True, ended_on_eos=False))
+    assert "".join(p[0] for p in pieces) == "ok \ufffd" and not any(p[2] for p in pieces)
+    assert _feed(StopMatcher(["ab"]), "x", "ab\ufffd", final=True, armed=True) == ("x", True)
+    assert _feed(StopMatcher(["\ufffd"]), "x", "ab\ufffd", final=True, armed=True) == ("xab\ufffd", False)

@@ -59,3 +59,24 @@ def test_a_special_token_the_answer_leaves_out_is_shown_by_its_own_text(smol_dir
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     out = TokenBytes(tokenizer).out(eos, "", TokenLogprob(-0.5, [eos], [-0.5]))
     assert (out.text, out.own_text, out.top[0].text, out.raw) == ("", "<|im_end|>", "<|im_end|>", b"<|im_end|>")
+
+
+def test_a_token_among_its_alternatives_is_labelled_as_it_is_and_the_likeliest_text_keeps_its_place(smol_dir):
+    """Part of a character releases "" (chat logprobs' token) and decodes alone to U+FFFD: its own entry in
+    ``top_logprobs`` says "" too, not U+FFFD; in the legacy dict, alternatives sharing one text (U+FFFD) keep the
+    likeliest's logprob, not the last written."""
+    from services.gateway.openai_api.chat_responses import logprob_entry
+    from services.gateway.openai_api.completion_responses import Logprobs
+    from shared.messages import TokenLogprob
+
+    tokenizer = AutoTokenizer.from_pretrained(smol_dir)
+    ids = tokenizer("🙂", add_special_tokens=False).input_ids
+    partial = [i for i in ids if tokenizer.decode([i]) == "\ufffd"]
+    others = [i for i in range(300, 20000) if tokenizer.decode([i]) == "\ufffd" and i not in partial][:2]
+    lp = TokenLogprob(-0.1, [ids[0], *others], [-0.1, -2.0, -3.0])
+    token = TokenBytes(tokenizer).out(ids[0], "", lp)
+    entry = logprob_entry(token)
+    assert entry["token"] == "" and entry["top_logprobs"][0]["token"] == ""
+    assert entry["top_logprobs"][0]["bytes"] == entry["bytes"]
+    legacy = Logprobs(0).of([token])
+    assert legacy["top_logprobs"][0] == {"": -0.1, "\ufffd": -2.0}

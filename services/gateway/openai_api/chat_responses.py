@@ -22,7 +22,8 @@ def logprob_entry(token: TokenOut, as_ids: bool = False) -> dict[str, Any]:
     ``bytes`` are the token's own (part of a character has bytes before it releases any text), so the
     entries' bytes add up to the content's UTF-8. ``as_ids`` (vLLM's return_tokens_as_token_ids): each token
     is ``token_id:<id>``, its bytes that string's."""
-    top = [_entry(t.id, t.text, t.logprob, _bytes(t), as_ids) for t in token.top]
+    own = token.own_text  # the token among its alternatives is labelled as it is (part of a character: "")
+    top = [_entry(t.id, own if t.id == token.id else t.text, t.logprob, _bytes(t), as_ids) for t in token.top]
     return {**_entry(token.id, token.own_text, token.logprob, _bytes(token), as_ids), "top_logprobs": top}
 
 

@@ -30,8 +30,10 @@ class Logprobs:
             body["tokens"].append(shown)
             top = None  # the prompt's first token has no logprob, nor alternatives (as OpenAI and vLLM)
             if token.logprob is not None:
-                top = {(token_id_text(t.id) if self.as_ids else t.text): t.logprob for t in token.top}
-                top.setdefault(shown, token.logprob)  # the token itself is always listed, as in vLLM
+                top = {shown: token.logprob}  # the token itself is always listed, as in vLLM
+                for t in token.top:  # most likely first: alternatives with one text (parts of characters) keep
+                    if t.id != token.id:  # the likeliest's logprob
+                        top.setdefault(token_id_text(t.id) if self.as_ids else t.text, t.logprob)
             body["top_logprobs"].append(top)
             self.offset += len(text)
         return body
