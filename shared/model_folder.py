@@ -54,17 +54,36 @@ def check(folder: Path, quantization: str = "none") -> None:
     if not any((folder / name).exists() for name in TOKENIZER_FILES):
         raise ModelFolderError(f"{folder}: holds no tokenizer (one of {', '.join(TOKENIZER_FILES)})")
     if not list(folder.glob("*.safetensors")) and not list(folder.glob("*.bin")):
-        raise ModelFolderError(f"{folder}: holds no weights (*.safetensors or *.bin files)")
+        raise ModelFolderError(f"{folder}: holds no weights (*.safetensors or *.bin files)" + (
+            "; with Switchboard.quantization \"gguf\" the layers come from the *.gguf file, the rest of the model "
+            "(embeddings, norms) from these float weights" if gguf else ""))
     for weights in sorted(folder.glob("*.safetensors")):
         check_safetensors(weights)
-    method = checkpoint_quantization(config, folder / "config.json")
+    check_shards(folder)
+    settings, where = quantization_config(folder, config)
+    method = checkpoint_quantization(settings, where)
     if method and quantization != "none":
-        raise ModelFolderError(f"{folder / 'config.json'}: the folder's weights are already {method.upper()} "
+        raise ModelFolderError(f"{where}: the folder's weights are already {method.upper()} "
                                f"(quantization_config); Switchboard.quantization {quantization!r} would quantize "
                                "float weights: leave it \"none\"")
     if gguf and len(list(folder.glob("*.gguf"))) != 1:
         raise ModelFolderError(f"{folder}: Switchboard.quantization \"gguf\" needs exactly one *.gguf file here, "
                                f"found {len(list(folder.glob('*.gguf')))}")
+
+
+def check_shards(folder: Path) -> None:
+    """Every file ``model.safetensors.index.json``'s weight_map names is in the folder (a download that stopped
+    between shards)."""
+    index = folder / "model.safetensors.index.json"
+    if not index.exists():
+        return
+    weight_map = read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ModelFolderError(f"{index}: its weight_map must be an object of tensor names to file names")
+    absent = sorted({name for name in weight_map.values() if not (folder / name).is_file()})
+    if absent:
+        raise ModelFolderError(f"{index}: names {absent[0]}" + (f" and {len(absent) - 1} more" if len(absent) > 1 else "")
+                               + ", which the folder does not hold (an interrupted download?)")
 
 
 def check_safetensors(path: Path) -> None:
@@ -94,11 +113,28 @@ def check_safetensors(path: Path) -> None:
 CHECKPOINT_METHODS = ("awq", "gptq")  # 4-bit checkpoints the engine converts at load (services/engine/prequantized.py)
 
 
-def checkpoint_quantization(config: dict[str, Any], where: Path | str = "config.json") -> str | None:
-    """The quantization a folder's weights are stored in (config.json's ``quantization_config``): "awq" or
+# the files older AutoGPTQ and AutoAWQ checkpoints keep their settings in, beside a config.json without them (as
+# TheBloke's uploads on the Hub; vLLM reads them too), with the method each writes
+QUANTIZE_FILES = {"quantize_config.json": "gptq", "quant_config.json": "awq"}
+
+
+def quantization_config(folder: Path, config: dict[str, Any]) -> tuple[Any, Path]:
+    """The folder's quantization settings and the file they are in: config.json's ``quantization_config``, else
+    the ``QUANTIZE_FILES`` one beside it (its ``quant_method`` that file's tool's when it names none); None for
+    float weights."""
+    if config.get("quantization_config") is not None:
+        return config["quantization_config"], folder / "config.json"
+    for name, method in QUANTIZE_FILES.items():
+        if (folder / name).exists():
+            settings = read_json(folder / name)
+            return {"quant_method": method, **settings}, folder / name
+    return None, folder / "config.json"
+
+
+def checkpoint_quantization(qc: Any, where: Path | str = "config.json") -> str | None:
+    """The quantization a folder's weights are stored in (``quantization_config``'s settings): "awq" or
     "gptq" (4 bits, groups of a multiple of 32 input columns), None for float weights; ModelFolderError naming
     the key for any other."""
-    qc = config.get("quantization_config")
     if qc is None:
         return None
     if not isinstance(qc, dict):
@@ -119,7 +155,7 @@ def checkpoint_quantization(config: dict[str, Any], where: Path | str = "config.
         version = str(qc.get("version", "gemm")).lower()
         if version != "gemm":
             raise ModelFolderError(f"{where}: quantization_config.version {version!r}: Switchboard reads AWQ's GEMM "
-                                   "packing (the usual one), not GEMV's")
+                                   f"packing (the usual one), not {version}'s")
         if qc.get("zero_point", True) is not True:
             raise ModelFolderError(f"{where}: quantization_config.zero_point false: Switchboard reads AWQ "
                                    "checkpoints with zero points")

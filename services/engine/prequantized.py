@@ -13,7 +13,8 @@ per group of ``group_size`` input columns: ``w[n, k] = (q[k, n] - z[g(k), n]) * 
 Both become the engine's ``Q4Linear`` as they are (no float copy of the layer is ever made): the codes, each
 block of 32 input columns taking its group's scale ``d = s`` and offset ``m = -z s`` (rounded to float16, at
 most 1/256 of a step off). A GPTQ checkpoint made with ``desc_act`` whose groups do not fall on blocks of 32
-is dequantized one layer at a time and stored as int8 instead. Everything else of the model (embeddings,
+is dequantized one layer at a time and stored as int8 instead, as is a projection the checkpoint keeps float
+(AutoAWQ's ``modules_to_not_convert``). Everything else of the model (embeddings,
 norms, biases, the lm_head) is float in these folders and loaded as such.
 """
 
@@ -26,6 +27,7 @@ import torch
 from torch import nn
 
 from services.engine.quant import BLOCK, Q4Linear, Q8Linear, QuantLinear, merge, pack4
+from shared.model_folder import ModelFolderError
 
 log = logging.getLogger("switchboard.engine")
 
@@ -35,8 +37,9 @@ PARTS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_pro
          "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
 
 
-class CheckpointError(ValueError):
-    """A tensor of the checkpoint is missing or does not match the model; the message names it."""
+class CheckpointError(ModelFolderError):
+    """A tensor of the checkpoint is missing or does not match the model; the message names it (a start-up
+    error: one line, exit 2)."""
 
 
 class Tensors:
@@ -81,6 +84,9 @@ class PrequantizedLinears:
 
     def part(self, prefix: str, shape: tuple[int, int]) -> QuantLinear:
         n, k = shape
+        if f"{prefix}.qweight" not in self.tensors.files and f"{prefix}.weight" in self.tensors.files:
+            # a projection the checkpoint keeps float (AutoAWQ's modules_to_not_convert): int8, one scale a row
+            return Q8Linear.from_float(self._get(prefix, "weight", (n, k)).float().contiguous(), kernels=self.kernels)
         group = k if self.group == -1 else self.group
         if k % BLOCK or k % group:
             raise CheckpointError(f"{prefix}: {k} input columns are not whole groups of {group} and blocks of {BLOCK}")

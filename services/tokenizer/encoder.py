@@ -82,6 +82,20 @@ def template_turn(req: GenerateRequest | Tokenize) -> dict[str, bool]:
     return {"add_generation_prompt": req.add_generation_prompt}
 
 
+def load_tokenizer(path: str):
+    """The folder's tokenizer, its chat template compiled; files that parse but do not make a tokenizer (a
+    tokenizer.json of ``{}``) are a ModelFolderError naming them, not a traceback."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as exc:  # noqa: BLE001 - whatever the tokenizers library raises of a malformed file
+        raise ModelFolderError(f"{path}: transformers cannot make its tokenizer of tokenizer.json, tokenizer_config.json "
+                               f"and the vocabulary files: {type(exc).__name__}: {exc}") from None
+    check_chat_template(tokenizer, path)
+    return tokenizer
+
+
 def check_chat_template(tokenizer, folder: str) -> None:
     """The model's chat template compiles (a start-up error naming it, not a 400 on every chat request)."""
     from transformers.utils.chat_template_utils import _compile_jinja_template

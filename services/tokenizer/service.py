@@ -24,7 +24,7 @@ from nats.aio.msg import Msg as NatsMsg
 
 from services.tokenizer.detokenizer import IncrementalDecoder, StopMatcher, next_text, token_texts
 from services.tokenizer import counting
-from services.tokenizer.encoder import check_chat_template, check_media_prompt, check_request_ids, encode_prompt, too_large
+from services.tokenizer.encoder import check_media_prompt, load_tokenizer, check_request_ids, encode_prompt, too_large
 from services.tokenizer.media.multimodal import MediaProcessor
 from services.tokenizer.cache_sync import CacheFollower
 from services.tokenizer.routing import Choice, EngineRouter
@@ -43,14 +43,6 @@ from shared.messages import (
 from shared.tombstones import Tombstones
 
 log = logging.getLogger("switchboard.tokenizer")
-
-
-def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    check_chat_template(tokenizer, path)
-    return tokenizer
 
 
 @dataclass

@@ -85,3 +85,41 @@ def test_prepare_model_exits_2_naming_the_bad_file(folder, tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "tokenizer_config.json: must hold a JSON object, not list" in done.stderr
+
+
+def test_a_shard_the_index_names_must_be_there(folder):
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "model.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    with pytest.raises(ModelFolderError, match="names model-00002-of-00002.safetensors, which the folder does not hold"):
+        check(folder)
+
+
+def test_the_weights_and_config_json_must_be_of_one_model(tiny_model_dir, tmp_path):
+    """transformers fills a tensor the weights lack with random numbers in silence (a model that answers noise),
+    and refuses another shape with the names in its log only: each is a start-up error naming the tensor."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from services.engine.model_loading import load_model
+
+    for change, named in ((lambda s, c: s.pop("model.layers.1.mlp.down_proj.weight"), "no tensor model.layers.1.mlp"),
+                          (lambda s, c: c.update(num_hidden_layers=3), "no tensor model.layers.2.input_layernorm"),
+                          (lambda s, c: c.update(intermediate_size=256), "hold model.layers.0.mlp.down_proj.weight as"),
+                          (lambda s, c: c.pop("architectures"), "names no architectures.*LlamaForCausalLM")):
+        folder = tmp_path / named.split()[-1].replace("*", "")
+        shutil.copytree(tiny_model_dir, folder)
+        state, config = load_file(str(folder / "model.safetensors")), json.loads((folder / "config.json").read_text())
+        change(state, config)
+        save_file(state, str(folder / "model.safetensors"))
+        (folder / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ModelFolderError, match=named):
+            load_model(str(folder), torch.device("cpu"), torch.float32)
+
+
+def test_a_tokenizer_file_that_parses_but_is_no_tokenizer_is_named(tiny_model_dir, tmp_path):
+    from services.tokenizer.encoder import load_tokenizer
+
+    shutil.copytree(tiny_model_dir, tmp_path / "model")
+    (tmp_path / "model" / "tokenizer.json").write_text("{}")
+    with pytest.raises(ModelFolderError, match="cannot make its tokenizer"):
+        load_tokenizer(str(tmp_path / "model"))

@@ -175,3 +175,46 @@ def test_the_start_check_refuses_quantizing_a_quantized_folder(tiny_model_dir, t
     check(tmp_path / "model")
     with pytest.raises(ModelFolderError, match="already GPTQ"):
         check(tmp_path / "model", "int4")
+
+
+def test_an_older_checkpoints_quantize_config_json_is_read(tiny_model_dir, tmp_path):
+    """AutoGPTQ's older folders (TheBloke's) keep the settings in quantize_config.json, config.json saying nothing:
+    read as config.json's would be (they were served as a float model of random projections)."""
+    expected = write_checkpoint(tiny_model_dir, tmp_path / "model", "gptq")
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    settings = config.pop("quantization_config")
+    (tmp_path / "model" / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model" / "quantize_config.json").write_text(json.dumps({k: v for k, v in settings.items()
+                                                                         if k != "quant_method"}))
+    check(tmp_path / "model")
+    loaded = runner(tmp_path / "model")
+    assert loaded.quantization == "gptq"
+    want = expected[0, "o"]
+    assert torch.allclose(loaded.linears[0].o.dequantized(), want, atol=float(want.abs().max() / 7) / 256, rtol=0)
+
+
+def test_a_projection_the_checkpoint_keeps_float_is_int8_of_its_weight(tiny_model_dir, tmp_path):
+    """AutoAWQ's modules_to_not_convert: a projection stored as a float ``.weight`` among packed ones is served
+    (int8 of its weight), not a traceback for a missing qweight."""
+    folder = tmp_path / "model"
+    write_checkpoint(tiny_model_dir, folder, "awq")
+    state = load_file(str(folder / "model.safetensors"))
+    prefix = "model.layers.0.mlp.down_proj"
+    weight = load_file(str(tiny_model_dir / "model.safetensors"))[f"{prefix}.weight"]
+    for name in ("qweight", "qzeros", "scales"):
+        del state[f"{prefix}.{name}"]
+    save_file({**state, f"{prefix}.weight": weight}, str(folder / "model.safetensors"))
+    loaded = runner(folder)
+    assert isinstance(loaded.linears[0].down, Q8Linear) and isinstance(loaded.linears[1].down, Q4Linear)
+    assert torch.allclose(loaded.linears[0].down.dequantized(), weight.float(), atol=float(weight.abs().max()) / 127)
+
+
+def test_a_tensor_the_checkpoint_lacks_is_named_at_start(tiny_model_dir, tmp_path):
+    """A start-up error (ModelFolderError: one line, exit 2), not a traceback."""
+    folder = tmp_path / "model"
+    write_checkpoint(tiny_model_dir, folder, "awq")
+    state = load_file(str(folder / "model.safetensors"))
+    del state["model.layers.1.self_attn.k_proj.qzeros"]
+    save_file(state, str(folder / "model.safetensors"))
+    with pytest.raises(ModelFolderError, match="model.layers.1.self_attn.k_proj.qzeros"):
+        runner(folder)
