@@ -177,3 +177,33 @@ def test_a_browser_on_an_allowed_origin_may_call_and_others_may_not(stack, tiny_
     assert "access-control-allow-origin" not in other.headers
     plain = httpx.get(tiny_stack.url + "/v1/models", headers={"Origin": ORIGIN}, timeout=10)
     assert plain.status_code == 200 and "access-control-allow-origin" not in plain.headers
+
+
+def refusals(stack) -> dict[tuple[str, str], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(stack.metrics_url + "/metrics", timeout=10).text
+    return {(s.labels["api"], s.labels["status"]): s.value for family in text_string_to_metric_families(text)
+            for s in family.samples if s.name == "request_refused_total"}
+
+
+def test_bodies_cut_short_are_counted_as_the_client_saw_them_not_as_server_errors(stack):
+    """A body the deadline ends is a refusal with its 408 (Litestar called the disconnect a 500); a client that
+    leaves mid-upload is neither a refusal nor a failure (499), on every family."""
+    before = refusals(stack)
+    chat = json.dumps({"model": stack.model, "messages": [{"role": "user", "content": "hi"}]}).encode()
+    for path in ("/v1/chat/completions", "/v1/messages", "/generate"):
+        head = (b"POST %s HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                % (path.encode(), len(chat)))
+        timed_out = connect(stack.url, head + chat[:10])
+        left = connect(stack.url, head + chat[:10])
+        left.close()
+        try:
+            assert read_until_closed(timed_out, time.monotonic() + TIMEOUT_S + SLACK_S).startswith(b"HTTP/1.1 408 ")
+        finally:
+            timed_out.close()
+    deadline, want = time.monotonic() + 10, {("openai-chat", "408"): 1, ("anthropic", "408"): 1, ("tgi", "408"): 1}
+    while {key: refusals(stack).get(key, 0) - before.get(key, 0) for key in want} != want:
+        assert time.monotonic() < deadline, refusals(stack)
+        time.sleep(0.2)
+    assert not any(status.startswith("5") for _, status in refusals(stack)), refusals(stack)

@@ -10,6 +10,7 @@ from typing import Any
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
 
+from services.gateway.request.disconnect import gone_mid_body
 from shared.errors import ErrorKind, SwitchboardError
 
 log = logging.getLogger("switchboard.gateway")
@@ -46,6 +47,8 @@ def on_switchboard_error(_: Request, exc: SwitchboardError) -> Response:
 
 def on_http_error(request: Request, exc: HTTPException) -> Response:
     """Litestar's own errors here: body too large, wrong method."""
+    if (left := gone_mid_body(exc)) is not None:
+        return left
     status, message = exc.status_code, str(exc.detail)
     if status == 413:
         limit = request.app.state.gateway.cfg.server.max_request_length

@@ -8,6 +8,7 @@ from typing import Any
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
 
+from services.gateway.request.disconnect import gone_mid_body
 from shared.errors import STATUS, ErrorKind, SwitchboardError
 
 log = logging.getLogger("switchboard.gateway")
@@ -65,6 +66,8 @@ def on_switchboard_error(_: Request, exc: SwitchboardError) -> Response:
 
 def on_http_error(request: Request, exc: HTTPException) -> Response:
     """Litestar's own errors on OpenAI routes: body too large, wrong method, bad path parameter."""
+    if (left := gone_mid_body(exc)) is not None:
+        return left
     status = exc.status_code
     message = str(exc.detail)
     code = None

@@ -9,7 +9,7 @@ from litestar.exceptions import HTTPException
 
 from services.gateway.anthropic import errors as anthropic_errors
 from services.gateway.openai_api import errors as openai_errors
-from services.gateway.request.disconnect import ClientDisconnected
+from services.gateway.request.disconnect import ClientDisconnected, gone, gone_mid_body
 from shared.errors import MINDIE_TYPE, STATUS, TGI_TYPE, ErrorKind, SwitchboardError
 
 log = logging.getLogger("switchboard.gateway")
@@ -60,6 +60,8 @@ def shaped_body(path: str, status: int, message: str, mindie_type: str) -> dict:
 def on_http_error(request: Request, exc: HTTPException) -> Response:
     """Litestar's own errors outside a family's router (no route for the path, or for the method): OpenAI's shape
     under /v1/ (Anthropic's under /v1/messages), as the client of that prefix reads it; else MindIE's."""
+    if (left := gone_mid_body(exc)) is not None:
+        return left
     path = request.url.path
     if family_of(path) == "anthropic":
         return anthropic_errors.on_http_error(request, exc)
@@ -77,7 +79,7 @@ def on_http_error(request: Request, exc: HTTPException) -> Response:
 
 def on_client_gone(_: Request, exc: ClientDisconnected) -> Response:
     """The client left before its request started: nobody reads this answer, nothing went wrong."""
-    return Response(b"", status_code=499)
+    return gone()
 
 
 def on_unexpected(_: Request, exc: Exception) -> Response:

@@ -15,6 +15,7 @@ from typing import Callable
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.gateway.request.marks import MARK, Mark
+from services.gateway.web.slowloris import ANSWERED
 from shared.metrics_messages import MetricsEvent, Refused
 
 
@@ -47,7 +48,7 @@ def refusal_middleware(model: Callable[[], str], emit: Callable[[MetricsEvent], 
             try:
                 await app(scope, receive, capture)
             finally:
-                refused = status[0] if status[0] >= 400 else mark.late_status
+                refused = scope.get(ANSWERED) or (status[0] if status[0] >= 400 else mark.late_status)
                 if refused >= 400 and refused != 499 and not mark.received:  # (499: the client left first)
                     emit(Refused(model=model(), api=mark.api or api_of(scope["path"]), status=refused))
         return middleware

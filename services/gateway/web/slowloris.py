@@ -31,6 +31,7 @@ from shared.config import Config
 
 log = logging.getLogger("switchboard.gateway")
 HEAD, BODY = "head", "body"
+ANSWERED = "switchboard.answered"  # a scope's key: the status this protocol answered the request with itself
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,8 @@ class SlowClientProtocol(H11Protocol):
             path = self.cycle.scope.get("path", "") if phase == BODY and self.cycle is not None else ""
             self.transport.write(_plain_response(408, "Request Timeout",
                                                  shaped_body(path, 408, message, "Request Timeout")))
+            if phase == BODY and self.cycle is not None:
+                self.cycle.scope[ANSWERED] = 408  # what the client got, for the refusal count (web/refusals.py)
         if self.cycle is not None and not self.cycle.response_complete:
             self.cycle.disconnected = True
             self.cycle.message_event.set()
