@@ -103,6 +103,7 @@ class GenerateRequest(Msg):
     adapter: str = ""  # the LoRA adapter it runs with; "" = the base model
     cache_salt: str = ""  # vLLM's: its prefix-cache blocks are shared only with requests of the same salt
     add_special_tokens: bool = True  # a text prompt: the tokenizer's special tokens (BOS) added
+    probe: bool = False  # /health/timed's one-token probe: not a client's request (no queue time is counted)
     parts: list[ContentPart] = []  # list-form input with media, in order (``prompt`` is then empty); for chat
     # input only the media, in order of appearance: their places are the {"type": <kind>} items of ``messages``
 
@@ -142,6 +143,7 @@ class EngineRequest(Msg):
     handoff: bool = False  # PD split: compute the prompt and the first token, then hand over to a decode engine
     pull_from: str = ""  # fleet prefix cache: the engine holding a longer cached prefix, to pull it from first
     cache_salt: str = ""  # the client's: its prefix-cache keys are salted by it (shared.prefix_hash.client_salt)
+    probe: bool = False  # a health probe (GenerateRequest.probe): its queue time is not a client's
 
 
 class Cancel(Msg):

@@ -304,7 +304,8 @@ class Engine:
             error = ErrorInfo(ErrorKind.NOT_FOUND, f"LoRA adapter '{req.adapter}' is not loaded")
             return [TokenEvent(req.id, [], FinishReason.ERROR, error)]
         seq = Sequence(req.id, req.prompt_ids, req.sampling, priority=req.priority, deadline=req.deadline,
-                       deadline_reason=req.deadline_reason, last_event_at=time.time(), arrival=req.arrival, lora=slot)
+                       deadline_reason=req.deadline_reason, last_event_at=time.time(),
+                       arrival=0.0 if req.probe else req.arrival, lora=slot)  # (a probe's queue time is not counted)
         seq.media, seq.more_salt = req.media, salt(req)
         if req.sampling.grammar is not None:
             try:

@@ -267,7 +267,7 @@ class TokenizerService:
             deadline_reason="client timeout" if limit < e2e else "server e2eTimeout",
             sampling=msgspec.structs.replace(sampling, seed=seed, max_new_tokens=max_new),
             generated_ids=req.resume_ids, tokenizer=self.instance, adapter=req.adapter, media=media,
-            cache_salt=req.cache_salt)
+            cache_salt=req.cache_salt, probe=req.probe)
 
     # ---- token events -----------------------------------------------------------------------
 

@@ -185,7 +185,7 @@ def test_the_client_raises_its_typed_errors(tiny_stack):
 def test_litestar_errors_come_in_openai_shape(tiny_stack):
     r = httpx.get(tiny_stack.url + "/v1/chat/completions")
     error = assert_openai_error(r, 405)
-    assert error["code"] == "method_not_allowed" and r.headers["allow"] == "POST"
+    assert error["code"] == "method_not_allowed" and r.headers["allow"] == "OPTIONS, POST"
     assert_openai_error(httpx.delete(tiny_stack.url + "/v1/models"), 405)
     assert_openai_error(httpx.get(tiny_stack.url + "/v1/models/nope"), 404, "model")
     big = post(tiny_stack, "/v1/completions", completion_body(tiny_stack, {"prompt": "x" * (1024 * 1024 + 10)}))

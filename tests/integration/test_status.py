@@ -75,6 +75,27 @@ def test_timed_health_runs_a_real_inference(tiny_stack, path):
     assert r.status_code == 200 and r.json() == {"status": "healthy"}
 
 
+def test_a_probes_queue_time_is_not_counted_as_a_clients(tiny_stack):
+    """request_queue_time_seconds, like the other latency histograms, describes clients' requests: the probe
+    (highest priority, it never waits) left it looking quieter than it was."""
+    def queued() -> float:
+        text = httpx.get(tiny_stack.metrics_url + "/metrics", timeout=10).text
+        return next((float(line.split()[-1]) for line in text.splitlines()
+                     if line.startswith("request_queue_time_seconds_count")), 0.0)
+
+    before = queued()
+    for _ in range(2):
+        assert get(tiny_stack, "/health/timed").status_code == 200
+    r = httpx.post(tiny_stack.url + "/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 1}}, timeout=60)
+    assert r.status_code == 200, r.text
+    deadline = time.monotonic() + 10
+    while queued() < before + 1:
+        assert time.monotonic() < deadline, queued()
+        time.sleep(0.1)
+    time.sleep(0.5)
+    assert queued() == before + 1
+
+
 @pytest.mark.parametrize("path, message", [
     ("/health/timed-0", "Wait time should be in range of [1, 600]"),
     ("/health/timed-601", "Wait time should be in range of [1, 600]"),

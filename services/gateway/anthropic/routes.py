@@ -45,7 +45,7 @@ async def count_tokens(request: Request) -> Response:
 
 @route(["/v1/messages", "/v1/messages/count_tokens"], http_method=["GET", "PUT", "PATCH", "DELETE"])
 async def wrong_method(request: Request) -> None:
-    raise MethodNotAllowedException(headers={"Allow": "POST"})
+    raise MethodNotAllowedException(headers={"Allow": "OPTIONS, POST"})  # as OPTIONS answers
 
 
 ROUTES = [Router("/", route_handlers=[messages, count_tokens, wrong_method],

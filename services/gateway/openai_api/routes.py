@@ -3,9 +3,10 @@ answer Anthropic's SDK (an ``anthropic-version`` header) in Anthropic's shape: i
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from litestar import Request, Response, Router, get, post, route
 from litestar.exceptions import MethodNotAllowedException
@@ -23,15 +24,17 @@ from services.gateway.openai_api.errors import (
 )
 from services.gateway.openai_api.params import Common
 from services.gateway.openai_api.runner import build_call
-from services.gateway.openai_api.schemas import parse_chat, parse_completion
+from services.gateway.openai_api.schemas import ChatRequest, CompletionRequest, parse_chat, parse_completion
 from services.gateway.openai_api.sse import DONE, error_event
 from services.gateway.request import lifecycle
 from services.gateway.request.call import Call
+from services.gateway.web.request_ids import client_request_id
 from shared.errors import ErrorKind, SwitchboardError
 
 if TYPE_CHECKING:
     from services.gateway.core import Gateway
 
+R = TypeVar("R", ChatRequest, CompletionRequest)
 STARTED_AT = int(time.time())  # the gateway imports this module once, as it starts
 OWNER = "MindIE Server"
 
@@ -89,7 +92,7 @@ async def get_model(request: Request, model: FromPath[str]) -> Response:
 @post("/v1/chat/completions", status_code=200)
 async def chat_completions(request: Request) -> Response:
     gateway = request.app.state.gateway
-    req = parse_chat(await request.body(), gateway.cfg, gateway.served())
+    req = named_by_client(parse_chat(await request.body(), gateway.cfg, gateway.served()), request)
     admit(req.listed, gateway.media_policy, content_error, gateway.modalities())
     prompt = {"messages": req.messages, "chat_template_kwargs": req.chat_template_kwargs,
               "truncate": req.common.truncate, "parts": chat_media(req.listed), "cache_salt": req.common.cache_salt,
@@ -104,7 +107,7 @@ async def chat_completions(request: Request) -> Response:
 @post("/v1/completions", status_code=200)
 async def completions(request: Request) -> Response:
     gateway = request.app.state.gateway
-    req = parse_completion(await request.body(), gateway.cfg, gateway.served())
+    req = named_by_client(parse_completion(await request.body(), gateway.cfg, gateway.served()), request)
     prompts = [{"prompt": p.text, "prompt_ids": p.ids, "return_prompt_ids": req.echo and p.ids is not None,
                 "truncate": req.common.truncate, "cache_salt": req.common.cache_salt,
                 "add_special_tokens": req.add_special_tokens} for p in req.prompts]
@@ -112,6 +115,15 @@ async def completions(request: Request) -> Response:
                       "openai-completions")
     return await respond(request, req.common, call, "prompt",
                          lambda: completion_body(req, call), lambda: completion_chunks(req, call))
+
+
+def named_by_client(req: R, request: Request) -> R:
+    """A body without vLLM's ``request_id`` is named by the client's X-Request-Id (``chatcmpl-<id>``, as vLLM
+    names it)."""
+    client = client_request_id(request)
+    if not client or req.common.request_id:
+        return req
+    return dataclasses.replace(req, common=dataclasses.replace(req.common, request_id=client))
 
 
 async def respond(request: Request, common: Common, call: Call, input_field: str,
@@ -130,12 +142,12 @@ async def respond(request: Request, common: Common, call: Call, input_field: str
 
 @route(["/v1/models", "/v1/models/{model:path}"], http_method=["POST", "PUT", "PATCH", "DELETE"])
 async def models_wrong_method(request: Request) -> None:
-    raise MethodNotAllowedException(headers={"Allow": "GET"})
+    raise MethodNotAllowedException(headers={"Allow": "GET, HEAD, OPTIONS"})  # as OPTIONS answers (HEAD: as GET)
 
 
 @route(["/v1/chat/completions", "/v1/completions"], http_method=["GET", "PUT", "PATCH", "DELETE"])
 async def generation_wrong_method(request: Request) -> None:
-    raise MethodNotAllowedException(headers={"Allow": "POST"})
+    raise MethodNotAllowedException(headers={"Allow": "OPTIONS, POST"})  # as OPTIONS answers
 
 
 ROUTES = [Router("/", route_handlers=[list_models, get_model, chat_completions, completions,

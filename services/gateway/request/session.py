@@ -89,7 +89,8 @@ class Session:
         self.span = telemetry.start_span("gateway.request", None, **{"switchboard.request_id": self.id})
         self.request = GenerateRequest(
             id=self.id, trace=telemetry.inject(self.span), model=ctx.model, reply_to=self.reply_to,
-            prompt=prompt, sampling=sampling, arrival=self.arrival, gateway=ctx.instance, **fields,
+            prompt=prompt, sampling=sampling, arrival=self.arrival, gateway=ctx.instance, probe=api == PROBE_API,
+            **fields,
         )
         self.span.set_attribute("switchboard.adapter", self.request.adapter)  # "" = the base model
         self.span.set_attribute("switchboard.api", api)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
 from dataclasses import dataclass
 
 from litestar import Litestar
@@ -23,6 +22,7 @@ from services.gateway.triton import routes as triton
 from services.gateway.web import generate
 from services.gateway.web.errors import EXCEPTION_HANDLERS
 from services.gateway.web.refusals import refusal_middleware
+from services.gateway.web.request_ids import request_ids_middleware
 from services.gateway.web.tracing import tracing_middleware
 
 BUSINESS_ROUTES = [*tgi.ROUTES, *generate.ROUTES, *openai_api.ROUTES, *openai_tokenize.ROUTES, *responses_api.ROUTES,
@@ -50,7 +50,7 @@ def create_app(gateway: Gateway, route_handlers: list, business: bool = True) ->
         exception_handlers=EXCEPTION_HANDLERS,
         request_max_body_size=gateway.cfg.server.max_request_length * 1024 * 1024,
         cors_config=cors(gateway.cfg.switchboard.cors_allow_origins),
-        middleware=[request_uuid_middleware, *counting],
+        middleware=counting,
         openapi_config=None,
         logging_config=None,
     )
@@ -73,34 +73,14 @@ def listeners(gateway: Gateway) -> list[Listener]:
     by_address: dict[tuple[str, int], list[str]] = {}
     for name, (address, _) in planes.items():
         by_address.setdefault(address, []).append(name)
-    return [Listener(host, port, head_middleware(create_app(gateway, [r for name in names for r in planes[name][1]],
-                                                            "business" in names)), tuple(names))
+    return [Listener(host, port, around(create_app(gateway, [r for name in names for r in planes[name][1]],
+                                                  "business" in names)), tuple(names))
             for (host, port), names in by_address.items()]
 
 
-RETRY_AFTER = (b"retry-after", b"1")
-
-
-def request_uuid_middleware(app: ASGIApp) -> ASGIApp:
-    """Every response carries a ``RequestUUID`` header (reference §2.2); 429 and 503 a ``Retry-After``."""
-
-    async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await app(scope, receive, send)
-            return
-        header = (b"requestuuid", uuid.uuid4().hex.encode())
-
-        async def send_with_uuid(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                headers = [*message.get("headers", []), header]
-                if message["status"] in (429, 503) and not any(k.lower() == b"retry-after" for k, _ in headers):
-                    headers.append(RETRY_AFTER)
-                message = {**message, "headers": headers}
-            await send(message)
-
-        await app(scope, receive, send_with_uuid)
-
-    return middleware
+def around(app: ASGIApp) -> ASGIApp:
+    """What runs around the Litestar app, for every request a listener takes (a route matched or not)."""
+    return head_middleware(request_ids_middleware(app))
 
 
 NOT_HEAD = frozenset({"/stopService"})  # a GET that acts: HEAD, which must not, stays 405 there

@@ -81,6 +81,7 @@ class SlowClientProtocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._remember_protocol_errors()
         if len(self.admitted) < self.limits.max_connections:
             self.admitted.add(self)
         else:
@@ -91,6 +92,34 @@ class SlowClientProtocol(H11Protocol):
         self.admitted.discard(self)
         self._disarm()
         super().connection_lost(exc)
+
+    def _remember_protocol_errors(self) -> None:
+        """h11's error for a head it cannot take (its size, its syntax), which uvicorn drops before answering."""
+        self.protocol_error: h11.RemoteProtocolError | None = None
+        next_event = self.conn.next_event
+
+        def remembering():
+            try:
+                return next_event()
+            except h11.RemoteProtocolError as exc:
+                self.protocol_error = exc
+                raise
+
+        self.conn.next_event = remembering
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's plain-text 400 for a request h11 cannot parse, as JSON and with h11's status (431 for a head
+        over its size limit); then the connection closes."""
+        exc = self.protocol_error
+        status = getattr(exc, "error_status_hint", 400) if exc is not None else 400
+        reason = {431: "Request Header Fields Too Large"}.get(status, "Bad Request")
+        detail = f"{msg[:-1]}: {exc}" if exc is not None and str(exc) else msg
+        self.transport.write(_plain_response(status, reason, {"error": detail, "error_type": reason}))
+        self.transport.close()
+
+    def _unsupported_upgrade_warning(self) -> None:
+        """An ``Upgrade`` (h2c, websocket) is answered as plain HTTP/1.1, as RFC 9110 lets a server; uvicorn
+        logged two warnings for each such request, which any client could fill the log with."""
 
     def handle_events(self) -> None:
         super().handle_events()

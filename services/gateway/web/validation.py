@@ -63,13 +63,17 @@ def parse_json_object(body: bytes, message: str) -> dict[str, Any]:
         raise validation(f"{message} ({exc})") from None
 
 
+UTF8_BOM = b"\xef\xbb\xbf"
+
+
 def read_json_object(body: bytes) -> dict[str, Any]:
     """The JSON object in ``body``, or :class:`BodyError`: the one JSON reader of every route.
 
-    Refused before decoding: an empty body, bytes that are not UTF-8, nesting deeper than
+    A UTF-8 byte order mark before it is skipped. Refused before decoding: an empty body, bytes that are not UTF-8, nesting deeper than
     MAX_JSON_DEPTH (counted without recursion, so the decoder never recurses that deep). Refused
     after: NaN/Infinity, numbers a 64-bit float or integer cannot hold, a top level that is not an object.
     """
+    body = body.removeprefix(UTF8_BOM)  # as json.loads of bytes reads it (FastAPI, under vLLM, takes it)
     if not body.strip():
         raise BodyError("the request body is empty")
     _check_utf8(body)
