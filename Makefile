@@ -18,8 +18,8 @@ model: $(VENV)/.installed
 	$(VENV)/bin/switchboard prepare-model --config $(CONFIG)
 
 # Development CA, server/client certificates, a revoked client + CRL under security/ (config/config.https.json).
-certs:
-	@python3 -m switchboard.certs --out security
+certs: $(VENV)/.installed
+	@$(PY) -m switchboard.certs --out security
 
 install: $(VENV)/.installed
 install-test: $(VENV)/.test-installed

@@ -40,7 +40,9 @@ async def serve(cfg: Config, nats_url: str, stop: asyncio.Event, ready=lambda: N
     finally:
         for server in servers:
             server.should_exit = True
+        cutter = asyncio.create_task(_cut_at_grace(gateway, grace_s))
         await asyncio.gather(*tasks, return_exceptions=True)
+        cutter.cancel()
         stopper.cancel()
         announcer.cancel()
         await bus.close(nc)
@@ -51,6 +53,19 @@ async def _announce_when_started(gateway: Gateway, servers: list[uvicorn.Server]
     while not all(s.started for s in servers) or not gateway.live_engines() or not gateway.failover.tokenizer_live():
         await asyncio.sleep(0.02)
     ready()
+
+
+CUT_MARGIN_S = 0.5  # before uvicorn cancels the handlers still running at the grace's end
+
+
+async def _cut_at_grace(gateway: Gateway, grace_s: float) -> None:
+    """Just before the shutdown grace ends, the requests still running end with their family's 503 (uvicorn's
+    cancellation would answer a plain-text 500, or cut a stream without its error event)."""
+    await asyncio.sleep(max(0.0, grace_s - CUT_MARGIN_S))
+    why = (f"the server is shutting down: the request was still running at the end of "
+           f"Switchboard.shutdownGraceSeconds ({grace_s:g} s)")
+    for session in gateway.inflight:
+        session.cut(why)
 
 
 def _server(listener, ssl_context: ssl.SSLContext | None, limits: ClientLimits, grace_s: float) -> uvicorn.Server:

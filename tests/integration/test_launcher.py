@@ -191,3 +191,39 @@ def test_settings_a_service_cannot_run_with_stop_the_start_in_one_line(tmp_path,
     assert ("BackendConfig.ModelDeployConfig.maxSeqLen: 40000 tokens do not fit the K/V cache, which holds 32768 "
             "tokens (2048 blocks of 16); raise Switchboard.kvCacheMemoryMb or lower maxSeqLen") in result.stderr, \
         result.stderr[-2000:]
+
+
+def test_requests_still_running_when_the_grace_ends_get_their_familys_503(tmp_path, tiny_model_dir):
+    """SIGTERM with Switchboard.shutdownGraceSeconds 2 and answers far longer than that: the whole answer gets a
+    503 in TGI's shape, the stream its error as the last event (uvicorn's cancellation answered a plain-text 500
+    and cut streams bare)."""
+    import asyncio
+    import signal
+
+    from tests.integration.stack import running_stack, sse_events
+
+    long = {"inputs": "My name is", "parameters": {"max_new_tokens": 4000, "do_sample": False}}
+    sections = {"Switchboard": {"shutdownGraceSeconds": 2},
+                "BackendConfig.ModelDeployConfig": {"maxSeqLen": 8192, "maxInputTokenLen": 64},
+                "BackendConfig.ScheduleConfig": {"maxIterTimes": 8000}}
+
+    async def both(url: str, stop) -> tuple[httpx.Response, str]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            whole = asyncio.create_task(client.post(url + "/generate", json=long))
+            async with client.stream("POST", url + "/generate_stream", json=long) as streamed:
+                assert streamed.status_code == 200
+                chunks = streamed.aiter_text()
+                text = await chunks.__anext__()  # the stream has begun
+                stop()
+                text += "".join([chunk async for chunk in chunks])
+            return await whole, text
+
+    with running_stack(tmp_path, tiny_model_dir, **sections) as stack:
+        started = time.monotonic()
+        whole, streamed = asyncio.run(both(stack.url, lambda: stack.proc.send_signal(signal.SIGTERM)))
+        assert 1.0 < time.monotonic() - started < 15
+        assert whole.status_code == 503, whole.text
+        assert "shutdownGraceSeconds" in whole.json()["error"], whole.text
+        last = sse_events(streamed)[-1]
+        assert "shutdownGraceSeconds" in last["error"], last
+        assert stack.proc.wait(30) == 0

@@ -192,6 +192,12 @@ class Session:
             self.resume_asked = True
             self.queue.put_nowait(Resume(reason))
 
+    def cut(self, why: str) -> None:
+        """End this request at its reader's next event with a 503 saying ``why`` (the shutdown grace is over): in
+        its family's shape, a stream's last event, rather than the plain-text 500 of a cancelled handler."""
+        if self.finish_reason is None:
+            self.queue.put_nowait(Failed(id=self.current_id, error=ErrorInfo(ErrorKind.UNAVAILABLE, why)))
+
     async def steps(self) -> AsyncIterator[Step]:
         """Steps until the one carrying the end; raises SwitchboardError on a failure event.
 
