@@ -73,3 +73,12 @@ def test_heads_h11_cannot_take_get_json_with_h11s_status(tiny_stack):
     upgraded = httpx.get(tiny_stack.url + "/v1/models", headers={"Upgrade": "h2c", "Connection": "Upgrade"}, timeout=10)
     assert upgraded.status_code == 200
     assert httpx.get(tiny_stack.url + "/v1/models", timeout=10).status_code == 200
+
+
+def test_a_target_in_absolute_form_routes_by_its_path(tiny_stack):
+    """RFC 9112 §3.2.2: a server must accept ``POST http://host/path`` (clients set up for a proxy send it)."""
+    host = urlsplit(tiny_stack.url).netloc.encode()
+    body = json.dumps({"inputs": "hi", "parameters": {"max_new_tokens": 1}}).encode()
+    answer = raw(tiny_stack.url, b"POST http://%s/generate?x=1 HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (host, host, len(body), body))
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from litestar import Litestar
 from litestar.config.cors import CORSConfig
@@ -80,7 +81,23 @@ def listeners(gateway: Gateway) -> list[Listener]:
 
 def around(app: ASGIApp) -> ASGIApp:
     """What runs around the Litestar app, for every request a listener takes (a route matched or not)."""
-    return head_middleware(request_ids_middleware(app))
+    return origin_form_middleware(head_middleware(request_ids_middleware(app)))
+
+
+def origin_form_middleware(app: ASGIApp) -> ASGIApp:
+    """A request target in absolute form (``POST http://host/v1/chat/completions``, as a client configured for a
+    proxy sends it; RFC 9112 §3.2.2: a server must accept it) routes by its path; uvicorn took the whole URL as
+    the path (a 404)."""
+
+    async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        if path.startswith(("http://", "https://")):
+            origin = urlsplit(path).path or "/"
+            raw = urlsplit(scope.get("raw_path", b"").decode("latin-1")).path or "/"
+            scope = {**scope, "path": origin, "raw_path": raw.encode("latin-1")}
+        await app(scope, receive, send)
+
+    return middleware
 
 
 NOT_HEAD = frozenset({"/stopService"})  # a GET that acts: HEAD, which must not, stays 405 there
