@@ -82,3 +82,9 @@ def test_a_target_in_absolute_form_routes_by_its_path(tiny_stack):
     answer = raw(tiny_stack.url, b"POST http://%s/generate?x=1 HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (host, host, len(body), body))
     assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]
+
+
+def test_health_answers_with_no_body_labelled_json(tiny_stack):
+    for path in ("/health", "/v2/health/live", "/v2/health/ready"):
+        r = httpx.get(tiny_stack.mgmt_url + path, timeout=10)
+        assert r.status_code == 200 and r.content == b"" and "json" not in r.headers.get("content-type", ""), path

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from litestar import Request, Response, get
+from litestar import MediaType, Request, Response, get
 
 from services.gateway.web.errors import mindie_error
 from shared.errors import ErrorKind
@@ -27,7 +27,7 @@ async def health(request: Request) -> Response:
     if (down := _links_down(request.app.state.gateway)) is not None:
         return down
     ready = await request.app.state.gateway.is_ready()
-    return Response(b"", status_code=200 if ready else 503)
+    return _empty(200 if ready else 503)
 
 
 @get("/v2/health/live")
@@ -36,7 +36,7 @@ async def live(request: Request) -> Response:
     must not restart the pod it is draining); after MindIE's own stop, 503 as the other status routes."""
     if request.app.state.gateway.stop_scope == "deployment":
         request.app.state.gateway.refuse_stopped()
-    return Response(b"", status_code=200)
+    return _empty(200)
 
 
 @get("/v2/health/ready")
@@ -45,7 +45,7 @@ async def ready(request: Request) -> Response:
     if (down := _links_down(request.app.state.gateway)) is not None:
         return down
     ready = await request.app.state.gateway.is_ready()
-    return Response(b"", status_code=200 if ready else 503)
+    return _empty(200 if ready else 503)
 
 
 @get("/info")
@@ -82,3 +82,8 @@ async def info(request: Request) -> Response:
 
 
 ROUTES = [health, live, ready, info]
+
+
+def _empty(status: int) -> Response:
+    """No body (reference §3.1, §3.3), so none is labelled JSON (a client that parses a JSON label fails on b"")."""
+    return Response(b"", status_code=status, media_type=MediaType.TEXT)
