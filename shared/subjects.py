@@ -12,6 +12,7 @@ TOKENIZER_QUEUE = "tokenizer"
 
 CANCEL = f"{PREFIX}.cancel"  # fan-out: every engine and tokenizer hears it
 SHUTDOWN = f"{PREFIX}.control.shutdown"  # fan-out: every service stops (GET /stopService)
+STOPPING = f"{PREFIX}.control.stopping"  # fan-out: a deployment's stop began: every gateway refuses new inference
 STOP_INFER = f"{PREFIX}.stopinfer"  # request to every gateway: the one running the named request answers
 METRICS_EVENTS = f"{PREFIX}.metrics.events"  # lifecycle events -> metrics
 METRICS_SNAPSHOT = f"{PREFIX}.metrics.snapshot"  # request/reply

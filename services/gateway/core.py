@@ -81,6 +81,7 @@ class Gateway:
         await self.mailboxes.start()
         await bus.subscribe(self.nc, subjects.engine_heartbeat(self.model), self.on_heartbeat)
         await bus.subscribe(self.nc, subjects.STOP_INFER, self.on_stop_infer)
+        await bus.subscribe(self.nc, subjects.STOPPING, self.on_stopping)
         await self.roles.start()
         await self.dresults.start()
         await self.failover.start()
@@ -107,6 +108,11 @@ class Gateway:
         for session in sessions:
             await bus.publish(self.nc, subjects.CANCEL, Cancel(id=session.current_id, reason=CancelKind.STOP_INFER))
         return bool(sessions)
+
+    async def on_stopping(self, _msg) -> None:
+        """A gateway's /stopService began the deployment's stop: new inference is refused here too and the status
+        routes say so (a load balancer takes this gateway out), while the requests in flight here finish."""
+        self.stopping, self.stop_scope = True, "deployment"
 
     async def on_heartbeat(self, msg) -> None:
         info = self._heartbeats.decode(msg.data)

@@ -211,6 +211,9 @@ def test_cache_salt_keeps_cached_blocks_among_responses_of_the_same_salt(tiny_st
 
 
 def test_stored_responses_are_shared_by_gateways_and_outlive_a_restart(tmp_path, tiny_model_dir):
+    """Two gateways on one bus share the stored responses (across a restart of one); then a deployment stop
+    asked of one makes the other refuse new inference at once (it took requests it could not finish until the
+    services stopped), its stream in flight running to its end."""
     cluster = Cluster(tmp_path, tiny_model_dir, engines=1, tokenizers=1)
     second = None
     try:
@@ -240,11 +243,34 @@ def test_stored_responses_are_shared_by_gateways_and_outlive_a_restart(tmp_path,
         one.responses.delete(first.id)
         with pytest.raises(openai.NotFoundError):
             two.responses.retrieve(first.id)
+        stop_one_and_see_the_other_refuse(cluster.mgmt, url2, f"http://127.0.0.1:{config['ServerConfig']['managementPort']}")
     finally:
         if second is not None:
             os.kill(second.pid, signal.SIGTERM)
             second.wait(15)
         cluster.stop()
+
+
+def stop_one_and_see_the_other_refuse(mgmt_one: str, url_two: str, mgmt_two: str) -> None:
+    import threading
+    import time
+
+    long = {"inputs": "My name is", "parameters": {"max_new_tokens": 300, "do_sample": False}}
+    streamed: list[str] = []
+    with httpx.stream("POST", url_two + "/generate_stream", json=long, timeout=60) as stream:
+        chunks = stream.iter_text()
+        streamed.append(next(chunks))
+        stopper = threading.Thread(target=lambda: httpx.get(mgmt_one + "/stopService", timeout=60))
+        stopper.start()
+        deadline = time.monotonic() + 5
+        while httpx.get(mgmt_two + "/v2/health/ready", timeout=10).status_code != 503:
+            assert time.monotonic() < deadline, "the other gateway still says it is ready"
+            time.sleep(0.05)
+        refused = httpx.post(url_two + "/generate", json={"inputs": "hi"}, timeout=10)
+        assert refused.status_code == 503, refused.text
+        streamed.extend(chunks)
+    stopper.join(60)
+    assert '"generated_text":"' in "".join(streamed).replace(" ", "")  # the stream in flight ran to its end
 
 
 def wait_ok(url: str, timeout: float = 60.0) -> None:

@@ -1,5 +1,5 @@
-"""``GET /stopService`` (reference §3.7): refuse new inference, let running and waiting requests
-finish, answer 200, then tell every service to stop (the launcher then exits 0).
+"""``GET /stopService`` (reference §3.7): refuse new inference on every gateway (``subjects.STOPPING``), let
+running and waiting requests finish, answer 200, then tell every service to stop (the launcher then exits 0).
 
 ``?mode=Force`` answers at once and stops everything without waiting for the drain.
 
@@ -59,6 +59,8 @@ async def stop_service(request: Request, mode: FromQuery[str | None] = None) -> 
         return Response(b"", status_code=500)
     gateway.stopping, gateway.stop_scope = True, scope or "deployment"
     instance = scope == "instance"
+    if not instance:  # every gateway stops taking requests now, not when the services stop
+        await gateway.nc.publish(subjects.STOPPING, b"")
     if mode != "Force":
         done = instance_drained if instance else drained
         while not done(gateway):
