@@ -11,8 +11,8 @@ from services.tokenizer.tools import plain, takes_tools, with_tools
 from shared.messages import EngineRequest, GenerateRequest, Tokenize, encode
 
 MAX_TOKENS_NUM = 1048576
-SHORTEN = ("shorten it, or have its last {limit} tokens kept where the API takes that (parameters.truncate on TGI "
-           "and MindIE routes, truncate_prompt_tokens on OpenAI's)")
+SHORTEN = ("shorten it, or have its last {limit} tokens kept where the API takes that (parameters.truncate on TGI's "
+           "/generate, /generate_stream and POST /; truncate_prompt_tokens on OpenAI's chat and completions)")
 
 
 def encode_prompt(tokenizer, req: GenerateRequest, deploy: ModelDeployConfig) -> list[int]:
@@ -26,8 +26,18 @@ def encode_prompt(tokenizer, req: GenerateRequest, deploy: ModelDeployConfig) ->
     if not ids:
         raise validation("the prompt is empty after tokenization")
     if req.truncate and req.truncate < len(ids):
+        check_truncate(req.truncate, len(ids), deploy)
         ids = ids[-req.truncate :]
     return apply_length_limit(ids, deploy)
+
+
+def check_truncate(truncate: int, tokens: int, deploy: ModelDeployConfig) -> None:
+    """A request's truncate keeps the prompt's last ``truncate`` tokens: more than the limit is refused (as TGI
+    and vLLM refuse it), not cut again by the deployment's truncation to a slice without the prompt's end."""
+    limit = min(deploy.effective_max_input_len, MAX_TOKENS_NUM)
+    if truncate > limit:
+        raise validation(f"the prompt has {tokens} tokens and the request's truncate keeps its last {truncate}, more "
+                         f"than the limit of {limit} (min(maxInputTokenLen, maxSeqLen - 1)): truncate at most {limit}")
 
 
 def refuse_surely_too_long(tokenizer, text: str, truncate: int, deploy: ModelDeployConfig, what: str) -> None:

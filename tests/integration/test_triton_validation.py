@@ -128,6 +128,7 @@ def test_bad_binary_bodies_get_422(tiny_stack):
 
 
 BAD_TEXT_BODIES = [
+    ({"text_input": "hi", "parameters": {"truncate": 20}}, "parameters.truncate is a TGI parameter"),
     (b"{oops", "Failed to parse"),
     ({"parameters": {}}, "text_input"),
     ({"text_input": None}, "text_input"),

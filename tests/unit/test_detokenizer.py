@@ -346,6 +346,16 @@ def test_request_truncate_applies_before_the_length_limit():
     assert encode_prompt(None, request(prompt_ids=ids, truncate=5), deploy(truncation=0, max_input=8)) == ids[-5:]
 
 
+def test_a_request_truncate_over_the_limit_is_refused_not_cut_again():
+    """truncate keeps the last n tokens; above the limit, a deployment that truncates kept a middle slice of the
+    prompt without its end (ids[-100:][:48]): refused, naming the prompt's real length, truncate and the limit."""
+    ids = list(range(239))
+    for truncation in (-1, 1, 0):
+        with pytest.raises(SwitchboardError, match="has 239 tokens and the request's truncate keeps its last 100"):
+            encode_prompt(None, request(prompt_ids=ids, truncate=100), deploy(truncation=truncation, max_input=48))
+    assert encode_prompt(None, request(prompt_ids=ids, truncate=48), deploy(truncation=-1, max_input=48)) == ids[-48:]
+
+
 def test_check_token_ids():
     check_token_ids([0, 5, 99], vocab_size=100)
     for bad in ([100], [-1], [3, 1000]):

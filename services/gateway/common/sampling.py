@@ -42,6 +42,18 @@ TGI = MindieDialect(top_k_zero=False, top_p_one=False, max_tokens_alias=False)
 NATIVE = TGI
 TRITON = MindieDialect(top_k_zero=True, top_p_one=True, max_tokens_alias=True)
 MAX_NEW_TOKENS_DEFAULT = 20
+# TGI's parameters that MindIE's own routes (/infer, Triton's generate) do not take, with the values asking nothing
+TGI_ONLY = {"grammar": (None,), "truncate": (None, 0), "top_n_tokens": (None, 0), "decoder_input_details": (None, False),
+            "return_full_text": (None, False), "best_of": (None, 1), "adapter_id": (None, "None")}
+
+
+def refuse_tgi_only(p: Fields, route: str) -> None:
+    """A TGI parameter asking for something ``route`` does not do is a 422 naming it, not ignored."""
+    for name, idle in TGI_ONLY.items():
+        value = p.data.get(name)
+        if not any(type(value) is type(v) and value == v for v in idle):  # True is not 1, 0.0 is not 0
+            raise validation(f"parameters.{name} is a TGI parameter: {route} (send it to /generate or "
+                             "/generate_stream).", f"parameters.{name}")
 
 
 def mindie_sampling(p: Fields, dialect: MindieDialect, logprobs: int | None = None) -> Sampling:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.gateway.common.content import ListInput, mindie_input
-from services.gateway.common.sampling import NATIVE, mindie_sampling
+from services.gateway.common.sampling import NATIVE, mindie_sampling, refuse_tgi_only
 from services.gateway.web.validation import MAX_INPUT_CHARS, Fields, parse_json_object, stream_flag
 from shared.errors import validation
 from shared.messages import Sampling
@@ -36,7 +36,7 @@ def parse_infer(body: bytes) -> NativeRequest:
     data = parse_json_object(body, PARSE_ERROR)
     text, ids, listed = _input(data)
     params = Fields(data).obj("parameters")
-    _refuse_tgi_only(params)
+    refuse_tgi_only(params, "/infer and /infer_token do not take it")
     return NativeRequest(
         text=text, ids=ids, sampling=mindie_sampling(params, NATIVE), stream=stream_flag(data),
         details=params.boolean("details", False),
@@ -44,20 +44,6 @@ def parse_infer(body: bytes) -> NativeRequest:
         timeout_s=float(params.integer("timeout", 600, 0, 3600, lo_open=True)),
         listed=listed,
     )
-
-
-# TGI's parameters that /infer (MindIE's own) does not take, with the values that ask for nothing
-TGI_ONLY = {"grammar": (None,), "truncate": (None, 0), "top_n_tokens": (None, 0), "decoder_input_details": (None, False),
-            "return_full_text": (None, False), "best_of": (None, 1), "adapter_id": (None, "None")}
-
-
-def _refuse_tgi_only(p: Fields) -> None:
-    """A TGI parameter asking for something /infer does not do is a 422 naming it, not ignored."""
-    for name, idle in TGI_ONLY.items():
-        value = p.data.get(name)
-        if not any(type(value) is type(v) and value == v for v in idle):  # True is not 1, 0.0 is not 0
-            raise validation(f"parameters.{name} is a TGI parameter: /infer and /infer_token do not take it "
-                             f"(send it to /generate or /generate_stream).", f"parameters.{name}")
 
 
 def _input(data: dict[str, Any]) -> tuple[str | None, list[int] | None, ListInput | None]:

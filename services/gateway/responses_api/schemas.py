@@ -62,7 +62,8 @@ def read_body(body: bytes) -> dict[str, Any]:
         raise bad_param(unknown[0], f"{unknown[0]} is not supported by this server.")
     _set_aside(data)
     if data.get("truncation") not in (None, "disabled"):
-        raise bad_param("truncation", 'truncation must be "disabled": a conversation is never cut here.')
+        raise bad_param("truncation", 'truncation must be "disabled": no conversation items are dropped here ("auto"); '
+                                      'an input over the limit is refused, or cut as ModelDeployConfig.truncation says.')
     for key in ("store", "stream", "parallel_tool_calls"):
         if data.get(key) is not None and not isinstance(data[key], bool):
             raise bad_param(key, f"{key} must be boolean type.")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.gateway.common.content import ListInput, mindie_input
-from services.gateway.common.sampling import TRITON, mindie_sampling
+from services.gateway.common.sampling import TRITON, mindie_sampling, refuse_tgi_only
 from services.gateway.triton.llm_inputs import as_sent, generate_inputs
 from services.gateway.web.validation import INT32_MAX, Fields, parse_json_object, text_input
 from shared.errors import validation
@@ -66,6 +66,7 @@ def checked_id(value: Any) -> str:
 
 def parse_options(p: Fields) -> Options:
     p.integer("batch_size", 1, 0, INT32_MAX, lo_open=True)
+    refuse_tgi_only(p, "Triton's generate does not take it")
     sampling = mindie_sampling(p, TRITON)
     return Options(
         sampling=sampling,
