@@ -321,6 +321,7 @@ class Heartbeat(msgspec.Struct, omit_defaults=True):
     server: str = ""  # a gateway's business listener, "ip:port" (what a coordinator's d-target names)
     role: str = ""  # a gateway's PD role (MindIE's /v1/role): prefill | decode | flex; "" = none
     dmi: bool = False  # a gateway in inferMode "dmi"
+    in_flight: int = 0  # a gateway's requests in flight (a deployment's stop waits for every gateway's to end)
 
 
 class Tokenize(msgspec.Struct, omit_defaults=True):

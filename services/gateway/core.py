@@ -61,7 +61,8 @@ class Gateway:
         self.stopping = False  # set by /stopService: new inference is refused
         self.stop_scope = ""  # then: "deployment" (MindIE's stop: everything goes) or "instance" (this gateway)
         sb = cfg.switchboard
-        self.roles = Roles(cfg, nc, self.instance, lambda: self.stopping)  # PD role (/v1/role), peers, gateways heard
+        self.roles = Roles(cfg, nc, self.instance, lambda: self.stopping,  # PD role (/v1/role), peers, gateways heard
+                           lambda: len(self.inflight))
         self.failover = Failover(nc, self.model, sb.lease_seconds, sb.heartbeat_s, self.engines, self.inflight,
                                  self.roles.heartbeat)
         self.dresults = DResults(nc, self.instance, self.roles, sb.heartbeat_s, sb.lease_seconds)  # decode role

@@ -94,3 +94,22 @@ def test_heard_since_says_whether_any_instance_spoke_after_a_moment(leases, cloc
     clock.now += 0.5
     leases.beat("b", "y")
     assert leases.heard_since(back) and not leases.heard_since(clock.now)
+
+
+def test_a_deployments_stop_waits_for_every_gateways_requests():
+    """/stopService's drain: another live gateway's heartbeat must say it stops and has nothing in flight (the
+    engines' figures alone lagged a heartbeat: a stream of the other gateway was cut once in CI)."""
+    from types import SimpleNamespace
+
+    from services.gateway.admin.stop import drained, unaware
+    from shared.messages import Heartbeat
+
+    gateways = Leases(2.0)
+    me = SimpleNamespace(instance="a", inflight=[], engine_info=lambda: None, roles=SimpleNamespace(gateways=gateways))
+    gateways.beat("a", Heartbeat(service="gateway", instance="a", stopping=True))
+    gateways.beat("b", Heartbeat(service="gateway", instance="b"))
+    assert not drained(me) and unaware(me)  # b has not heard of the stop yet
+    gateways.beat("b", Heartbeat(service="gateway", instance="b", stopping=True, in_flight=1))
+    assert not drained(me) and not unaware(me)  # b stops, one request of its own still running
+    gateways.beat("b", Heartbeat(service="gateway", instance="b", stopping=True))
+    assert drained(me)

@@ -14,6 +14,7 @@ is MindIE's whole-deployment stop.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import TYPE_CHECKING
 
 from litestar import Request, Response, get
@@ -32,10 +33,19 @@ SCOPES = ("deployment", "instance")
 
 
 def drained(gateway: Gateway) -> bool:
-    """No session in flight here and no request running or waiting on any live engine."""
+    """No session in flight here nor on any other live gateway (each says so in a heartbeat sent once it knew
+    of the stop) and no request running or waiting on any live engine."""
     engine = gateway.engine_info()
     idle_engine = engine is None or (engine.running == 0 and engine.waiting == 0)
-    return not gateway.inflight and idle_engine
+    others = [beat for instance, beat in gateway.roles.gateways.live().items() if instance != gateway.instance]
+    return not gateway.inflight and idle_engine and all(beat.stopping and not beat.in_flight for beat in others)
+
+
+def unaware(gateway: Gateway) -> bool:
+    """A live gateway whose heartbeat does not say it stops yet (the broadcast may have been lost: NATS may drop a
+    message): it is told again."""
+    return any(not beat.stopping for instance, beat in gateway.roles.gateways.live().items()
+               if instance != gateway.instance)
 
 
 def instance_drained(gateway: Gateway) -> bool:
@@ -63,8 +73,12 @@ async def stop_service(request: Request, mode: FromQuery[str | None] = None) -> 
         await gateway.nc.publish(subjects.STOPPING, b"")
     if mode != "Force":
         done = instance_drained if instance else drained
+        told = time.monotonic()
         while not done(gateway):
             await asyncio.sleep(POLL_S)
+            if not instance and unaware(gateway) and time.monotonic() - told > gateway.cfg.switchboard.lease_seconds:
+                await gateway.nc.publish(subjects.STOPPING, b"")
+                told = time.monotonic()
     if not instance:
         gateway.spawn(_broadcast_shutdown(gateway))
     return Response(b"", status_code=200)

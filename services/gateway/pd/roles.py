@@ -35,8 +35,9 @@ COMPLEMENT = {"prefill": ("decode", "flex"), "decode": ("prefill", "flex"), "fle
 class Roles:
     """``instance`` is this gateway's id; ``stopping()`` says whether it refuses new inference."""
 
-    def __init__(self, cfg: Config, nc: Client, instance: str, stopping: Callable[[], bool]):
-        self.cfg, self.nc, self.instance, self.stopping = cfg, nc, instance, stopping
+    def __init__(self, cfg: Config, nc: Client, instance: str, stopping: Callable[[], bool],
+                 in_flight: Callable[[], int] = lambda: 0):
+        self.cfg, self.nc, self.instance, self.stopping, self.in_flight_count = cfg, nc, instance, stopping, in_flight
         self.model = cfg.model.model_name
         self.role = "none"  # set by /v1/role, /v2/role
         self.peers: list[str] = []  # the peer server IPs the last assignment named
@@ -64,7 +65,8 @@ class Roles:
         server = self.cfg.server
         return Heartbeat(service="gateway", instance=self.instance, model=self.model,
                          stopping=self.stopping(), server=f"{server.ip_address}:{server.port}",
-                         role="" if self.role == "none" else self.role, dmi=self.dmi)
+                         role="" if self.role == "none" else self.role, dmi=self.dmi,
+                         in_flight=self.in_flight_count())
 
     # ---- status -----------------------------------------------------------------------------------
 
