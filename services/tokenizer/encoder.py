@@ -15,6 +15,11 @@ SHORTEN = ("shorten it, or have its last {limit} tokens kept where the API takes
            "/generate, /generate_stream and POST /; truncate_prompt_tokens on OpenAI's chat and completions)")
 
 
+def input_limit(deploy: ModelDeployConfig) -> int:
+    """The most prompt tokens a request may have: min(maxInputTokenLen, maxSeqLen - 1)."""
+    return min(deploy.effective_max_input_len, MAX_TOKENS_NUM)
+
+
 def encode_prompt(tokenizer, req: GenerateRequest, deploy: ModelDeployConfig) -> list[int]:
     if req.prompt_ids is not None:
         ids = list(req.prompt_ids)
@@ -34,7 +39,7 @@ def encode_prompt(tokenizer, req: GenerateRequest, deploy: ModelDeployConfig) ->
 def check_truncate(truncate: int, tokens: int, deploy: ModelDeployConfig) -> None:
     """A request's truncate keeps the prompt's last ``truncate`` tokens: more than the limit is refused (as TGI
     and vLLM refuse it), not cut again by the deployment's truncation to a slice without the prompt's end."""
-    limit = min(deploy.effective_max_input_len, MAX_TOKENS_NUM)
+    limit = input_limit(deploy)
     if truncate > limit:
         raise validation(f"the prompt has {tokens} tokens and the request's truncate keeps its last {truncate}, more "
                          f"than the limit of {limit} (min(maxInputTokenLen, maxSeqLen - 1)): truncate at most {limit}")
@@ -44,7 +49,7 @@ def refuse_surely_too_long(tokenizer, text: str, truncate: int, deploy: ModelDep
     """Refuse, before tokenizing it, a prompt longer than the limit's tokens could hold even at the vocabulary's
     longest token (twice over, for normalizers): a 4 MiB prompt took the tokenizer ~4 s, and every other request
     waited behind it. A prompt that is to be cut (``truncate``, or a deployment that truncates) is tokenized."""
-    limit = min(deploy.effective_max_input_len, MAX_TOKENS_NUM)
+    limit = input_limit(deploy)
     too_long = len(text) > 2 * limit and len(text) > 2 * limit * longest_token(tokenizer)
     if too_long and not (deploy.truncates or truncate):
         raise validation(f"{what} has {len(text)} characters: more than the limit of {limit} tokens "
@@ -58,7 +63,7 @@ def longest_token(tokenizer) -> int:
 
 
 def apply_length_limit(ids: list[int], deploy: ModelDeployConfig) -> list[int]:
-    limit = min(deploy.effective_max_input_len, MAX_TOKENS_NUM)
+    limit = input_limit(deploy)
     if len(ids) <= limit:
         return ids
     if not deploy.truncates:
@@ -145,7 +150,7 @@ def render_chat(tokenizer, req: GenerateRequest | Tokenize, deploy: ModelDeployC
 def check_media_prompt(ids: list[int], req: GenerateRequest, deploy: ModelDeployConfig) -> list[int]:
     """A prompt with media as it is: cutting it would part image tokens from their features, so a
     prompt over the limit (or over ``truncate``) is refused instead of truncated."""
-    limit = min(deploy.effective_max_input_len, MAX_TOKENS_NUM)
+    limit = input_limit(deploy)
     if req.truncate and req.truncate < len(ids):
         limit = min(limit, req.truncate)
     if len(ids) > limit:

@@ -37,15 +37,19 @@ def drained(gateway: Gateway) -> bool:
     of the stop) and no request running or waiting on any live engine."""
     engine = gateway.engine_info()
     idle_engine = engine is None or (engine.running == 0 and engine.waiting == 0)
-    others = [beat for instance, beat in gateway.roles.gateways.live().items() if instance != gateway.instance]
+    others = _other_gateways(gateway)
     return not gateway.inflight and idle_engine and all(beat.stopping and not beat.in_flight for beat in others)
 
 
 def unaware(gateway: Gateway) -> bool:
     """A live gateway whose heartbeat does not say it stops yet (the broadcast may have been lost: NATS may drop a
     message): it is told again."""
-    return any(not beat.stopping for instance, beat in gateway.roles.gateways.live().items()
-               if instance != gateway.instance)
+    return any(not beat.stopping for beat in _other_gateways(gateway))
+
+
+def _other_gateways(gateway: Gateway) -> list:
+    """The latest heartbeats of the other live gateways of the deployment."""
+    return [beat for instance, beat in gateway.roles.gateways.live().items() if instance != gateway.instance]
 
 
 def instance_drained(gateway: Gateway) -> bool:

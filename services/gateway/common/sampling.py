@@ -48,12 +48,13 @@ TGI_ONLY = {"grammar": (None,), "truncate": (None, 0), "top_n_tokens": (None, 0)
 
 
 def refuse_tgi_only(p: Fields, route: str) -> None:
-    """A TGI parameter asking for something ``route`` does not do is a 422 naming it, not ignored."""
+    """A TGI parameter asking for something ``route`` does not do is a 422 naming it (as the object's fields are
+    named: ``parameters.`` by default), not ignored."""
     for name, idle in TGI_ONLY.items():
         value = p.data.get(name)
         if not any(type(value) is type(v) and value == v for v in idle):  # True is not 1, 0.0 is not 0
-            raise validation(f"parameters.{name} is a TGI parameter: {route} (send it to /generate or "
-                             "/generate_stream).", f"parameters.{name}")
+            field = f"{p.where or 'parameters.'}{name}"
+            raise validation(f"{field} is a TGI parameter: {route} (send it to /generate or /generate_stream).", field)
 
 
 def mindie_sampling(p: Fields, dialect: MindieDialect, logprobs: int | None = None) -> Sampling:

@@ -66,7 +66,7 @@ def checked_id(value: Any) -> str:
 
 def parse_options(p: Fields) -> Options:
     p.integer("batch_size", 1, 0, INT32_MAX, lo_open=True)
-    refuse_tgi_only(p, "Triton's generate does not take it")
+    refuse_tgi_only(p, "Triton's routes do not take it")
     sampling = mindie_sampling(p, TRITON)
     return Options(
         sampling=sampling,
