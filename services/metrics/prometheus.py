@@ -24,7 +24,8 @@ nothing was looked up, as with ``enablePrefixCache`` off).
 Per-engine series live in families of their own, ``engine_*`` with an ``engine_instance`` label
 (``engine_prompt_tokens_total``, ``engine_generation_tokens_total``, ``engine_preemptions_total``,
 ``engine_requests_running``, ``engine_requests_waiting``, ``engine_cache_usage_perc``,
-``engine_prefix_cache_hit_rate``), live engines only.
+``engine_prefix_cache_hit_rate``), live engines only, and ``engine_info`` (1 per live engine, its device,
+dtype, weight format, KV-cache dtype, block size, blocks and PD role in labels).
 Adding the label to MindIE's families instead would put the total and its parts under one name, and
 ``sum(generation_tokens_total)`` would count every token twice (prometheus_client also wants one label
 set per family). The per-engine counters are the engines' own counters: a departed engine's series ends,
@@ -236,13 +237,27 @@ class PerEngine:
               ("engine_prefix_cache_hit_rate", "Prefix-cache hit rate of this engine instance (1 = 100%).",
                prefix_hit_rate))
     LABELS = ["model_name", "engine_instance"]
+    INFO = ("device", "dtype", "quantization", "kv_dtype", "block_size", "total_blocks", "role")  # engine_info's
 
     def __init__(self, metrics: PrometheusMetrics):
         self.metrics = metrics
 
+    @classmethod
+    def info(cls, engines: list[tuple[str, EngineInfo]], model: str) -> GaugeMetricFamily:
+        """``engine_info``: 1 per live engine, its configuration in labels (vLLM's ``cache_config_info``): the
+        weight format (``quantization``) and KV cache's element type (``kv_dtype``, the dtype's when not set)."""
+        family = GaugeMetricFamily("engine_info", "Configuration of this engine instance, in labels (value 1): "
+                                   "device, activation dtype, weight format, KV-cache dtype, KV block size in "
+                                   "tokens, KV blocks, PD role.", labels=[*cls.LABELS, *cls.INFO])
+        for instance, e in engines:
+            family.add_metric([model, instance, e.device, e.dtype, e.quantization, e.kv_dtype or e.dtype,
+                               str(e.block_size), str(e.total_blocks), e.role], 1)
+        return family
+
     def collect(self):
         engines = sorted(self.metrics.live_engines().items())
         model = self.metrics.model
+        yield self.info(engines, model)
         for name, doc, field in self.COUNTERS:
             family = CounterMetricFamily(name, doc, labels=self.LABELS)
             for instance, info in engines:

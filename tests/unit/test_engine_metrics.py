@@ -137,3 +137,18 @@ def test_prefix_cache_off_reads_zero():
     text = metrics.render().decode()
     assert 'npu_prefix_cache_hit_rate{model_name="m"} 0.0' in text
     assert "# TYPE all_radix_match_num gauge" in text and "# TYPE npu_radix_match_hit_num gauge" in text
+
+
+def test_engine_info_names_each_live_engines_weight_and_kv_formats():
+    metrics = PrometheusMetrics("m", 2.0, clock := Clock())
+    metrics.heartbeat(msgspec.structs.replace(engine("int4"), quantization="int4", kv_dtype="int8", block_size=128))
+    metrics.heartbeat(engine("float"))
+    infos = {s.labels["engine_instance"]: s for f in text_string_to_metric_families(metrics.render().decode())
+             for s in f.samples if s.name == "engine_info"}
+    assert infos["int4"].value == 1 and infos["int4"].labels == {
+        "model_name": "m", "engine_instance": "int4", "device": "cpu", "dtype": "float32", "quantization": "int4",
+        "kv_dtype": "int8", "block_size": "128", "total_blocks": "10", "role": "both"}
+    assert (infos["float"].labels["quantization"], infos["float"].labels["kv_dtype"]) == ("none", "float32")
+    clock.now = 3.0
+    metrics.heartbeat(engine("float"))  # the int4 engine's lease ran out: its series ends
+    assert "engine_info{int4}" not in scrape(metrics) and "engine_info{float}" in scrape(metrics)
