@@ -11,6 +11,7 @@ may fail with a 5xx or an error body of another family's shape. Afterwards each 
 from __future__ import annotations
 
 import copy
+import gzip
 import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -199,6 +200,7 @@ def test_content_part_type_of_the_wrong_type_names_the_key(stack):
 @pytest.mark.parametrize("body, problem", [
     (b"[" * 10_000, "deeper than 64 levels"),
     (b'{"inputs": "\xff"}', "not valid UTF-8"),
+    (gzip.compress(b'{"inputs": "hi"}'), "gzip-compressed: this route takes JSON uncompressed"),
     (b'{"inputs": NaN}', "NaN is not a valid JSON number"),
     (b'{"inputs": -Infinity}', "-Infinity is not a valid JSON number"),
     (b'{"inputs": 1e400}', "too large for a 64-bit float"),

@@ -37,6 +37,9 @@ _LONE_SURROGATE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][
                              rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}")
 
 
+_COMPRESSED = ((b"\x1f\x8b", "gzip"), (b"\x28\xb5\x2f\xfd", "zstd"))  # their magic numbers
+
+
 class BodyError(ValueError):
     """A request body that is not one usable JSON object; the message names the problem."""
 
@@ -102,6 +105,10 @@ def _check_utf8(body: bytes) -> None:
     try:
         body.decode("utf-8")
     except UnicodeDecodeError as exc:
+        for magic, name in _COMPRESSED:
+            if body.startswith(magic):  # a client's Content-Encoding: only Triton's routes take one (tritonclient's)
+                raise BodyError(f"the request body is {name}-compressed: this route takes JSON uncompressed "
+                                "(Content-Encoding is taken on the Triton routes /v2/...)") from None
         raise BodyError(f"the request body is not valid UTF-8: byte {exc.start} is {body[exc.start]:#04x}") from None
 
 
