@@ -34,6 +34,7 @@ class Received(Msg, tag="received"):
     model: str
     adapter: str = ""  # the request's LoRA adapter ("" = base model): a label on the request counters
     api: str = ""  # the API family and route it came by (tgi, openai-chat, anthropic, …): a label too
+    gateway: str = ""  # the gateway's instance: its requests still open when its lease runs out end as errors
 
 
 class Queued(msgspec.Struct, tag="queued", omit_defaults=True):

@@ -17,6 +17,7 @@ import time
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.integration.cluster import Cluster
 
@@ -255,6 +256,16 @@ def test_a_dead_gateways_requests_are_cancelled(tmp_path, tiny_model_dir):
             return await engines_idle_within(cluster.url, model, seconds=6.0)
 
         assert asyncio.run(scenario()) < 6.0
+        # its four requests are counted ended, as errors, once its lease ran out: received minus finished is what
+        # is in flight (they were received and never finished); a new gateway's /metrics says so
+        cluster.start("gateway")
+        cluster.wait_ready()
+        port = json.loads(cluster.config.read_text())["ServerConfig"]["metricsPort"]
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+        counts = {s.name + s.labels.get("finished_reason", ""): s.value
+                  for f in text_string_to_metric_families(text) for s in f.samples if s.labels.get("api") == "tgi"}
+        assert (counts["request_received_total"], counts["request_failed_total"],
+                counts["request_finished_totalerror"]) == (4, 4, 4), counts
     finally:
         cluster.stop()
 

@@ -148,7 +148,8 @@ class Session:
     def _received(self) -> None:
         """The tokenizer took the request (its input is valid): from here its end is counted with the request
         counters. Before, a failure is its HTTP request's refusal (``web/refusals.py``), counted once there."""
-        self.ctx.emit(Received(id=self.id, model=self.ctx.model, adapter=self.request.adapter, api=self.api))
+        self.ctx.emit(Received(id=self.id, model=self.ctx.model, adapter=self.request.adapter, api=self.api,
+                               gateway=self.ctx.instance))
         mark_received()
 
     async def _answer(self, deadline: float, ask_again=lambda: False):
