@@ -242,7 +242,7 @@ class TokenizerService:
 
     async def encode_text(self, req: GenerateRequest) -> list[int]:
         check_request_ids(req, self.vocab_size)
-        if len(req.prompt) > 2048:  # long texts: keep the event loop free
+        if len(req.prompt) > 2048 or req.messages is not None:  # long texts, chat templates: keep the loop free
             return await asyncio.to_thread(encode_prompt, self.tok, req, self.cfg.deploy)
         return encode_prompt(self.tok, req, self.cfg.deploy)
 

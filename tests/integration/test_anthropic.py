@@ -103,6 +103,34 @@ def test_a_final_assistant_message_is_a_prefill_the_answer_continues(smol_stack)
     assert counted.input_tokens > opened.input_tokens  # the prefill's words, without a closed turn
 
 
+def test_consecutive_turns_of_one_role_are_one_and_replayed_thinking_is_left_out(smol_stack):
+    """Anthropic combines consecutive user or assistant messages into one turn (they were two turns of the chat
+    template, and only the last assistant message was the prefill), and leaves earlier turns' thinking blocks out
+    of the context (they were a 400: clients replaying a conversation with thinking could not continue it)."""
+    api = client(smol_stack)
+
+    def count(messages) -> int:
+        return api.messages.count_tokens(model=smol_stack.model, system=SYSTEM, messages=messages).input_tokens
+
+    question = ASK[0]["content"]
+    one = count([{"role": "user", "content": [{"type": "text", "text": "Hello. "}, {"type": "text", "text": question}]}])
+    assert count([{"role": "user", "content": "Hello. "}, {"role": "user", "content": question}]) == one
+    prefill = [*ASK, {"role": "assistant", "content": "The capital"}, {"role": "assistant", "content": " of France is"}]
+    whole = [*ASK, {"role": "assistant", "content": "The capital of France is"}]
+    assert count(prefill) == count(whole)
+    answer = api.messages.create(model=smol_stack.model, max_tokens=8, system=SYSTEM, messages=prefill, **GREEDY)
+    assert answer.content[0].text == api.messages.create(model=smol_stack.model, max_tokens=8, system=SYSTEM,
+                                                         messages=whole, **GREEDY).content[0].text
+    thought = [*ASK, {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "France's capital...", "signature": "c2ln"},
+        {"type": "redacted_thinking", "data": "ZGF0YQ=="}, {"type": "text", "text": "Paris."}]},
+        {"role": "user", "content": "And of Spain?"}]
+    plain = [*ASK, {"role": "assistant", "content": "Paris."}, {"role": "user", "content": "And of Spain?"}]
+    assert count(thought) == count(plain)
+    assert api.messages.create(model=smol_stack.model, max_tokens=8, system=SYSTEM, messages=thought,
+                               **GREEDY).usage.input_tokens == count(plain)
+
+
 def test_a_forced_tool_call_cut_by_max_tokens_is_left_out_not_shown_as_text(smol_stack):
     """A call forced by tool_choice "any" and cut by max_tokens has no input object yet: the answer says
     max_tokens and has no tool_use, and the grammar's JSON never reaches the user as text (streamed or not)."""
@@ -174,6 +202,10 @@ def test_count_tokens_equals_the_requests_input_tokens(smol_stack, tools):
     ({"max_tokens": 5, "messages": [*ASK, {"role": "assistant", "content": [
         {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {}}]}, {"role": "user", "content": [
             {"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"}]}]}, 400, "must define tools"),
+    ({"max_tokens": 5, "messages": [*ASK, {"role": "assistant", "content": "Sure "}]}, 400,
+     "final assistant content cannot end with trailing whitespace"),  # Anthropic's rule
+    ({"max_tokens": 5, "messages": [*ASK, {"role": "assistant", "content": [{"type": "thinking", "thinking": 5}]},
+                                    {"role": "user", "content": "go on"}]}, 400, "messages.1.content.0.thinking"),
 ])
 def test_bad_bodies_get_anthropic_shaped_4xx(tiny_stack, body, status, named):
     r = httpx.post(tiny_stack.url + "/v1/messages", json={"model": tiny_stack.model, **body}, timeout=30)

@@ -74,6 +74,15 @@ BAD_CHAT = [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nowhere"}}}},
      "response_format.json_schema.schema"),
     ({"chat_template": "{{ x }}"}, "chat_template"), ({"chat_template_kwargs": 5}, "chat_template_kwargs"),
+    # a template of the client's own through the kwargs (its loops ran on the tokenizer, which then missed its lease)
+    ({"chat_template_kwargs": {"chat_template": "{{ x }}"}}, "chat_template_kwargs.chat_template"),
+    ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs.tokenize"),
+    ({"chat_template_kwargs": {"add_generation_prompt": "no"}}, "chat_template_kwargs.add_generation_prompt"),
+    ({"messages": [{"role": "user", "content": "Hi"},
+                   {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}}]},
+     "messages[1].function_call"),
+    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "", "function_call": {}}]},
+     "messages[1].function_call"),
 ]
 BAD_COMPLETION = [
     ({"prompt": None}, "prompt"), ({"prompt": 5}, "prompt"), ({"prompt": []}, "prompt"), ({"prompt": ""}, "prompt"),

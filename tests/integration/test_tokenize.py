@@ -57,6 +57,27 @@ def test_a_chat_continues_the_final_message_or_adds_no_turn_as_tokenize_renders_
     assert post(smol_stack, "/tokenize", {"messages": developer}).json() == as_system
     assert chat(smol_stack, messages=developer, max_tokens=1, temperature=0)["usage"]["prompt_tokens"] == \
         as_system["count"]
+    # chat_template_kwargs' add_generation_prompt / continue_final_message override the fields, as vLLM merges them
+    # (it was a 400 quoting Python: "got multiple values for keyword argument")
+    for kwargs, flags in (({"add_generation_prompt": False}, {"add_generation_prompt": False}),
+                          ({"continue_final_message": True}, {"continue_final_message": True})):
+        by_flags = post(smol_stack, "/tokenize", {"messages": open_turn, **flags}).json()["count"]
+        assert post(smol_stack, "/tokenize", {"messages": open_turn, "chat_template_kwargs": kwargs}).json()[
+            "count"] == by_flags
+        assert chat(smol_stack, messages=open_turn, max_tokens=1, temperature=0, chat_template_kwargs=kwargs)[
+            "usage"]["prompt_tokens"] == by_flags
+
+
+def test_an_assistants_earlier_refusal_is_what_it_said(smol_stack):
+    """OpenAI returns a refusal as ``refusal`` beside a null content; clients send it back so, or as refusal
+    parts: the conversation is the one with that text as the assistant's content (they were 400s)."""
+    said = [MESSAGES[1], {"role": "assistant", "content": "I can't help with that."}, {"role": "user", "content": "Why?"}]
+    expected = post(smol_stack, "/tokenize", {"messages": said}).json()["count"]
+    for assistant in ({"role": "assistant", "content": None, "refusal": "I can't help with that."},
+                      {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't help with that."}]}):
+        messages = [said[0], assistant, said[2]]
+        assert post(smol_stack, "/tokenize", {"messages": messages}).json()["count"] == expected
+        assert chat(smol_stack, messages=messages, max_tokens=1, temperature=0)["usage"]["prompt_tokens"] == expected
 
 
 @pytest.mark.parametrize("path, body, param", [
@@ -67,6 +88,9 @@ def test_a_chat_continues_the_final_message_or_adds_no_turn_as_tokenize_renders_
     ("/tokenize", {"prompt": "a", "model": "nope"}, "model"),
     ("/tokenize", {"messages": MESSAGES, "add_generation_prompt": True, "continue_final_message": True},
      "continue_final_message"),
+    ("/tokenize", {"messages": MESSAGES, "chat_template": "{{ messages[0].content }}"}, "chat_template"),  # ignored
+    ("/tokenize", {"messages": MESSAGES, "chat_template_kwargs": {"chat_template": "{{ x }}"}},
+     "chat_template_kwargs.chat_template"),
     ("/v1/chat/completions", {"messages": MESSAGES, "add_generation_prompt": True, "continue_final_message": True},
      "continue_final_message"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}], "tools": TOOLS}, "messages[0].role"),

@@ -5,8 +5,11 @@ first message, text blocks the content, ``image`` blocks image parts through the
 ``tool_use`` blocks an assistant's ``tool_calls``, ``tool_result`` blocks ``tool`` messages), and the tools
 and ``tool_choice`` (``auto``, ``any`` → required, ``tool`` → named, ``none``) OpenAI's; so the model sees
 exactly what a chat completion of the same conversation shows it. A last message of the assistant's is a
-prefill: its turn is left open and the answer continues it (vLLM's continue_final_message). Empty text is a
-400, in Anthropic's words. A field the server cannot honour (``thinking``, ``container``, …) is a 400 naming it.
+prefill: its turn is left open and the answer continues it (vLLM's continue_final_message); it may not end in
+whitespace (Anthropic's 400). Consecutive messages of one role are one turn, as Anthropic combines them; the
+``thinking`` and ``redacted_thinking`` blocks a client sends back in assistant turns are left out, as Anthropic
+leaves earlier turns' thinking out of the context. Empty text is a 400, in Anthropic's words. A field the server
+cannot honour (``thinking`` enabled, ``container``, …) is a 400 naming it.
 """
 
 from __future__ import annotations
@@ -104,6 +107,8 @@ def _parse(data: dict[str, Any], cfg: Config, served: Served, counting: bool) ->
         raise invalid("Requests which include `tool_use` or `tool_result` blocks must define tools.")
     last = messages[-1]
     prefill = last["role"] == "assistant" and bool(last["content"]) and not last.get("tool_calls")
+    if prefill and isinstance(last["content"], str) and last["content"] != last["content"].rstrip():
+        raise invalid("messages: final assistant content cannot end with trailing whitespace")  # Anthropic's rule
     return MessagesRequest(common, messages, listed, tools, prefill)
 
 
@@ -140,14 +145,31 @@ def openai_messages(system: Any, messages: Any) -> list[dict[str, Any]]:
         out.append({"role": "system", "content": _text_of(system, "system")})
     if not isinstance(messages, list) or not messages:
         raise invalid("messages: must be a non-empty array of {role, content}")
-    calls: set[str] = set()  # the previous message's tool_use ids: what its next message's tool_results answer
-    for i, message in enumerate(messages):
-        converted = _message(message, f"messages.{i}", last=i == len(messages) - 1)
-        _check_results(converted, calls, f"messages.{i}")
-        _check_answered(converted, calls, f"messages.{i - 1}")
+    calls: set[str] = set()  # the previous turn's tool_use ids: what its next turn's tool_results answer
+    for role, blocks, where in _turns(messages):
+        converted = _turn(role, blocks)
+        _check_results(converted, calls, where)
+        _check_answered(converted, calls, where)
         calls = {call["id"] for m in converted for call in m.get("tool_calls", ())}
         out.extend(converted)
     return out
+
+
+Block = tuple[Any, str]  # a content block and where it is (messages.1.content.0)
+
+
+def _turns(messages: list[Any]) -> list[tuple[str, list[Block], str]]:
+    """Each turn's role, content blocks and where it starts: consecutive messages of one role are one turn, as
+    Anthropic combines them."""
+    turns: list[tuple[str, list[Block], str]] = []
+    for i, message in enumerate(messages):
+        where = f"messages.{i}"
+        role, blocks = _blocks(message, where, last=i == len(messages) - 1)
+        if turns and turns[-1][0] == role:
+            turns[-1][1].extend(blocks)
+        else:
+            turns.append((role, blocks, where))
+    return turns
 
 
 def _check_results(converted: list[dict[str, Any]], calls: set[str], where: str) -> None:
@@ -167,9 +189,12 @@ def _check_answered(converted: list[dict[str, Any]], calls: set[str], where: str
 
 
 EMPTY_TEXT = "messages: text content blocks must be non-empty"  # Anthropic's words
+THINKING = {"thinking": "thinking", "redacted_thinking": "data"}  # a client's replayed thinking blocks: their text field
 
 
-def _message(message: Any, where: str, last: bool = False) -> list[dict[str, Any]]:
+def _blocks(message: Any, where: str, last: bool) -> tuple[str, list[Block]]:
+    """A message's role and content blocks (a string is one text block); an empty final assistant message has
+    none (nothing to continue from)."""
     if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
         raise invalid(f"{where}.role: must be \"user\" or \"assistant\"")
     role, content = message["role"], message.get("content")
@@ -177,19 +202,26 @@ def _message(message: Any, where: str, last: bool = False) -> list[dict[str, Any
         if not (last and role == "assistant"):
             raise invalid(EMPTY_TEXT if content == "" else f"{where}: all messages must have non-empty content "
                                                          "except for the optional final assistant message")
-        return []  # an empty final assistant turn: nothing to continue from
+        return role, []
     if isinstance(content, str):
-        return [{"role": role, "content": content}]
+        return role, [({"type": "text", "text": content}, f"{where}.content")]
     if not isinstance(content, list):
         raise invalid(f"{where}.content: must be a string or an array of content blocks")
-    blocks = [_block(block, f"{where}.content.{j}", role) for j, block in enumerate(content)]
-    results = [b for kind, b in blocks if kind == "tool_result"]
-    parts = [b for kind, b in blocks if kind == "part"]
-    calls = [b for kind, b in blocks if kind == "tool_use"]
+    return role, [(block, f"{where}.content.{j}") for j, block in enumerate(content)]
+
+
+def _turn(role: str, blocks: list[Block]) -> list[dict[str, Any]]:
+    """One turn as chat messages: a user's tool results as tool messages, then its words; an assistant's words
+    and tool calls as one message (none when it says nothing, e.g. only earlier thinking)."""
+    read = [_block(block, where, role) for block, where in blocks]
+    results = [b for kind, b in read if kind == "tool_result"]
+    parts = [b for kind, b in read if kind == "part"]
+    calls = [b for kind, b in read if kind == "tool_use"]
     out = list(results)  # tool messages answer the assistant's calls before the user's own words
     if role == "assistant":
         text = "".join(p["text"] for p in parts)
-        out.append({"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})})
+        if text or calls:
+            out.append({"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})})
     elif parts:
         out.append({"role": "user", "content": parts})
     return out
@@ -211,6 +243,11 @@ def _block(block: Any, where: str, role: str) -> tuple[str, dict[str, Any]]:
             raise invalid(f"{where}: a tool_use block needs id, name and input (an object)")
         return "tool_use", {"id": block["id"], "type": "function",
                             "function": {"name": block["name"], "arguments": json.dumps(block["input"])}}
+    if kind in THINKING and role == "assistant":
+        field = THINKING[kind]
+        if not isinstance(block.get(field), str):
+            raise invalid(f"{where}.{field}: must be a string")
+        return "thinking", {}  # an earlier turn's thinking: Anthropic leaves it out of the context too
     if kind == "tool_result" and role == "user":
         if not isinstance(block.get("tool_use_id"), str):
             raise invalid(f"{where}.tool_use_id: must be a string")
@@ -219,7 +256,7 @@ def _block(block: Any, where: str, role: str) -> tuple[str, dict[str, Any]]:
             text = f"Error: {text}"
         return "tool_result", {"role": "tool", "tool_call_id": block["tool_use_id"], "content": text}
     raise invalid(f"{where}.type: {kind!r} blocks are not supported in {role} messages here "
-                  f"(user: text, image, tool_result; assistant: text, tool_use)")
+                  f"(user: text, image, tool_result; assistant: text, tool_use, thinking, redacted_thinking)")
 
 
 def _text_of(value: Any, where: str) -> str:

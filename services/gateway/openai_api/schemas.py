@@ -53,7 +53,6 @@ def parse_chat(body: bytes, cfg: Config, served: Served) -> ChatRequest:
     data = parse_json_object(body, PARSE_ERROR)
     f = Fields(data)
     messages, listed = chat_messages(data.get("messages"))
-    _refuse_chat_extras(f)
     logprobs = bool(f.boolean("logprobs", False))
     top = f.integer("top_logprobs", None, 0, 20)
     if top is not None and not logprobs:
@@ -69,9 +68,38 @@ def parse_chat(body: bytes, cfg: Config, served: Served) -> ChatRequest:
         common = replace(common, sampling=msgspec.structs.replace(common.sampling, grammar=grammar))
     if tools is not None:
         _tool_roles(messages)
-    kwargs = {**f.obj("chat_template_kwargs").data, **documents_kwargs(f)}
-    return ChatRequest(common, messages, logprobs, top, kwargs, listed, tools, chat_turn(data, f),
+    turn, kwargs = template_options(data, f)
+    return ChatRequest(common, messages, logprobs, top, kwargs, listed, tools, turn,
                        _echoed(messages) if f.boolean("echo", False) else "")
+
+
+# apply_chat_template's own parameters: the request's fields set them (vLLM's chat_template_kwargs cannot either)
+TEMPLATE_PARAMS = {"conversation": "messages", "messages": "messages", "tools": "tools", "documents": "documents",
+                   "tokenize": None, "padding": None, "truncation": None, "max_length": None, "return_tensors": None,
+                   "return_dict": None, "return_assistant_tokens_mask": None, "tokenizer_kwargs": None}
+TURN_KWARGS = ("add_generation_prompt", "continue_final_message")
+
+
+def template_options(data: dict[str, Any], f: Fields) -> tuple[dict[str, bool], dict[str, Any]]:
+    """How the conversation ends (``chat_turn``) and the variables for the model's chat template: vLLM's
+    ``chat_template_kwargs`` (an ``add_generation_prompt`` or ``continue_final_message`` among them overrides the
+    request's, as vLLM merges them) and ``documents``. A template of the client's own is refused in either place
+    (vLLM refuses one unless started with --trust-request-chat-template: a template is code the tokenizer runs)."""
+    _refuse_chat_extras(f)
+    kwargs = dict(f.obj("chat_template_kwargs").data)
+    for key in sorted(kwargs):
+        where = f"chat_template_kwargs.{key}"
+        if key == "chat_template":
+            raise bad_param(where, "chat_template overrides are not supported; the model's template is used.")
+        if key in TEMPLATE_PARAMS:
+            field = TEMPLATE_PARAMS[key]
+            raise bad_param(where, f"{where} is apply_chat_template's own parameter"
+                                   + (f"; give the request's {field}." if field else ", not a template variable."))
+        if key in TURN_KWARGS and not isinstance(kwargs[key], bool):
+            raise bad_param(where, f"{where} must be a boolean.")
+    turn_fields = {key: kwargs.pop(key) for key in TURN_KWARGS if key in kwargs}
+    merged = {**data, **turn_fields}
+    return chat_turn(merged, Fields(merged)), {**kwargs, **documents_kwargs(f)}
 
 
 def documents_kwargs(f: Fields) -> dict[str, Any]:
@@ -143,8 +171,13 @@ def _message(value: Any, i: int) -> tuple[dict[str, Any], ListInput | None]:
     if not isinstance(role, str) or not role:
         raise bad_param(f"{where}.role", f"{where}.role must be a non-empty string.")
     role = "system" if role == "developer" else role  # OpenAI's name for system messages to newer models
+    if value.get("function_call") is not None:
+        raise bad_param(f"{where}.function_call", f"{where}.function_call (legacy function calling) is not "
+                                                  "supported; use tool_calls.")
     calls = _tool_calls(value.get("tool_calls"), where) if role == "assistant" else []
     content = value.get("content")
+    if role == "assistant":
+        content = _refusal_as_text(content, value.get("refusal"), where)
     text, listed = ("", None) if calls and content is None else _content(content, f"{where}.content")
     message = {"role": role, "content": template_content(listed) if listed is not None and listed.has_media else text}
     if isinstance(value.get("name"), str):
@@ -156,6 +189,19 @@ def _message(value: Any, i: int) -> tuple[dict[str, Any], ListInput | None]:
             raise bad_param(f"{where}.tool_call_id", f"{where}.tool_call_id is required for a tool message.")
         message["tool_call_id"] = value["tool_call_id"]
     return message, listed
+
+
+def _refusal_as_text(content: Any, refusal: Any, where: str) -> Any:
+    """An assistant's earlier refusal, as OpenAI returns one (``refusal`` beside a null content, or refusal
+    parts), is what it said: its text (vLLM reads refusal parts as text too)."""
+    if refusal is not None and not isinstance(refusal, str):
+        raise bad_param(f"{where}.refusal", f"{where}.refusal must be a string.")
+    if content is None and refusal:
+        return refusal
+    if isinstance(content, list):
+        return [{"type": "text", "text": part["refusal"]} if isinstance(part, dict) and part.get("type") == "refusal"
+                and isinstance(part.get("refusal"), str) else part for part in content]
+    return content
 
 
 def _tool_calls(value: Any, where: str) -> list[dict[str, Any]]:

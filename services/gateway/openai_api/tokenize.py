@@ -16,7 +16,7 @@ from litestar import Request, Response, Router, post
 
 from services.gateway.common.content import admit, chat_media
 from services.gateway.openai_api.errors import OPENAI_EXCEPTION_HANDLERS, bad_param, content_error, model_not_found
-from services.gateway.openai_api.schemas import PARSE_ERROR, chat_messages, chat_turn, documents_kwargs
+from services.gateway.openai_api.schemas import PARSE_ERROR, chat_messages, template_options
 from services.gateway.openai_api.tools import parse_tools
 from services.gateway.tgi.tokenize import is_tgi, tgi_tokenize
 from services.gateway.web.validation import MAX_INPUT_CHARS, Fields, parse_json_object
@@ -79,14 +79,10 @@ def _chat(data: dict[str, Any], f: Fields, gateway) -> Tokenize:
         raise bad_param("prompt", "give either prompt or messages, not both.")
     messages, listed = chat_messages(data.get("messages"))
     admit(listed, gateway.media_policy, content_error, gateway.modalities())
-    if f.boolean("add_special_tokens", False):
-        raise bad_param("add_special_tokens", "add_special_tokens applies to a prompt; the chat template places the "
-                                              "special tokens of messages.")
-    turn = chat_turn(data, f)
+    turn, kwargs = template_options(data, f)  # (as chat reads them: a template of the client's own is refused)
     tools = parse_tools(data)
     return Tokenize(messages=messages, tools=tools.declared if tools else [], tool_choice=tools.choice if tools else "",
-                    chat_template_kwargs={**f.obj("chat_template_kwargs").data, **documents_kwargs(f)},
-                    parts=chat_media(listed), **turn)
+                    chat_template_kwargs=kwargs, parts=chat_media(listed), **turn)
 
 
 ROUTES = [Router("/", route_handlers=[tokenize, detokenize], exception_handlers=OPENAI_EXCEPTION_HANDLERS)]
