@@ -131,18 +131,38 @@ def test_consecutive_turns_of_one_role_are_one_and_replayed_thinking_is_left_out
                                **GREEDY).usage.input_tokens == count(plain)
 
 
-def test_a_forced_tool_call_cut_by_max_tokens_is_left_out_not_shown_as_text(smol_stack):
-    """A call forced by tool_choice "any" and cut by max_tokens has no input object yet: the answer says
-    max_tokens and has no tool_use, and the grammar's JSON never reaches the user as text (streamed or not)."""
+def test_a_forced_tool_call_cut_by_max_tokens_ends_with_its_incomplete_tool_use(smol_stack):
+    """A call forced by tool_choice "any" and cut by max_tokens ends the answer as Anthropic's does: with its
+    incomplete tool_use block (its docs: retry with a higher max_tokens), the body's input the object its JSON
+    begins, as the SDK reads the stream's input_json_delta; the grammar's JSON never reaches the user as text."""
     api = client(smol_stack)
     ask = dict(model=smol_stack.model, max_tokens=12, tools=[WEATHER], tool_choice={"type": "any"}, **GREEDY,
                messages=[{"role": "user", "content": "What is the weather like in Paris today?"}])
     whole = api.messages.create(**ask)
     with api.messages.stream(**ask) as s:
+        deltas = [e.delta.partial_json for e in s if e.type == "content_block_delta"]
         streamed = s.get_final_message()
-    for answer in (whole, streamed):  # a forced call cut short is left out, and no empty text block is made
+    assert len(deltas) > 1  # the arguments streamed as they were made
+    for answer in (whole, streamed):
         assert answer.stop_reason == "max_tokens" and answer.usage.output_tokens == 12
-        assert answer.content == []
+        (use,) = answer.content
+        assert use.type == "tool_use" and use.name == "get_weather" and isinstance(use.input, dict)
+    assert whole.content[0].input == streamed.content[0].input
+
+
+def test_with_tools_declared_text_streams_as_it_is_made(smol_stack):
+    """Agent clients always declare tools: the answer's text streams token by token all the same (it was held
+    to the end and sent as one delta), and the stream's final message is the body."""
+    api = client(smol_stack)
+    ask = dict(model=smol_stack.model, max_tokens=16, tools=[WEATHER], system=SYSTEM, **GREEDY,
+               messages=[{"role": "user", "content": "Tell me a story about a cat."}])
+    whole = api.messages.create(**ask)
+    with api.messages.stream(**ask) as s:
+        pieces = list(s.text_stream)
+        streamed = s.get_final_message()
+    assert whole.content[0].type == "text" and len(pieces) > 4
+    assert "".join(pieces) == streamed.content[0].text == whole.content[0].text
+    assert streamed.stop_reason == whole.stop_reason
 
 
 def test_an_empty_answer_has_no_content_and_continues_as_a_conversation(smol_stack):

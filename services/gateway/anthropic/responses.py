@@ -3,8 +3,12 @@
 Stream: ``message_start`` (the message with no content, its input tokens) and a ``ping``, then each content
 block (``content_block_start``, its deltas, ``content_block_stop``; none for an empty answer), then
 ``message_delta`` (``stop_reason``, ``stop_sequence``, output tokens) and ``message_stop``. Every event has its
-``event:`` line (the SDK dispatches on it). Text streams as it comes; with tools declared the answer is read
-whole first (a tool call is known only at its end), then sent as text and ``tool_use`` blocks.
+``event:`` line (the SDK dispatches on it). Text streams as it comes, with tools declared too (the chat route's
+``ToolStream`` holds back only what may begin a call): each call is a ``tool_use`` block whose input streams as
+``input_json_delta`` (a forced call's arguments as they are made; a model's own call once its block is whole). A
+forced call cut short by max_tokens ends the answer as Anthropic's does, with its incomplete ``tool_use`` block:
+the stream's JSON as far as it came, the body's input the object it begins (``partial.partial_object``, as the
+anthropic SDK's partial reading of the stream makes it).
 """
 
 from __future__ import annotations
@@ -14,8 +18,9 @@ import uuid
 from typing import Any, AsyncIterator
 
 from services.gateway.anthropic.errors import STATUS, error_body
+from services.gateway.anthropic.partial import partial_object
 from services.gateway.anthropic.schemas import MessagesRequest
-from services.gateway.openai_api.tools import extract
+from services.gateway.openai_api.tools import ToolStream, extract
 from services.gateway.request.call import Call
 from services.gateway.request.session import End
 from shared.errors import SwitchboardError
@@ -41,23 +46,30 @@ def blocks(req: MessagesRequest, call: Call, end: End) -> list[dict[str, Any]]:
         fmt = call.started[0].tool_format or "hermes"
         content, calls = extract(req.tools, end.text, fmt)
         text = content or ""
-    uses = [use for use in map(_tool_use, calls) if use is not None]
-    if len(uses) < len(calls) and req.tools.choice not in ("required", "named"):
+    forced = req.tools is not None and req.tools.choice in ("required", "named")
+    uses = [use for use in (_tool_use(c, forced) for c in calls) if use is not None]
+    if len(uses) < len(calls) and not forced:
         text, uses = end.text, []  # the model's own call whose arguments are no JSON object: its answer is text
-    # (a forced call cut short, by max_tokens or a stop sequence, is left out: its input is no object yet;
-    # an empty answer is no content at all, as Anthropic's: an empty text block is refused as input)
+    # (an empty answer is no content at all, as Anthropic's: an empty text block is refused as input)
     return ([{"type": "text", "text": text}] if text else []) + uses
 
 
-def _tool_use(call: dict[str, Any]) -> dict[str, Any] | None:
+def _tool_use(call: dict[str, Any], forced: bool) -> dict[str, Any] | None:
+    """A call as a tool_use block; a forced call cut short has the object its arguments begin (``{}`` before
+    any complete member)."""
     try:
         arguments = json.loads(call["function"]["arguments"])
     except ValueError:
-        return None
+        arguments = partial_object(call["function"]["arguments"]) if forced else None
+        if forced and arguments is None:
+            arguments = {}
     if not isinstance(arguments, dict):
         return None
-    return {"type": "tool_use", "id": "toolu_" + uuid.uuid4().hex[:24], "name": call["function"]["name"],
-            "input": arguments}
+    return {"type": "tool_use", "id": _tool_id(), "name": call["function"]["name"], "input": arguments}
+
+
+def _tool_id() -> str:
+    return "toolu_" + uuid.uuid4().hex[:24]
 
 
 def stop_reason(end: End, content: list[dict[str, Any]]) -> str:
@@ -88,37 +100,70 @@ async def message_events(req: MessagesRequest, call: Call) -> AsyncIterator[byte
              "usage": {**usage(call), "output_tokens": 0}}
     yield event("message_start", {"message": start})
     yield PING  # (at the start: a ping later, right after a block, would look like a keep-alive owed no silence)
-    end, content = None, []
-    if req.tools is None:
-        async for step in call.steps():
-            if step.text and not content:  # the text block opens with its first text: no empty block
-                content = [{"type": "text"}]
-                yield event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
-            if step.text:
-                yield event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": step.text}})
-            end = step.end or end
-        if content:
-            yield event("content_block_stop", {"index": 0})
-    else:
-        async for step in call.steps():
-            end = step.end or end
-        content = blocks(req, call, end)
-        for index, block in enumerate(content):
-            for chunk in _whole_block(index, block):
+    end, out = None, BlockEvents()
+    stream = ToolStream(req.tools, call.started[0].tool_format or "hermes") if req.tools is not None else None
+    async for step in call.steps():
+        text, calls = stream.feed(step.text, step.end is not None) if stream is not None else (step.text, [])
+        for chunk in out.text(text):
+            yield chunk
+        for delta in calls:
+            for chunk in out.call(delta):
                 yield chunk
-    reason = stop_reason(end, content)
+        end = step.end or end
+    for chunk in out.stop():
+        yield chunk
+    reason = stop_reason(end, out.kinds)
     yield event("message_delta", {"delta": {"stop_reason": reason,
                                             "stop_sequence": end.stop or None if reason == "stop_sequence" else None},
                                   "usage": {"output_tokens": call.completion_tokens}})
     yield event("message_stop", {})
 
 
-def _whole_block(index: int, block: dict[str, Any]) -> list[bytes]:
-    if block["type"] == "text":
-        start, delta = {"type": "text", "text": ""}, {"type": "text_delta", "text": block["text"]}
-    else:
-        start = {**block, "input": {}}
-        delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}
-    return [event("content_block_start", {"index": index, "content_block": start}),
-            event("content_block_delta", {"index": index, "delta": delta}),
-            event("content_block_stop", {"index": index})]
+class BlockEvents:
+    """The stream's content blocks as they come: text into a text block, each tool call (the chat stream's
+    deltas: its first with id and name) a tool_use block whose input streams as input_json_delta; a block of
+    another kind closes the one before. Whitespace before a block is held until text follows it (no block of
+    whitespace alone before a call, as the body's text is stripped of it)."""
+
+    def __init__(self):
+        self.index = -1
+        self.open: str | None = None  # the open block's type
+        self.kinds: list[dict[str, str]] = []  # each block's {"type"}: what stop_reason reads
+        self.held = ""
+
+    def text(self, text: str) -> list[bytes]:
+        if not text:
+            return []
+        if self.open != "text":
+            text, self.held = self.held + text, ""
+            if not text.strip():
+                self.held = text
+                return []
+        out = self._start({"type": "text", "text": ""}) if self.open != "text" else []
+        return out + [self._delta({"type": "text_delta", "text": text})]
+
+    def call(self, delta: dict[str, Any]) -> list[bytes]:
+        out = []
+        if "id" in delta:  # a new call
+            self.held = ""
+            out = self._start({"type": "tool_use", "id": _tool_id(), "name": delta["function"]["name"], "input": {}})
+        arguments = delta["function"].get("arguments")
+        if arguments and self.open == "tool_use":
+            out.append(self._delta({"type": "input_json_delta", "partial_json": arguments}))
+        return out
+
+    def stop(self) -> list[bytes]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [event("content_block_stop", {"index": self.index})]
+
+    def _start(self, block: dict[str, Any]) -> list[bytes]:
+        out = self.stop()
+        self.index += 1
+        self.open = block["type"]
+        self.kinds.append({"type": block["type"]})
+        return out + [event("content_block_start", {"index": self.index, "content_block": block})]
+
+    def _delta(self, delta: dict[str, Any]) -> bytes:
+        return event("content_block_delta", {"index": self.index, "delta": delta})
