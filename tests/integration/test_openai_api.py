@@ -16,7 +16,7 @@ MESSAGES = [{"role": "user", "content": "My name is Olivier and I"}]
 PROMPT = "My name is Olivier and I"
 GREEDY = {"temperature": 0, "max_tokens": 8}
 
-CHAT_KEYS = {"id", "object", "created", "model", "choices", "usage"}  # system_fingerprint: a string or absent
+CHAT_KEYS = {"id", "object", "created", "model", "system_fingerprint", "choices", "usage"}
 CHAT_CHOICE_KEYS = {"index", "message", "logprobs", "finish_reason", "stop_reason"}
 CHUNK_CHOICE_KEYS = {"index", "delta", "logprobs", "finish_reason", "stop_reason"}
 COMPLETION_CHOICE_KEYS = {"index", "text", "logprobs", "finish_reason", "stop_reason"}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from text_generation import Client
 
@@ -70,12 +72,16 @@ def test_completions_default_max_tokens_is_16(tiny_stack):
     assert r.json()["usage"]["completion_tokens"] == 16
 
 
-def test_openai_refusal_fields_and_no_null_fingerprint(tiny_stack):
+def test_openai_refusal_fields_and_the_backends_fingerprint(tiny_stack):
+    """system_fingerprint is a string naming the backend configuration (TGI's own client requires it): the same
+    for every answer of one configuration, on chat and completions."""
     r = post(tiny_stack, "/v1/chat/completions", {
         "model": tiny_stack.model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 3,
         "temperature": 0, "logprobs": True, "top_logprobs": 1})
     body = r.json()
-    assert "system_fingerprint" not in body
+    assert re.fullmatch(r"fp_[0-9a-f]{10}", body["system_fingerprint"])
+    completion = post(tiny_stack, "/v1/completions", {"model": tiny_stack.model, "prompt": PROMPT, "max_tokens": 1})
+    assert completion.json()["system_fingerprint"] == body["system_fingerprint"]
     choice = body["choices"][0]
     assert choice["message"]["refusal"] is None and choice["logprobs"]["refusal"] is None
 

@@ -284,3 +284,25 @@ def test_tgi_tokenize_gives_each_tokens_text_and_offsets(tiny_stack):
     special = post(tiny_stack, "/generate", {"inputs": "<|im_start|>user\nhi<|im_end|>", "parameters": {
         **GREEDY, "decoder_input_details": True}}).json()["details"]["prefill"]
     assert [t["special"] for t in special if t["text"] in ("<|im_start|>", "<|im_end|>")] == [True, True]
+
+
+def test_tgis_own_client_chats_as_tgis_messages_api(tiny_stack):
+    """text_generation's Client.chat sends model "tgi" (TGI's Messages API docs tell every client to): it is the
+    served model, named as such in the answer (it was a 404 model_not_found), and the answer carries the
+    system_fingerprint the client requires; streamed too. (The client's own streaming reader wants a tool_calls
+    key on every delta under pydantic 2, which TGI's server does not send either: the stream is read here.)"""
+    from text_generation import Client
+    from text_generation.types import Message
+
+    tgi = Client(tiny_stack.url, timeout=60)
+    answer = tgi.chat(messages=[Message(role="user", content="Hello")], max_tokens=4, temperature=0.0)
+    assert answer.model == tiny_stack.model and answer.usage["completion_tokens"] == 4
+    assert answer.choices[0].message.content and answer.system_fingerprint.startswith("fp_")
+    r = httpx.post(tiny_stack.url + "/v1/chat/completions", timeout=60, json={
+        "model": "tgi", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4, "temperature": 0,
+        "stream": True})
+    chunks = [json.loads(line[len("data: "):]) for line in r.text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    assert {c["model"] for c in chunks} == {tiny_stack.model}
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == \
+        answer.choices[0].message.content

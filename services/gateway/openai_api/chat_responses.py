@@ -64,13 +64,13 @@ async def chat_body(req: ChatRequest, call: Call) -> dict[str, Any]:
         choices.append({"index": index, "message": message, "logprobs": logprobs_json(req, end.tokens),
                         "finish_reason": _finish(end.finish_reason, bool(calls)),
                         "stop_reason": _stop_reason(req, end)})
-    meta = Meta.new("chatcmpl", "chat.completion", req.common.model, req.common.request_id)
+    meta = Meta.new("chatcmpl", "chat.completion", req.common.model, req.common.request_id, call)
     return meta.body(choices, usage=call.usage())
 
 
 async def chat_chunks(req: ChatRequest, call: Call) -> AsyncIterator[bytes]:
     """A role chunk per choice, content deltas, each choice's end reason, then the usage (if asked)."""
-    meta = Meta.new("chatcmpl", "chat.completion.chunk", req.common.model, req.common.request_id)
+    meta = Meta.new("chatcmpl", "chat.completion.chunk", req.common.model, req.common.request_id, call)
     usage = UsagePlacement(call, req.common.include_usage, req.common.continuous_usage)
     streams = [ToolStream(req.tools, started.tool_format or "hermes") if req.tools is not None else None
                for started in call.started]

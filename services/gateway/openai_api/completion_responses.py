@@ -76,13 +76,13 @@ async def completion_body(req: CompletionRequest, call: Call) -> dict[str, Any]:
             tracker, prompt = prompt_logprobs(req, call, index)
             logprobs = _joined(prompt, tracker.of(end.tokens))
         choices.append(_choice(index, echo + end.text, logprobs, end, req))
-    meta = Meta.new("cmpl", "text_completion", req.common.model, req.common.request_id)
+    meta = Meta.new("cmpl", "text_completion", req.common.model, req.common.request_id, call)
     return meta.body(choices, usage=call.usage())
 
 
 async def completion_chunks(req: CompletionRequest, call: Call) -> AsyncIterator[bytes]:
     """With echo, each choice's prompt first; then text deltas, each choice's end, the usage (if asked)."""
-    meta = Meta.new("cmpl", "text_completion", req.common.model, req.common.request_id)
+    meta = Meta.new("cmpl", "text_completion", req.common.model, req.common.request_id, call)
     usage = UsagePlacement(call, req.common.include_usage, req.common.continuous_usage)
     echoes = echo_texts(req, call)
     wants_logprobs = req.logprobs is not None

@@ -46,6 +46,8 @@ def parse_common(data: dict[str, Any], cfg: Config, served: Served, logprobs: in
     OpenAI's and vLLM's completions APIs do."""
     f = Fields(data)
     model = _model(f)
+    if model == TGI_MODEL and model != served.model and model not in served.adapters:
+        model = served.model  # (the answer names the served model, as TGI's names its model id)
     adapter = _adapter(model, served)
     stream = bool(f.boolean("stream", False))
     dialect = VllmDialect(repetition_max=2.0, max_tokens_default=cfg.schedule.max_iter_times if chat else COMPLETIONS_MAX_TOKENS,
@@ -109,6 +111,9 @@ def _model(f: Fields) -> str:
     if not isinstance(model, str) or not model:
         raise bad_param("model", "model must be a non-empty string.")
     return model
+
+
+TGI_MODEL = "tgi"  # TGI's Messages API: its docs have clients send model "tgi", which TGI serves as its one model
 
 
 def _adapter(model: str, served: Served) -> str:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import time
 import uuid
 from dataclasses import dataclass, field
+from functools import lru_cache
+from importlib import metadata
 from typing import Any
 
 import msgspec
@@ -25,17 +28,39 @@ class Meta:
     model: str
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
+    fingerprint: str = ""
 
     @classmethod
-    def new(cls, prefix: str, obj: str, model: str, request_id: str = "") -> "Meta":
+    def new(cls, prefix: str, obj: str, model: str, request_id: str = "", call: Call | None = None) -> "Meta":
         """The id is ``<prefix>-<request_id>`` (vLLM's request_id field), else ``<prefix>-<random hex>``."""
-        return cls(obj, model, f"{prefix}-{request_id or uuid.uuid4().hex}")
+        return cls(obj, model, f"{prefix}-{request_id or uuid.uuid4().hex}",
+                   fingerprint=system_fingerprint(call) if call is not None else "")
 
     def body(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-        """No ``system_fingerprint``: OpenAI's schema wants a string or nothing, and there is no backend
-        configuration fingerprint to report."""
-        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                "choices": choices, **extra}
+        head = {"id": self.id, "object": self.object, "created": self.created, "model": self.model}
+        if self.fingerprint:
+            head["system_fingerprint"] = self.fingerprint
+        return {**head, "choices": choices, **extra}
+
+
+def system_fingerprint(call: Call) -> str:
+    """OpenAI's ``system_fingerprint``: the backend configuration the answer ran with, hashed (``fp_`` and 10 hex
+    digits): Switchboard's version and the serving engine's device, dtype, weight format, KV-cache dtype and
+    block size, so it changes when something that may change a seeded answer does (TGI's own client requires
+    the field on chat answers)."""
+    engine = call.started[0].engine if call.started else ""
+    info = call.ctx.failover.engines.get(engine) if engine else None
+    info = info or call.ctx.engine_info()
+    if info is None:
+        return _fingerprint(call.ctx.model, "", "", "", "", 0)
+    return _fingerprint(call.ctx.model, info.device, info.dtype, info.quantization, info.kv_dtype or info.dtype,
+                        info.block_size)
+
+
+@lru_cache(maxsize=64)
+def _fingerprint(*config: Any) -> str:
+    text = "\0".join(map(str, (metadata.version("switchboard"), *config)))
+    return "fp_" + hashlib.sha256(text.encode()).hexdigest()[:10]
 
 
 class UsagePlacement:
