@@ -9,6 +9,7 @@ a response object and the conversation it continues (``previous_response_id``), 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -24,6 +25,7 @@ from shared.errors import ErrorKind, SwitchboardError
 log = logging.getLogger("switchboard.gateway")
 
 BUCKET = "switchboard_responses"
+STREAM = f"KV_{BUCKET}"  # the key-value bucket's JetStream stream
 
 
 class ResponseStore:
@@ -37,7 +39,8 @@ class ResponseStore:
         return self.kv is not None
 
     async def open(self) -> None:
-        """Open (or create) the bucket; without JetStream, remember why and go on."""
+        """Open (or create) the bucket, with this configuration's TTL and size cap and the oldest records going
+        first when it is full; without JetStream, remember why and go on."""
         js = self.nc.jetstream(timeout=5)
         try:
             try:
@@ -49,6 +52,20 @@ class ResponseStore:
         except (JetStreamError, NatsError, TimeoutError, OSError) as exc:
             self.kv, self.why = None, f"the NATS server has no JetStream ({exc!r})"
             log.warning("stored responses unavailable", extra={"error": self.why})
+            return
+        await self._configure(js)
+
+    async def _configure(self, js) -> None:
+        """The bucket's stream as configured now: nats-py creates a key-value stream that refuses new records
+        when full (DiscardPolicy.NEW: every store a 503 for good once the cap was reached), and a bucket made
+        under an earlier responsesMaxMb / responsesTtlSeconds keeps its own limits unless they are updated."""
+        try:
+            config = (await js.stream_info(STREAM)).config
+            wanted = {"discard": api.DiscardPolicy.OLD, "max_bytes": self.max_bytes, "max_age": float(self.ttl_s)}
+            if any(getattr(config, key) != value for key, value in wanted.items()):
+                await js.update_stream(dataclasses.replace(config, **wanted))
+        except (JetStreamError, NatsError, TimeoutError, OSError) as exc:
+            log.warning("stored responses: the bucket's limits could not be updated", extra={"error": repr(exc)})
 
     async def put(self, key: str, record: dict[str, Any]) -> None:
         try:

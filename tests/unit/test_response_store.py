@@ -51,3 +51,26 @@ async def test_without_jetstream_store_true_is_a_clear_400():
     finally:
         server.terminate()
         server.wait(10)
+
+
+async def test_a_full_bucket_drops_its_oldest_records_and_takes_a_new_cap():
+    """Past responsesMaxMb the oldest records go first (nats-py made the bucket refuse every new record once
+    full: each store a 503 for good), and a bucket made under another cap or TTL takes this configuration's."""
+    with EmbeddedNats() as url:
+        nc = await nats.connect(url)
+        try:
+            small = ResponseStore(nc, 60, 1 << 20)
+            await small.open()
+            record = {"response": {"id": "x"}, "conversation": [{"role": "user", "content": "-" * 60_000}]}
+            for i in range(40):  # 2.4 MB into a 1 MiB bucket
+                await small.put(f"resp_{i}", record)
+            assert await small.get("resp_0") is None and await small.get("resp_39") is not None
+            larger = ResponseStore(nc, 120, 4 << 20)  # restarted with a larger cap and a longer TTL
+            await larger.open()
+            config = (await nc.jetstream().stream_info("KV_switchboard_responses")).config
+            assert (config.max_bytes, config.max_age) == (4 << 20, 120.0)
+            for i in range(40, 100):
+                await larger.put(f"resp_{i}", record)
+            assert await larger.get("resp_40") is not None and await larger.get("resp_99") is not None
+        finally:
+            await nc.close()
