@@ -100,7 +100,7 @@ async def message_events(req: MessagesRequest, call: Call) -> AsyncIterator[byte
              "usage": {**usage(call), "output_tokens": 0}}
     yield event("message_start", {"message": start})
     yield PING  # (at the start: a ping later, right after a block, would look like a keep-alive owed no silence)
-    end, out = None, BlockEvents()
+    end, out = None, BlockEvents(hold_whitespace=req.tools is not None)
     stream = ToolStream(req.tools, call.started[0].tool_format or "hermes") if req.tools is not None else None
     async for step in call.steps():
         text, calls = stream.feed(step.text, step.end is not None) if stream is not None else (step.text, [])
@@ -122,10 +122,11 @@ async def message_events(req: MessagesRequest, call: Call) -> AsyncIterator[byte
 class BlockEvents:
     """The stream's content blocks as they come: text into a text block, each tool call (the chat stream's
     deltas: its first with id and name) a tool_use block whose input streams as input_json_delta; a block of
-    another kind closes the one before. Whitespace before a block is held until text follows it (no block of
-    whitespace alone before a call, as the body's text is stripped of it)."""
+    another kind closes the one before. With tools declared, whitespace before a block is held until text follows
+    it (no block of whitespace alone before a call, as the body's text is stripped of it)."""
 
-    def __init__(self):
+    def __init__(self, hold_whitespace: bool):
+        self.hold_whitespace = hold_whitespace
         self.index = -1
         self.open: str | None = None  # the open block's type
         self.kinds: list[dict[str, str]] = []  # each block's {"type"}: what stop_reason reads
@@ -134,7 +135,7 @@ class BlockEvents:
     def text(self, text: str) -> list[bytes]:
         if not text:
             return []
-        if self.open != "text":
+        if self.open != "text" and self.hold_whitespace:
             text, self.held = self.held + text, ""
             if not text.strip():
                 self.held = text
