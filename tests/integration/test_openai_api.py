@@ -374,11 +374,15 @@ def test_vllms_guided_decoding_fields_hold_the_output(tiny_stack):
     assert isinstance(answer["ok"], bool)
     picked = complete(tiny_stack, structured_outputs={"choice": ["left", "right"]}, **seeded)["choices"][0]["text"]
     assert picked in ("left", "right"), picked
+    for grammar in ('start: "up" | "down"', 'root ::= "up" | "down"'):  # Lark, and GBNF as vLLM's docs write it
+        said = chat(tiny_stack, guided_grammar=grammar, **seeded)["choices"][0]["message"]["content"]
+        assert said in ("up", "down"), (grammar, said)
     generated = post(tiny_stack, "/generate", {"prompt": PROMPT, "guided_regex": "[a-c]{4}", "max_tokens": 8,
                                                "seed": 5}).json()["text"][0]
     assert re.fullmatch("[a-c]{4}", generated[len(PROMPT) + 1:]), generated
     for body, param in (({"guided_regex": "[0-9]", "guided_choice": ["a"]}, "guided_choice"),
                         ({"guided_regex": "("}, "guided_regex"), ({"guided_choice": []}, "guided_choice"),
+                        ({"guided_grammar": 'root ::= "up'}, "guided_grammar"),
                         ({"guided_json": {"type": "object"}, "response_format": {"type": "json_object"}},
                          "response_format"),
                         ({"bad_words": ["Paris"]}, "bad_words"), ({"allowed_token_ids": [5]}, "allowed_token_ids"),

@@ -89,6 +89,37 @@ def test_the_stream_gives_its_events_in_order_and_the_same_text(smol_stack):
     assert numbers == list(range(len(numbers)))
 
 
+def test_with_tools_declared_text_and_arguments_stream_as_they_are_made(smol_stack):
+    """Agents always declare tools: the text streams token by token all the same, and a forced call's arguments
+    as they are made (both came as one delta at the end), adding up to the body's."""
+    api = client(smol_stack)
+    ask = dict(model=smol_stack.model, input="Tell me a story about a cat.", tools=[WEATHER], temperature=0,
+               max_output_tokens=16, store=False)
+    with api.responses.stream(**ask) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+    whole = api.responses.create(**ask)
+    assert len(deltas) > 4 and "".join(deltas) == whole.output_text
+    forced = dict(ask, input="What is the weather like in Paris today?", tool_choice="required",
+                  max_output_tokens=40, parallel_tool_calls=False)
+    body = api.responses.create(**forced)
+    with api.responses.stream(**forced) as stream:
+        arguments = [e.delta for e in stream if e.type == "response.function_call_arguments.delta"]
+    (call,) = [item for item in body.output if item.type == "function_call"]
+    assert len(arguments) > 1 and "".join(arguments) == call.arguments
+
+
+def test_an_assistants_refusal_part_is_its_text(tiny_stack):
+    """Replayed conversations carry OpenAI's refusal parts (to_input_list()): they are the assistant's words, as
+    on chat (they were a 400)."""
+    said = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "I cannot."},
+            {"role": "user", "content": "Why?"}]
+    refused = [said[0], {"type": "message", "role": "assistant",
+                         "content": [{"type": "refusal", "refusal": "I cannot."}]}, said[2]]
+    api = client(tiny_stack)
+    assert api.responses.input_tokens.count(model=tiny_stack.model, input=refused).input_tokens == \
+        api.responses.input_tokens.count(model=tiny_stack.model, input=said).input_tokens
+
+
 def test_previous_response_id_retrieve_and_delete(smol_stack):
     api = client(smol_stack)
     first = api.responses.create(model=smol_stack.model, input="My name is Ada.", temperature=0, max_output_tokens=8)
@@ -137,6 +168,12 @@ def test_previous_response_id_retrieve_and_delete(smol_stack):
     ({"input": ASK, "stream_options": {"include_obfuscation": False}}, "stream_options"),
     ({"input": [{"role": "user", "content": "q"}, {"type": "function_call", "name": "f", "arguments": "{}"}]},
      "input[1].call_id"),
+    # a tool's image or file output was dropped (the model saw an empty result)
+    ({"input": [{"role": "user", "content": "q"}, {"type": "function_call", "call_id": "c1", "name": "get_weather",
+                                                   "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c1", "output": [
+                    {"type": "input_text", "text": "see:"}, {"type": "input_image", "image_url": "data:x"}]}],
+      "tools": [WEATHER]}, "input[2].output[1]"),
 ])
 def test_bad_bodies_get_openai_shaped_400s(tiny_stack, body, param):
     r = httpx.post(tiny_stack.url + "/v1/responses", json={"model": tiny_stack.model, **body}, timeout=30)
@@ -188,9 +225,10 @@ def test_fields_at_their_defaults_and_hints_are_taken(tiny_stack):
     """What Responses clients send beside the conversation: fields at their defaults (null, empty) and hints that
     change nothing in an answer here (a prompt-cache key, a service tier, an end user's id)."""
     body = {"model": tiny_stack.model, "input": ASK, "max_output_tokens": 2, "store": False, "include": [],
-            "reasoning": None, "stream_options": None, "conversation": None, "prompt": None, "top_logprobs": 0,
+            "stream_options": None, "conversation": None, "prompt": None, "top_logprobs": 0,
             "max_tool_calls": None, "background": False, "prompt_cache_key": "conversation-7",
-            "service_tier": "auto", "safety_identifier": "user-1"}
+            "service_tier": "auto", "safety_identifier": "user-1",
+            "reasoning": {"effort": None, "summary": None}}  # (what OpenAI echoes for a model that does not reason)
     r = httpx.post(tiny_stack.url + "/v1/responses", json=body, timeout=30)
     assert r.status_code == 200 and r.json()["status"] in ("completed", "incomplete"), r.text
 

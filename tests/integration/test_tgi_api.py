@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import pytest
@@ -306,3 +307,32 @@ def test_tgis_own_client_chats_as_tgis_messages_api(tiny_stack):
     assert {c["model"] for c in chunks} == {tiny_stack.model}
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == \
         answer.choices[0].message.content
+
+
+def test_tgi_clients_defaults_sample_when_asked_and_its_routes_and_forms_are_taken(tiny_stack):
+    """What TGI's own clients send: text_generation always sends do_sample false, and TGI samples whenever a
+    warper (temperature, top_k, top_p, typical_p) is set (it was greedy: temperature was ignored); SageMaker's
+    /invocations answers as /; huggingface_hub's "dummy" model and its {"type": "json_object", "value": schema}
+    response_format (the schema was ignored) and TGI's {"type": "regex"}."""
+    from text_generation import Client
+
+    tgi = Client(tiny_stack.url, timeout=60)
+    texts = {tgi.generate(PROMPT, max_new_tokens=8, temperature=1.5, seed=s).generated_text for s in range(1, 6)}
+    assert len(texts) > 1  # sampled (seeded differently), not greedy
+    greedy = {tgi.generate(PROMPT, max_new_tokens=8).generated_text for _ in range(2)}
+    assert len(greedy) == 1
+    r = httpx.post(tiny_stack.url + "/invocations", timeout=60,
+                   json={"inputs": PROMPT, "parameters": {"max_new_tokens": 3, "details": True}})
+    assert r.status_code == 200 and r.json()[0]["details"]["generated_tokens"] == 3
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    chat = {"messages": [{"role": "user", "content": "A number?"}], "max_tokens": 12, "seed": 3}
+    for form in ({"type": "json_object", "value": schema}, {"type": "json", "value": schema}):
+        r = httpx.post(tiny_stack.url + "/v1/chat/completions", timeout=60,
+                       json={"model": "dummy", "response_format": form, **chat})
+        assert r.status_code == 200 and r.json()["model"] == tiny_stack.model, r.text
+        content = r.json()["choices"][0]["message"]["content"]
+        assert r.json()["choices"][0]["finish_reason"] == "length" or set(json.loads(content)) == {"n"}, content
+    r = httpx.post(tiny_stack.url + "/v1/chat/completions", timeout=60,
+                   json={"model": "tgi", "response_format": {"type": "regex", "value": "[0-9]{3}"}, **chat})
+    assert re.fullmatch("[0-9]{3}", r.json()["choices"][0]["message"]["content"]), r.text

@@ -48,6 +48,8 @@ def test_choices_and_their_grammars():
     named = tools(tool_choice={"type": "function", "function": {"name": "get_time"}})
     assert (named.choice, named.named) == ("named", "get_time")
     assert json.loads(named.grammar().value) == TIME["function"]["parameters"]
+    by_name = tools(tool_choice="get_time")  # TGI's form (its client types tool_choice as a string)
+    assert (by_name.choice, by_name.named) == ("named", "get_time")
     required = json.loads(tools(tool_choice="required", parallel_tool_calls=False).grammar().value)
     assert required["maxItems"] == 1 and len(required["items"]["anyOf"]) == 2
 

@@ -3,7 +3,7 @@ engine's grammar engine (llguidance) enforces token by token, as ``response_form
 
 * ``guided_json``: a JSON schema (an object, or its text); ``guided_regex``: a regular expression;
   ``guided_choice``: one of the given strings; ``guided_grammar``: a grammar in Lark's EBNF (what llguidance
-  reads; vLLM's backends take EBNF too).
+  reads) or in GBNF (``root ::= ...``, as vLLM's docs write them), converted to Lark.
 * ``structured_outputs`` (vLLM's newer form): ``{"json" | "regex" | "choice" | "grammar" | "json_object": …}``.
 
 At most one of them. A grammar the engine cannot compile is a 4xx naming the field. Their backend hints
@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import re
 from typing import Any
+
+from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
 
 from services.gateway.web.validation import Fields
 from shared.errors import validation
@@ -84,4 +86,15 @@ def _grammar(name: str, value: Any) -> Grammar:
         return Grammar("regex", "(" + "|".join(re.escape(c) for c in value) + ")")
     if not isinstance(value, str) or not value:
         raise validation(f"{name} must be a non-empty string.", name)
-    return Grammar("regex" if kind == "regex" else "lark", value)
+    if kind == "regex":
+        return Grammar("regex", value)
+    return Grammar("lark", _as_lark(name, value))
+
+
+def _as_lark(name: str, text: str) -> str:
+    """A grammar in Lark's EBNF as it is; one in GBNF (``root ::= ...``, the form vLLM's docs and xgrammar use)
+    converted to Lark by llguidance's own converter."""
+    try:
+        return any_to_lark(text)
+    except (GbnfToLarkError, ValueError) as exc:
+        raise validation(f"{name} is neither a Lark nor a GBNF grammar: {exc}", name) from None

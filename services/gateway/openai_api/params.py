@@ -46,7 +46,7 @@ def parse_common(data: dict[str, Any], cfg: Config, served: Served, logprobs: in
     OpenAI's and vLLM's completions APIs do."""
     f = Fields(data)
     model = _model(f)
-    if model == TGI_MODEL and model != served.model and model not in served.adapters:
+    if model in TGI_MODELS and model != served.model and model not in served.adapters:
         model = served.model  # (the answer names the served model, as TGI's names its model id)
     adapter = _adapter(model, served)
     stream = bool(f.boolean("stream", False))
@@ -113,7 +113,9 @@ def _model(f: Fields) -> str:
     return model
 
 
-TGI_MODEL = "tgi"  # TGI's Messages API: its docs have clients send model "tgi", which TGI serves as its one model
+# TGI's Messages API serves its one model whatever a request names: its docs have clients send "tgi", and
+# huggingface_hub's InferenceClient sends "dummy" to a URL
+TGI_MODELS = ("tgi", "dummy")
 
 
 def _adapter(model: str, served: Served) -> str:

@@ -144,8 +144,10 @@ def _choice(choice: Any, functions: dict[str, dict]) -> tuple[str, str]:
         if name not in functions:
             raise bad_param("tool_choice", f"tool_choice names function {name!r}, which is not in tools.")
         return "named", name
-    raise bad_param("tool_choice", 'tool_choice must be "none", "auto", "required" or {"type": "function", '
-                                   '"function": {"name": ...}}.')
+    if isinstance(choice, str) and choice in functions:  # TGI's: a declared function's name (its client's str)
+        return "named", choice
+    raise bad_param("tool_choice", 'tool_choice must be "none", "auto", "required", {"type": "function", '
+                                   '"function": {"name": ...}} or a declared function\'s name (TGI\'s form).')
 
 
 # ---- the answer --------------------------------------------------------------------------------

@@ -4,9 +4,9 @@ Output items: a ``message`` with one ``output_text`` part (when there is text) a
 tool call. ``status`` is ``completed``, or ``incomplete`` with ``incomplete_details.reason``
 "max_output_tokens" when the answer was cut. Stream: ``response.created``, ``response.in_progress``, each
 item's ``output_item.added`` / parts and deltas / ``output_item.done``, then ``response.completed`` (or
-``response.incomplete``), every event with its ``sequence_number``. Text streams as it comes; with tools
-the answer is read whole first (a call is known at its end). ``finish`` stores the response and the
-conversation it ends, for ``previous_response_id``.
+``response.incomplete``), every event with its ``sequence_number``. Text and each call's arguments stream as
+they are made, tools declared or not (``ItemEvents``). ``finish`` stores the response and the conversation it
+ends, for ``previous_response_id``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from services.gateway.openai_api.errors import switchboard_body
-from services.gateway.openai_api.tools import extract
+from services.gateway.openai_api.tools import ToolStream, extract
 from services.gateway.request.call import Call
 from services.gateway.request.session import End
 from services.gateway.responses_api.schemas import ResponsesRequest
@@ -76,7 +76,7 @@ class Builder:
         turn: dict[str, Any] = {"role": "assistant", "content": None}
         for item in self.obj["output"]:
             if item["type"] == "message":
-                turn["content"] = item["content"][0]["text"]
+                turn["content"] = (turn["content"] or "") + item["content"][0]["text"]
             else:
                 turn.setdefault("tool_calls", []).append({"id": item["call_id"], "type": "function", "function": {
                     "name": item["name"], "arguments": item["arguments"]}})
@@ -117,59 +117,95 @@ async def response_events(builder: Builder, call: Call, store: Store | None) -> 
     event = Events()
     yield event("response.created", response=dict(builder.obj))
     yield event("response.in_progress", response=dict(builder.obj))
-    end = None
-    if builder.req.chat.tools is None:
-        item = message_item("", "in_progress")
-        item_id, part = item["id"], item["content"][0]
-        yield event("response.output_item.added", output_index=0, item={**item, "content": []})
-        yield event("response.content_part.added", item_id=item_id, output_index=0, content_index=0, part=part)
-        text = ""
-        async for step in call.steps():
-            if step.text:
-                text += step.text
-                yield event("response.output_text.delta", item_id=item_id, output_index=0, content_index=0,
-                            delta=step.text, logprobs=[])
-            end = step.end or end
-        status = "incomplete" if end.finish_reason is FinishReason.LENGTH else "completed"
-        item = {**item, "status": status, "content": [{**part, "text": text}]}
-        yield event("response.output_text.done", item_id=item_id, output_index=0, content_index=0, text=text, logprobs=[])
-        yield event("response.content_part.done", item_id=item_id, output_index=0, content_index=0,
-                    part=item["content"][0])
-        yield event("response.output_item.done", output_index=0, item=item)
-        output = [item]
-    else:
-        async for step in call.steps():
-            end = step.end or end
-        output = builder.items(call, end)
-        for index, item in enumerate(output):
-            for chunk in _whole_item(event, index, item):
-                yield chunk
-    obj = builder.end(call, end, output)
+    end, tools = None, builder.req.chat.tools
+    items = ItemEvents(event, hold_whitespace=tools is not None)
+    stream = ToolStream(tools, call.started[0].tool_format or "hermes") if tools is not None else None
+    async for step in call.steps():
+        text, calls = stream.feed(step.text, step.end is not None) if stream is not None else (step.text, [])
+        for chunk in [*items.text(text), *(c for delta in calls for c in items.call(delta))]:
+            yield chunk
+        end = step.end or end
+    for chunk in items.close(end.finish_reason is FinishReason.LENGTH):
+        yield chunk
+    obj = builder.end(call, end, items.output)
     if store is not None:
         await store(obj, builder.conversation())
     yield event("response.incomplete" if obj["status"] == "incomplete" else "response.completed", response=obj)
 
 
-def _whole_item(event: Events, index: int, item: dict[str, Any]) -> list[bytes]:
-    if item["type"] == "function_call":
-        return [event("response.output_item.added", output_index=index, item={**item, "arguments": "",
-                                                                              "status": "in_progress"}),
-                event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                      delta=item["arguments"]),
-                event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                      arguments=item["arguments"], name=item["name"]),
-                event("response.output_item.done", output_index=index, item=item)]
-    part, item_id = item["content"][0], item["id"]
-    return [event("response.output_item.added", output_index=index, item={**item, "content": [],
-                                                                          "status": "in_progress"}),
-            event("response.content_part.added", item_id=item_id, output_index=index, content_index=0,
-                  part={**part, "text": ""}),
-            event("response.output_text.delta", item_id=item_id, output_index=index, content_index=0,
-                  delta=part["text"], logprobs=[]),
-            event("response.output_text.done", item_id=item_id, output_index=index, content_index=0,
-                  text=part["text"], logprobs=[]),
-            event("response.content_part.done", item_id=item_id, output_index=index, content_index=0, part=part),
-            event("response.output_item.done", output_index=index, item=item)]
+class ItemEvents:
+    """The stream's output items as they come (tools declared or not: the chat route's ``ToolStream`` holds back
+    only what may begin a call): text into a ``message`` item, each tool call a ``function_call`` item whose
+    arguments stream as they are made; an item of another kind closes the one before. With tools declared,
+    whitespace before an item is held until text follows it (the body's text is stripped of it). An answer with
+    neither is one empty message, as the body's."""
+
+    def __init__(self, event: Events, hold_whitespace: bool):
+        self.event, self.hold_whitespace = event, hold_whitespace
+        self.output: list[dict[str, Any]] = []  # the items, closed ones as they ended
+        self.open: dict[str, Any] | None = None
+        self.held = ""
+
+    def text(self, text: str) -> list[bytes]:
+        if not text:
+            return []
+        out: list[bytes] = []
+        if self.open is None or self.open["type"] != "message":
+            if self.hold_whitespace:
+                text, self.held = self.held + text, ""
+                if not text.strip():
+                    self.held = text
+                    return []
+            out = self._open(message_item("", "in_progress"))
+        self.open["content"][0]["text"] += text
+        return out + [self._event("response.output_text.delta", content_index=0, delta=text, logprobs=[])]
+
+    def call(self, delta: dict[str, Any]) -> list[bytes]:
+        out: list[bytes] = []
+        if "id" in delta:  # a new call
+            self.held = ""
+            out = self._open({"id": new_id("fc"), "type": "function_call", "status": "in_progress",
+                              "call_id": delta["id"], "name": delta["function"]["name"], "arguments": ""})
+        arguments = delta["function"].get("arguments")
+        if arguments and self.open is not None and self.open["type"] == "function_call":
+            self.open["arguments"] += arguments
+            out.append(self._event("response.function_call_arguments.delta", delta=arguments))
+        return out
+
+    def close(self, cut: bool) -> list[bytes]:
+        """Close the open item (``cut``: the answer ended by max_output_tokens); an empty answer's message."""
+        out = self._open(message_item("", "in_progress")) if not self.output and self.open is None else []
+        return out + self._close(cut)
+
+    def _open(self, item: dict[str, Any]) -> list[bytes]:
+        out = self._close(False)
+        self.open = item
+        self.output.append(item)
+        shown = {**item, "content": []} if item["type"] == "message" else item
+        out.append(self.event("response.output_item.added", output_index=len(self.output) - 1, item=dict(shown)))
+        if item["type"] == "message":
+            out.append(self._event("response.content_part.added", content_index=0,
+                                   part={**item["content"][0], "text": ""}))
+        return out
+
+    def _close(self, cut: bool) -> list[bytes]:
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        if item["type"] == "message":
+            item["status"] = "incomplete" if cut else "completed"
+            part = item["content"][0]
+            events = [self._event("response.output_text.done", content_index=0, text=part["text"], logprobs=[], item=item),
+                      self._event("response.content_part.done", content_index=0, part=part, item=item)]
+        else:
+            item["status"] = _call_status({"function": {"arguments": item["arguments"]}}, cut)
+            events = [self._event("response.function_call_arguments.done", arguments=item["arguments"],
+                                  name=item["name"], item=item)]
+        return events + [self.event("response.output_item.done", output_index=self.output.index(item), item=item)]
+
+    def _event(self, kind: str, item: dict[str, Any] | None = None, **fields: Any) -> bytes:
+        item = item or self.open
+        return self.event(kind, item_id=item["id"], output_index=self.output.index(item), **fields)
 
 
 def _call_status(call: dict[str, Any], cut: bool) -> str:

@@ -102,6 +102,8 @@ def _set_aside(data: dict[str, Any]) -> None:
             raise bad_param(key, "stream_options can only be given when stream is true.")
         if key == "stream_options" and isinstance(value, dict) and not value.get("include_obfuscation"):
             continue  # (no obfuscation is added to this server's events)
+        if isinstance(value, dict) and all(v is None for v in value.values()):
+            continue  # e.g. reasoning {"effort": null, "summary": null}: what OpenAI echoes for a plain model
         if value not in (None, [], {}, 0, False):
             raise bad_param(key, f"{key} is not supported by this server: leave it out or at its default "
                                  f"(null or empty), got {value!r}.")
@@ -192,13 +194,25 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
             output = item.get("output")
             if not isinstance(item.get("call_id"), str) or not isinstance(output, (str, list)):
                 raise bad_param(where, f"{where}: a function_call_output needs call_id and output.")
-            text = output if isinstance(output, str) else "".join(
-                p.get("text", "") for p in output if isinstance(p, dict))
+            text = output if isinstance(output, str) else _output_text(output, f"{where}.output")
             out.append({"role": "tool", "tool_call_id": item["call_id"], "content": text})
         else:
             raise bad_param(f"{where}.type", f"{where}.type {kind!r} is not supported here (message, function_call, "
                                              "function_call_output).")
     return out
+
+
+def _output_text(parts: list[Any], where: str) -> str:
+    """A function_call_output given as parts: their texts (a tool message holds text: an image or a file a
+    tool returned is a 400 naming it, not dropped)."""
+    texts = []
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text") or not isinstance(part.get("text"), str):
+            raise bad_param(f"{where}[{j}]", f"{where}[{j}] must be an input_text part: a tool's output is given "
+                                             f"to the model as text here, got {kind or type(part).__name__!r}.")
+        texts.append(part["text"])
+    return "".join(texts)
 
 
 def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
@@ -216,11 +230,13 @@ def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in ("input_text", "output_text") and isinstance(part.get("text"), str):
             parts.append({"type": "text", "text": part["text"]})
+        elif kind == "refusal" and role == "assistant" and isinstance(part.get("refusal"), str):
+            parts.append({"type": "text", "text": part["refusal"]})  # an earlier refusal is what it said
         elif kind == "input_image" and isinstance(part.get("image_url"), str):
             parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
         else:
-            raise bad_param(f"{where}.content[{j}]", f"{where}.content[{j}] must be input_text, output_text or "
-                                                     "input_image (with image_url).")
+            raise bad_param(f"{where}.content[{j}]", f"{where}.content[{j}] must be input_text, output_text, "
+                                                     "refusal (an assistant's) or input_image (with image_url).")
     if role != "user" and any(p["type"] != "text" for p in parts):
         raise bad_param(f"{where}.content", f"{where}: only user messages carry images.")
     return {"role": role, "content": parts if role == "user" else "".join(p["text"] for p in parts)}

@@ -1,4 +1,5 @@
-"""TGI routes: ``POST /``, ``POST /generate_stream``, and ``POST /generate`` with a TGI body."""
+"""TGI routes: ``POST /`` (and SageMaker's ``POST /invocations``), ``POST /generate_stream``, and ``POST /generate``
+with a TGI body."""
 
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ GENERATE_PARSE_ERROR = (
 )
 
 
-@post("/", status_code=200)
+@post(["/", "/invocations"], status_code=200)
 async def tgi_root(request: Request) -> Response:
+    """``POST /``, and TGI's SageMaker route ``POST /invocations``, which answers as ``/`` does."""
     return await respond(request, parse_tgi(await request.body(), _served(request)), as_array=True)
 
 

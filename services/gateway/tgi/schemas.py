@@ -77,6 +77,8 @@ def sampling_from(p: Fields, top_n_tokens: int = 0) -> Sampling:
     step's most likely tokens."""
     _check_best_of(p)
     sampling = mindie_sampling(p, TGI, logprobs=top_n_tokens)
+    if sampling.do_sample is False:  # TGI samples when any warper is set, do_sample or not (its client sends false)
+        sampling = msgspec.structs.replace(sampling, do_sample=None)
     grammar = tgi_grammar(p.data.get("grammar"))
     return sampling if grammar is None else msgspec.structs.replace(sampling, grammar=grammar)
 

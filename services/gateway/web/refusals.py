@@ -22,7 +22,7 @@ from shared.metrics_messages import MetricsEvent, Refused
 # The inference routes (POST) and their ``api`` label, as their calls name it.
 ROUTES = [(re.compile(r"^/v1/chat/completions/?$"), "openai-chat"), (re.compile(r"^/v1/completions/?$"), "openai-completions"),
           (re.compile(r"^/v1/responses/?$"), "openai-responses"), (re.compile(r"^/v1/messages/?$"), "anthropic"),
-          (re.compile(r"^/(generate|generate_stream)?/?$"), "tgi"), (re.compile(r"^/infer(_token)?/?$"), "mindie"),
+          (re.compile(r"^/(generate|generate_stream|invocations)?/?$"), "tgi"), (re.compile(r"^/infer(_token)?/?$"), "mindie"),
           (re.compile(r"^/v2/models/.+/(infer|generate|generate_stream)/?$"), "triton")]
 
 
