@@ -350,6 +350,9 @@ def _check_lora_modules(cfg: Config) -> None:
         if module.base_model_name and module.base_model_name != cfg.model.model_name:
             raise ConfigError(f"{key}[{i}].baseModelName: must be the modelName {cfg.model.model_name!r}, "
                               f"got {module.base_model_name!r}")
+        if module.name == "None":  # (the load route refuses it too)
+            raise ConfigError(f"{key}[{i}].name: 'None' is the name TGI's adapter_id and vLLM's model use for no "
+                              "adapter; name it otherwise")
         if module.name in seen or module.name == cfg.model.model_name:
             raise ConfigError(f"{key}[{i}].name: {module.name!r} is already the name of "
                               + ("another adapter" if module.name in seen else "the model"))

@@ -35,6 +35,13 @@ UNSUPPORTED = {
     "use_qalora": "QA-LoRA (use_qalora)",
     "trainable_token_indices": "trainable_token_indices",
     "target_parameters": "target_parameters",
+    # variants whose forward is not plain LoRA's (aLoRA applies the weights only after its invocation tokens)
+    "alora_invocation_tokens": "Activated LoRA (alora_invocation_tokens)",
+    "arrow_config": "Arrow routing (arrow_config)",
+    "use_bdlora": "block-diagonal LoRA (use_bdlora)",
+    "monteclora_config": "MonteCLoRA (monteclora_config)",
+    "kasa_config": "KaSA (kasa_config)",
+    "velora_config": "VeLoRA (velora_config)",
 }
 
 

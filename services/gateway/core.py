@@ -10,6 +10,8 @@ import msgspec
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
+from services.gateway.admin import lora_engines
+from services.gateway.admin.lora_replay import AdapterSet
 from services.gateway.common.served import Served
 from services.gateway.pd.dresult import DResults
 from services.gateway.pd.roles import Roles
@@ -31,6 +33,8 @@ from shared.messages import (
     Detokenize,
     Detokenized,
     EngineInfo,
+    LoraCommand,
+    LoraReply,
     Ping,
     StopInfer,
     Tokenize,
@@ -70,6 +74,7 @@ class Gateway:
         self.slots = Slots(cfg.server.max_link_num)  # maxLinkNum in progress, 2 x maxLinkNum waiting (§2.2)
         self.lora_lock = asyncio.Lock()  # this gateway's LoRA loads and unloads, one at a time
         self.lora_version = 0  # the newest adapter-set version this gateway sent
+        self.adapter_set = AdapterSet(self.engines, self._ask_engine, self.spawn)  # given again to a bare engine
         self.media_policy = MediaPolicy.from_config(cfg)  # what list-form media items may name (shared.media)
         self.context = SessionContext(
             nc=nc, model=self.model, instance=self.instance, mailboxes=self.mailboxes, slots=self.slots,
@@ -119,6 +124,10 @@ class Gateway:
         info = self._heartbeats.decode(msg.data)
         self.engines.expire()  # forget the departed, so the table holds only engines heard within a lease
         self.engines.beat(info.instance, info)
+        self.adapter_set.heard(info)
+
+    async def _ask_engine(self, instance: str, command: LoraCommand) -> LoraReply | None:
+        return await lora_engines.ask_one(self, instance, command, lora_engines.ENGINE_TIMEOUT_S)
 
     def live_engines(self) -> dict[str, EngineInfo]:
         """Every engine heard within its lease, by instance id (an engine whose lease ran out is gone at once)."""

@@ -2,8 +2,8 @@
 
 A load through one gateway reaches both engines, and both serve the adapter with PEFT's own greedy
 tokens; an engine started after the load follows the fleet's set (its peers' heartbeats) and serves
-the adapter alone once the first two are killed; after an unload no engine lists it and the OpenAI
-family answers 404.
+the adapter alone once the first two are killed; the only engine restarted gets the set from the gateway;
+after an unload no engine lists it and the OpenAI family answers 404.
 """
 
 from __future__ import annotations
@@ -115,6 +115,16 @@ def test_both_engines_and_a_later_one_serve_a_loaded_adapter(cluster, adapter, e
     cluster.kill("engine-1")
     time.sleep(3)  # their leases run out: only engine-2 is left
     assert len(listing(cluster, 1)) == 1
+    assert set(texts(cluster, "x", 2)) == {expected["x"]}
+
+    # the only engine restarted: no peer has the set to follow, and the gateway gives it again (the runtime
+    # load was lost: clients naming "x" got 404s)
+    cluster.kill("engine-2")
+    cluster.start("engine-3")
+    cluster.wait_started("engine-3", 1)
+    deadline = time.monotonic() + 30
+    while (beats := listing(cluster, 1)) and list(beats.values()) != [{"x"}]:
+        assert time.monotonic() < deadline, beats
     assert set(texts(cluster, "x", 2)) == {expected["x"]}
 
     reply = httpx.post(cluster.mgmt + "/v1/unload_lora_adapter", json={"lora_name": "x"}, timeout=60)

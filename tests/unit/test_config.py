@@ -359,3 +359,11 @@ def test_a_utf8_byte_order_mark_is_skipped(tmp_path):
     """A config saved by an editor that writes a BOM reads as without it (MindIE's JSON reader skips it too)."""
     cfg = load_config(write(tmp_path, b"\xef\xbb\xbf" + json.dumps(patched()).encode()))
     assert cfg.server.port == BASE["ServerConfig"]["port"]
+
+
+def test_a_static_adapter_named_none_is_refused(tmp_path):
+    """TGI's adapter_id and vLLM's model say "None" for no adapter: an adapter by that name ran on OpenAI's
+    routes and silently not on theirs (the load route refused the name already)."""
+    message = load_error(tmp_path, patched(**{"BackendConfig.ModelDeployConfig": {
+        "LoraModules": [{"name": "None", "path": "adapters/x"}]}}))
+    assert "BackendConfig.ModelDeployConfig.LoraModules[0].name: 'None' is the name" in message

@@ -176,7 +176,8 @@ def test_unsupported_adapters_are_refused_by_name(small, adapters, tmp_path, smo
     refused(small, tmp_path / "nothing-here", Outcome.NOT_FOUND, "No adapter found for")
     for change, words in ((dict(use_dora=True), "DoRA"), (dict(modules_to_save=["lm_head"]), "modules_to_save"),
                           (dict(peft_type="IA3"), "IA3"), (dict(rank_pattern={"q_proj": 4}), "rank_pattern"),
-                          (dict(bias="all"), "bias")):
+                          (dict(bias="all"), "bias"), (dict(alora_invocation_tokens=[19842, 42]), "Activated LoRA"),
+                          (dict(arrow_config={"top_k": 2}), "Arrow")):
         folder = tmp_path / f"edited-{len(list(tmp_path.iterdir()))}"
         shutil.copytree(adapters["y"], folder)
         edit_config(folder, **change)

@@ -116,11 +116,11 @@ def shows(command: LoraCommand, instances: tuple[str, ...], engines: dict[str, E
 
 async def ask(gateway: Gateway, instances: list[str], command: LoraCommand, timeout_s: float) -> dict[str, LoraReply | None]:
     """Every engine's reply at once (None for one that did not answer in time, or is gone)."""
-    replies = await asyncio.gather(*(_ask_one(gateway, i, command, timeout_s) for i in instances))
+    replies = await asyncio.gather(*(ask_one(gateway, i, command, timeout_s) for i in instances))
     return dict(zip(instances, replies))
 
 
-async def _ask_one(gateway: Gateway, instance: str, command: LoraCommand, timeout_s: float) -> LoraReply | None:
+async def ask_one(gateway: Gateway, instance: str, command: LoraCommand, timeout_s: float) -> LoraReply | None:
     subject = subjects.engine_lora(gateway.model, instance)
     try:
         return await bus.request(gateway.nc, subject, command, LoraReply, timeout=timeout_s)
