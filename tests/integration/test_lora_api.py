@@ -207,7 +207,7 @@ def check_model_cards(stack) -> None:
     assert [c["id"] for c in cards] == [stack.model, "first"]
     assert "parent" not in cards[0]
     assert cards[1] == {"id": "first", "object": "model", "created": cards[0]["created"],
-                        "owned_by": "MindIE Server", "parent": stack.model}
+                        "owned_by": "MindIE Server", "parent": stack.model, "max_model_len": cards[0]["max_model_len"]}
     assert httpx.get(stack.url + "/v1/models/first").json() == cards[1]
 
 

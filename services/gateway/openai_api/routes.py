@@ -50,11 +50,12 @@ def cards(gateway: Gateway) -> dict[str, dict[str, Any]]:
     PD split mode, where requests cannot name them)."""
     served = gateway.served()
     adapters = [] if served.pd_split else sorted(served.adapters)
-    base = model_card(served.model)
+    longest = {"max_model_len": gateway.cfg.deploy.max_seq_len}  # vLLM's: what clients size prompts by
+    base = {**model_card(served.model), **longest}
     engine = gateway.engine_info()
     if engine is not None:  # what its weights and KV cache are stored in (vLLM's cards carry no such field)
         base.update(dtype=engine.dtype, quantization=engine.quantization, kv_cache_dtype=engine.kv_dtype or engine.dtype)
-    return {served.model: base, **{name: model_card(name, served.model) for name in adapters}}
+    return {served.model: base, **{name: {**model_card(name, served.model), **longest} for name in adapters}}
 
 
 def anthropic_card(card: dict[str, Any]) -> dict[str, Any]:
