@@ -59,8 +59,15 @@ def system_fingerprint(call: Call) -> str:
 
 @lru_cache(maxsize=64)
 def _fingerprint(*config: Any) -> str:
-    text = "\0".join(map(str, (metadata.version("switchboard"), *config)))
+    text = "\0".join(map(str, (_version(), *config)))
     return "fp_" + hashlib.sha256(text.encode()).hexdigest()[:10]
+
+
+def _version() -> str:
+    try:
+        return metadata.version("switchboard")
+    except metadata.PackageNotFoundError:  # (run from a source tree that was never installed)
+        return "source"
 
 
 class UsagePlacement:
