@@ -50,6 +50,10 @@ class Sampling(msgspec.Struct, kw_only=True, omit_defaults=True):
     min_p: float = 0.0  # vLLM's: drop tokens less likely than min_p x the most likely one (when drawing)
     logit_bias: dict[int, float] = {}  # OpenAI's: added to the token's logit before sampling (greedy too)
     min_tokens: int = 0  # vLLM's: no EOS, stop id or stop string ends it before this many tokens
+    skip_special_tokens: bool = True  # vLLM's: false puts special tokens' text in the answer (not the EOS it ends on)
+    allowed_token_ids: list[int] = []  # vLLM's: only these may be sampled ([]: any)
+    bad_words: list[str] = []  # vLLM's: words never generated (the tokenizer turns them into bad_words_ids)
+    bad_words_ids: list[list[int]] = []  # each bad word's tokens: the last is banned where the answer ends in the rest
 
     @property
     def has_warpers(self) -> bool:
@@ -167,6 +171,7 @@ class TokenLogprob(msgspec.Struct, array_like=True):
     logprob: float
     top_ids: list[int] = []
     top_logprobs: list[float] = []
+    rank: int = 0  # prompt logprobs: the token's rank in the whole vocabulary (1: the likeliest); 0: not counted
 
 
 class TokenEvent(msgspec.Struct, omit_defaults=True):
@@ -207,6 +212,7 @@ class TokenOut(msgspec.Struct, array_like=True):
     top: list[TopToken] = []
     raw: bytes | None = None  # with logprobs: the token's own bytes (services/tokenizer/token_bytes.py)
     own: str | None = None  # the token's own text, where ``text`` differs (a stop string's hold-back moved it)
+    rank: int = 0  # a prompt token's rank in the vocabulary (1: the likeliest), with prompt logprobs; else 0
 
     @property
     def own_text(self) -> str:

@@ -71,13 +71,14 @@ class Flight:
 
 def runs_ahead(seq: Sequence) -> bool:
     """Whether a sequence's next token is drawn on the device alone (the graph's argmax, or
-    ``sampler.sample_on_device``) and nothing else is needed of its step but its logprobs: no grammar (its mask
-    needs the last token on the host) or handoff."""
+    ``sampler.sample_on_device``) and nothing else is needed of its step but its logprobs: no grammar or bad word
+    of several tokens (their masks need the last token on the host) or handoff."""
     try:
         check_sampling(seq.sampling)
     except ValueError:
         return False  # the ordinary step ends it, alone
-    return seq.matcher is None and not seq.handoff and not seq.wants_prompt_logprobs
+    return (seq.matcher is None and not seq.handoff and not seq.wants_prompt_logprobs
+            and all(len(word) == 1 for word in seq.sampling.bad_words_ids))
 
 
 class StepsAhead:

@@ -1,7 +1,7 @@
 """Per-request sampling in one batched pass over the step's logits.
 
-Order as transformers applies it: repetition penalty (then vLLM's presence and frequency
-penalties on generated tokens, and OpenAI's logit bias), temperature, min-p (vLLM's), top-k, top-p,
+Order as transformers applies it, vLLM's masks first (allowed token ids, bad words): repetition penalty (then
+vLLM's presence and frequency penalties on generated tokens, and OpenAI's logit bias), temperature, min-p (vLLM's), top-k, top-p,
 typical-p, then greedy argmax or a seeded draw. A temperature below ``SAMPLING_EPS`` (vLLM's) is greedy. Each draw uses a generator
 seeded from (request seed, tokens so far), so a seeded request gives the same tokens whatever else
 shares its batch, re-running a step draws the same token again, and a request resumed elsewhere
@@ -40,7 +40,9 @@ def sample_on_device(logits: torch.Tensor, seqs: list[Sequence], last: torch.Ten
     (penalties). ``last``: each row's last token, on the device (a step launched ahead: ``seq.token_ids`` holds a
     placeholder there); None: ``seq.token_ids`` is whole."""
     raw_best = best_finite(logits)
-    apply_logit_bias(logits, seqs)  # before the penalties, as vLLM's sampler orders them
+    apply_allowed_token_ids(logits, seqs)  # vLLM's order: allowed ids, bad words, logit bias, penalties
+    apply_bad_words(logits, seqs)
+    apply_logit_bias(logits, seqs)
     apply_repetition_penalty(logits, seqs, last)
     apply_output_penalties(logits, seqs, last)
     hold_ending_ids(logits, seqs)
@@ -87,7 +89,7 @@ def plain_greedy(sampling: Sampling) -> bool:
     """Greedy with no penalty or bias: the token is the raw argmax."""
     return (not draws(sampling) and sampling.repetition_penalty == 1.0
             and sampling.presence_penalty == 0.0 and sampling.frequency_penalty == 0.0 and not sampling.logit_bias
-            and not sampling.min_tokens)
+            and not sampling.min_tokens and not sampling.allowed_token_ids and not sampling.bad_words_ids)
 
 
 def greedy_only(logits: torch.Tensor) -> list[int]:
@@ -173,6 +175,48 @@ def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     rows = on_device([i for i, _, _ in cells], logits.device, torch.long)
     columns = on_device([token for _, token, _ in cells], logits.device, torch.long)
     logits.index_put_((rows, columns), on_device([b for _, _, b in cells], logits.device, logits.dtype), accumulate=True)
+
+
+def apply_allowed_token_ids(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """vLLM's ``allowed_token_ids``: every other token's logit -inf, in place; no host sync."""
+    rows = [i for i, seq in enumerate(seqs) if seq.sampling.allowed_token_ids]
+    if not rows:
+        return
+    vocab = logits.shape[-1]
+    cells = [(j, token) for j, i in enumerate(rows) for token in seqs[i].sampling.allowed_token_ids]
+    if max(token for _, token in cells) >= vocab:
+        raise ValueError(f"an allowed_token_ids token id is past the vocabulary ({vocab} tokens)")
+    banned = torch.ones(len(rows), vocab, dtype=torch.bool, device=logits.device)
+    banned.index_put_((on_device([j for j, _ in cells], logits.device, torch.long),
+                       on_device([token for _, token in cells], logits.device, torch.long)),
+                      torch.tensor(False, device=logits.device))
+    index = on_device(rows, logits.device, torch.long)
+    logits.index_copy_(0, index, logits.index_select(0, index).masked_fill(banned, float("-inf")))
+
+
+def banned_ids(seq: Sequence) -> list[int]:
+    """vLLM's ``bad_words``: the last token of each bad word whose other tokens end the answer so far (a one-token
+    word always). Needs the answer's tokens on the host: ``ahead.runs_ahead`` keeps multi-token words off steps
+    launched ahead."""
+    out = seq.token_ids[seq.num_prompt_tokens:]
+    banned = []
+    for word in seq.sampling.bad_words_ids:
+        prefix = len(word) - 1
+        if prefix <= len(out) and (prefix == 0 or out[len(out) - prefix:] == word[:-1]):
+            banned.append(word[-1])
+    return banned
+
+
+def apply_bad_words(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """Each sequence's ``banned_ids`` -inf, in place; no host sync."""
+    cells = [(i, token) for i, seq in enumerate(seqs) if seq.sampling.bad_words_ids for token in banned_ids(seq)]
+    if not cells:
+        return
+    if max(token for _, token in cells) >= logits.shape[-1]:
+        raise ValueError(f"a bad_words token id is past the vocabulary ({logits.shape[-1]} tokens)")
+    rows = on_device([i for i, _ in cells], logits.device, torch.long)
+    columns = on_device([token for _, token in cells], logits.device, torch.long)
+    logits.index_put_((rows, columns), torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
 
 
 def hold_ending_ids(logits: torch.Tensor, seqs: list[Sequence]) -> None:

@@ -43,19 +43,19 @@ class IncrementalDecoder:
 class StopMatcher:
     """Accumulates generated text and releases what is safe to send."""
 
-    def __init__(self, stops: list[str], include: bool = False, stop_ids: list[int] = ()):
+    def __init__(self, stops: list[str], include: bool = False):
         self.stops = [s for s in stops if s]
         self.include = include  # keep the stop string itself in the output (vLLM include_stop_str_in_output)
-        self.stop_ids = frozenset(stop_ids)
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.text = ""
         self.released = 0
         self.matched = ""  # the stop string that ended the text, once one has
 
-    def hides(self, token_id: int) -> bool:
-        """Whether an answer that ended on ``token_id`` leaves its text out: one of the request's stop ids, whose
-        text vLLM drops unless include_stop_str_in_output (the flag it reads for stop ids too)."""
-        return token_id in self.stop_ids and not self.include
+    def hides_last(self) -> bool:
+        """Whether an answer that ended on an end-of-sequence token (EOS, one of the request's stop ids) leaves
+        that token's text out: vLLM drops it unless include_stop_str_in_output (the flag it reads for them too);
+        it shows when special tokens are not skipped (skip_special_tokens false)."""
+        return not self.include
 
     def feed(self, delta: str, final: bool, armed: bool = True) -> tuple[str, bool]:
         """(text to release now, whether a stop string was hit); not ``armed`` (before min_tokens, as vLLM), no
@@ -101,8 +101,8 @@ def next_text(decoder: IncrementalDecoder, stops: StopMatcher, token_id: int, fi
               ended_on_eos: bool, armed: bool = True) -> tuple[str, str | None, bool]:
     """One generated token's text: what it releases into the answer, its own text where that differs (a stop
     string's hold-back), and whether a stop string ended the answer. ``final``: the answer's last token (what is
-    held back goes out with it); a stop id it ended on leaves its own text out (``StopMatcher.hides``)."""
-    added = "" if final and ended_on_eos and stops.hides(token_id) else decoder.add(token_id)
+    held back goes out with it); the EOS or stop id it ended on leaves its own text out (``StopMatcher.hides_last``)."""
+    added = "" if final and ended_on_eos and stops.hides_last() else decoder.add(token_id)
     held = decoder.flush() if final else ""
     text, stopped = _feed(stops, added, held, final, armed)
     delta = added + held

@@ -75,10 +75,30 @@ def apply_length_limit(ids: list[int], deploy: ModelDeployConfig) -> list[int]:
 
 
 def check_request_ids(req: GenerateRequest, vocab_size: int) -> None:
-    """The token ids a request names (its prompt's, its logit_bias keys) are in the vocabulary."""
+    """The token ids a request's prompt names are in the vocabulary."""
     if req.prompt_ids is not None:
         check_token_ids(req.prompt_ids, vocab_size)
+
+
+def check_sampling_ids(req: GenerateRequest, vocab_size: int) -> None:
+    """The token ids its sampling names (logit_bias keys, allowed_token_ids) are in the vocabulary."""
     check_token_ids(list(req.sampling.logit_bias), vocab_size, "logit_bias")
+    check_token_ids(req.sampling.allowed_token_ids, vocab_size, "allowed_token_ids")
+
+
+def bad_words_ids(tokenizer, words: list[str], vocab_size: int) -> list[list[int]]:
+    """vLLM's reading of ``bad_words``: each word's tokens as it starts a text and, where that differs in its first
+    token only (tokenizers that mark a word's leading space), as it follows a space, so it is banned at the start
+    and in the middle of an answer."""
+    out: list[list[int]] = []
+    for word in words:
+        bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        out.append(bare)
+        if spaced and bare and spaced[0] != bare[0] and len(spaced) == len(bare):
+            out.append(spaced)
+    check_token_ids([i for ids in out for i in ids], vocab_size, "bad_words")
+    return [ids for ids in out if ids]
 
 
 def check_token_ids(ids: list[int], vocab_size: int, param: str | None = None) -> None:

@@ -50,7 +50,7 @@ class TokenBytes:
         if logprob is None:
             return TokenOut(token_id, text, special, own=own)
         top = [TopToken(i, self.tok.decode([i]), lp, self.of(i)) for i, lp in zip(logprob.top_ids, logprob.top_logprobs)]
-        return TokenOut(token_id, text, special, logprob.logprob, top, self.of(token_id), own)
+        return TokenOut(token_id, text, special, logprob.logprob, top, self.of(token_id), own, logprob.rank)
 
     @functools.lru_cache(maxsize=65536)
     def of(self, token_id: int) -> bytes:

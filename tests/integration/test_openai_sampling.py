@@ -3,7 +3,9 @@ chat ``echo``, against the greedy answers of the default model."""
 
 from __future__ import annotations
 
-from tests.integration.test_openai_api import client, complete
+from tests.integration.test_openai_api import MESSAGES, client, complete, post, stream_payloads
+
+IM_START, IM_END = 1, 2  # SmolLM2's <|im_start|> and <|im_end|> (its EOS)
 
 
 def test_min_p_logit_bias_min_tokens_and_chat_echo_do_what_vllm_does(smol_stack):
@@ -82,3 +84,56 @@ def test_cache_salt_keeps_cached_blocks_among_requests_of_the_same_salt_and_requ
     assert answer.id == "chatcmpl-mine-1"
     plain = complete(tiny_stack, prompt=prompt, max_tokens=1, temperature=0, add_special_tokens=False)
     assert plain["usage"]["prompt_tokens"] == complete(tiny_stack, prompt=prompt, max_tokens=1)["usage"]["prompt_tokens"]
+
+
+def test_skip_special_tokens_false_shows_special_tokens_but_not_the_eos_that_ends_the_answer(tiny_stack):
+    """vLLM's ``skip_special_tokens: false``: special tokens' text is in the answer (forced here with logit_bias),
+    streamed or not; the EOS an answer ends on is left out unless include_stop_str_in_output, as vLLM leaves it."""
+    forced = {"logit_bias": {str(IM_START): 100}, "max_tokens": 3, "temperature": 0}
+    assert complete(tiny_stack, **forced)["choices"][0]["text"] == ""
+    assert complete(tiny_stack, skip_special_tokens=False, **forced)["choices"][0]["text"] == "<|im_start|>" * 3
+    events = stream_payloads(post(tiny_stack, "/v1/chat/completions", {
+        "model": tiny_stack.model, "messages": MESSAGES, "stream": True, "skip_special_tokens": False, **forced}))
+    assert "".join(c["delta"].get("content") or "" for e in events for c in e["choices"]) == "<|im_start|>" * 3
+    ending = {"logit_bias": {str(IM_END): 100}, "max_tokens": 3, "temperature": 0, "skip_special_tokens": False}
+    ended = complete(tiny_stack, **ending)
+    assert ended["choices"][0]["text"] == "" and ended["choices"][0]["finish_reason"] == "stop"
+    assert ended["usage"]["completion_tokens"] == 1
+    kept = complete(tiny_stack, include_stop_str_in_output=True, **ending)["choices"][0]["text"]
+    assert kept == "<|im_end|>"
+
+
+def test_bad_words_and_allowed_token_ids_hold_the_answer_as_vllms_do(smol_stack):
+    """vLLM's ``bad_words`` ban a word at the answer's start and after a space (a one-token word always, a longer
+    one's last token once the rest is written); ``allowed_token_ids`` keep every token, greedy or drawn, streamed
+    or not, inside the set. (Greedy: " Paris" for the capital, " Western Europe" for the country's place.)"""
+    api = client(smol_stack)
+    ask = dict(model=smol_stack.model, prompt="The capital of France is", temperature=0, max_tokens=6)
+    assert api.completions.create(**ask).choices[0].text.startswith(" Paris")
+    assert "Paris" not in api.completions.create(**ask, extra_body={"bad_words": ["Paris"]}).choices[0].text
+    place = dict(model=smol_stack.model, prompt="Paris is the capital of France, a country in", temperature=0,
+                 max_tokens=4)
+    assert api.completions.create(**place).choices[0].text.startswith(" Western Europe")
+    banned = api.completions.create(**place, extra_body={"bad_words": ["Western Europe"]}).choices[0].text
+    assert banned.startswith(" Western") and not banned.startswith(" Western Europe"), banned
+    allowed = [260, 253, 354]  # " the" " a" " an" (any three ids do)
+    for extra in ({"temperature": 0}, {"temperature": 1.0, "seed": 4}):
+        body = complete(smol_stack, prompt="The capital of France is", max_tokens=5, allowed_token_ids=allowed,
+                        return_token_ids=True, **extra)
+        assert set(body["choices"][0]["token_ids"]) <= set(allowed), body
+    events = stream_payloads(post(smol_stack, "/v1/chat/completions", {
+        "model": smol_stack.model, "messages": MESSAGES, "stream": True, "max_tokens": 4, "seed": 2,
+        "allowed_token_ids": allowed, "return_token_ids": True}))
+    streamed = [i for e in events for c in e["choices"] for i in c.get("token_ids", [])]
+    assert len(streamed) == 4 and set(streamed) <= set(allowed), streamed
+
+
+def test_bad_words_and_allowed_token_ids_refusals(tiny_stack):
+    for body, param in (({"allowed_token_ids": []}, "allowed_token_ids"), ({"allowed_token_ids": [-1]}, "allowed_token_ids"),
+                        ({"allowed_token_ids": ["5"]}, "allowed_token_ids"),
+                        ({"allowed_token_ids": [10**7]}, "allowed_token_ids"),  # past the vocabulary
+                        ({"bad_words": "Paris"}, "bad_words"), ({"bad_words": [" "]}, "bad_words"),
+                        ({"bad_words": [5]}, "bad_words"), ({"bad_words": ["x"] * 1025}, "bad_words")):
+        for path, extra in (("/v1/completions", {"prompt": "Hi"}), ("/v1/chat/completions", {"messages": MESSAGES})):
+            r = post(tiny_stack, path, {"model": tiny_stack.model, **extra, **body})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body, r.text)

@@ -33,7 +33,7 @@ BAD_SAMPLING = [  # (fields, param) — checked on both endpoints
     ({"logit_bias": {"x": 5}}, "logit_bias"), ({"logit_bias": {"1": 101}}, "logit_bias"),
     ({"logit_bias": [1]}, "logit_bias"), ({"logit_bias": {"10000000": 1}}, "logit_bias"),  # past the vocabulary
     ({"min_p": 1.5}, "min_p"), ({"min_p": -0.1}, "min_p"), ({"use_beam_search": True}, "use_beam_search"),
-    ({"skip_special_tokens": False}, "skip_special_tokens"), ({"min_tokens": -1}, "min_tokens"),
+    ({"skip_special_tokens": "no"}, "skip_special_tokens"), ({"min_tokens": -1}, "min_tokens"),
     ({"min_tokens": 9, "max_tokens": 8}, "min_tokens"),
     ({"spaces_between_special_tokens": "no"}, "spaces_between_special_tokens"), ({"user": 5}, "user"),
     ({"logits_processors": ["x"]}, "logits_processors"), ({"return_tokens_as_token_ids": 1}, "return_tokens_as_token_ids"),

@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.integration.test_openai_api import PROMPT, client, complete, post, stream_payloads
+from tests.unit.test_prompt_logprobs import rank_range
 
 IDS = [5965, 1462, 314, 11256, 380, 1153, 284, 339]  # PROMPT tokenized
 
@@ -158,3 +159,58 @@ def test_an_echoed_prompt_of_ids_splitting_characters_reads_as_its_text(tiny_sta
         "temperature": 0}))
     streamed = [t for e in events if e["choices"] for t in e["choices"][0]["logprobs"]["tokens"]]
     assert streamed == lp["tokens"]
+
+
+def check_vllm_prompt_logprobs(got: list, ids: list[int], reference: torch.Tensor, k: int) -> None:
+    """vLLM's shape: null first, then ``{"<id>": {"logprob", "rank", "decoded_token"}}``, the token first, then its
+    k likeliest (ranks 1..k)."""
+    assert len(got) == len(ids) and got[0] is None
+    for position in range(1, len(ids)):
+        row, entry = reference[position - 1], got[position]
+        keys = list(entry)
+        assert keys[0] == str(ids[position]), (position, keys)
+        own = entry[keys[0]]
+        assert own["logprob"] == pytest.approx(float(row[ids[position]]), abs=1e-4)
+        low, high = rank_range(row, ids[position])
+        assert low <= own["rank"] <= high and isinstance(own["decoded_token"], str)
+        top = row.topk(k)
+        alternatives = {int(key): value for key, value in entry.items() if int(key) != ids[position]}
+        for rank, (token, logprob) in enumerate(zip(top.indices.tolist(), top.values.tolist()), 1):
+            if token != ids[position]:
+                assert alternatives[token]["rank"] == rank
+                assert alternatives[token]["logprob"] == pytest.approx(logprob, abs=1e-4)
+        assert len(alternatives) == k - (ids[position] in top.indices.tolist())
+
+
+def test_vllm_prompt_logprobs_on_completions_and_chat(tiny_stack, tiny_model_dir, reference):
+    """vLLM's ``prompt_logprobs`` (what scoring and reward pipelines send through the openai SDK's extra_body):
+    per choice on completions, top-level on chat, each prompt token's logprob and rank equal to transformers'
+    log-softmax; with echo and logprobs too, the echoed part keeps its own number of alternatives."""
+    sdk = client(tiny_stack)
+    done = sdk.completions.create(model=tiny_stack.model, prompt=PROMPT, max_tokens=2, temperature=0,
+                                  extra_body={"prompt_logprobs": 2})
+    check_vllm_prompt_logprobs(done.choices[0].model_extra["prompt_logprobs"], IDS, reference, 2)
+    body = complete(tiny_stack, prompt=PROMPT, max_tokens=2, temperature=0, prompt_logprobs=0, echo=True, logprobs=1)
+    check_vllm_prompt_logprobs(body["choices"][0]["prompt_logprobs"], IDS, reference, 0)
+    echoed = body["choices"][0]["logprobs"]["top_logprobs"]
+    assert all(len(top) <= 2 for top in echoed[1:]), echoed
+    body = complete(tiny_stack, prompt=PROMPT, max_tokens=1, prompt_logprobs=3, echo=True, logprobs=1)
+    assert all(len(top) <= 2 for top in body["choices"][0]["logprobs"]["top_logprobs"][1:])
+    check_vllm_prompt_logprobs(body["choices"][0]["prompt_logprobs"], IDS, reference, 3)
+    said = sdk.chat.completions.create(model=tiny_stack.model, messages=[{"role": "user", "content": "Hi"}],
+                                       max_tokens=2, extra_body={"prompt_logprobs": 1, "return_token_ids": True})
+    ids = said.model_extra["prompt_token_ids"]
+    assert len(ids) == said.usage.prompt_tokens
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32)
+    with torch.no_grad():
+        chat_reference = model(torch.tensor([ids])).logits[0].log_softmax(dim=-1)
+    check_vllm_prompt_logprobs(said.model_extra["prompt_logprobs"], ids, chat_reference, 1)
+
+
+def test_prompt_logprobs_refusals(tiny_stack):
+    for body in ({"prompt_logprobs": 1, "stream": True}, {"prompt_logprobs": 21}, {"prompt_logprobs": -1},
+                 {"prompt_logprobs": -2}, {"prompt_logprobs": "1"}, {"prompt_logprobs": True}):
+        for path, extra in (("/v1/completions", {"prompt": PROMPT}),
+                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})):
+            r = post(tiny_stack, path, {"model": tiny_stack.model, **extra, **body})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", (path, body, r.text)

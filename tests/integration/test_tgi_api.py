@@ -312,7 +312,7 @@ def test_tgis_own_client_chats_as_tgis_messages_api(tiny_stack):
 def test_tgi_clients_defaults_sample_when_asked_and_its_routes_and_forms_are_taken(tiny_stack):
     """What TGI's own clients send: text_generation always sends do_sample false, and TGI samples whenever a
     warper (temperature, top_k, top_p, typical_p) is set (it was greedy: temperature was ignored); SageMaker's
-    /invocations answers as /; huggingface_hub's "dummy" model and its {"type": "json_object", "value": schema}
+    /invocations answers as / and /ping as /health (vLLM's /version too); huggingface_hub's "dummy" model and its {"type": "json_object", "value": schema}
     response_format (the schema was ignored) and TGI's {"type": "regex"}."""
     from text_generation import Client
 
@@ -324,6 +324,11 @@ def test_tgi_clients_defaults_sample_when_asked_and_its_routes_and_forms_are_tak
     r = httpx.post(tiny_stack.url + "/invocations", timeout=60,
                    json={"inputs": PROMPT, "parameters": {"max_new_tokens": 3, "details": True}})
     assert r.status_code == 200 and r.json()[0]["details"]["generated_tokens"] == 3
+    for method in ("GET", "POST", "HEAD"):  # SageMaker's health check, where it sends /invocations (vLLM's too)
+        r = httpx.request(method, tiny_stack.url + "/ping", timeout=60)
+        assert r.status_code == 200 and r.content == b"", (method, r.text)
+    r = httpx.get(tiny_stack.url + "/version", timeout=60)
+    assert r.status_code == 200 and isinstance(r.json()["version"], str) and r.json()["version"]
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
               "additionalProperties": False}
     chat = {"messages": [{"role": "user", "content": "A number?"}], "max_tokens": 12, "seed": 3}

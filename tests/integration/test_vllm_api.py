@@ -97,6 +97,7 @@ def test_stop_and_stop_token_ids(tiny_stack):
     ({"prompt": PROMPT, "frequency_penalty": -3}, "frequency_penalty must be in [-2.0, 2.0]"),
     ({"prompt": PROMPT, "ignore_eos": "y"}, "ignore_eos must be boolean type."),
     ({"prompt": PROMPT, "skip_special_tokens": 1}, "skip_special_tokens must be boolean type."),
+    ({"prompt": PROMPT, "prompt_logprobs": 1}, "prompt_logprobs is not supported on /generate"),
     ({"prompt": PROMPT, "stream": "y"}, "stream must be boolean type."),
     ({"prompt": PROMPT, "stop": 3}, "stop must be string or array of strings type."),
     ({"prompt": PROMPT, "stop": ["ok", ""]}, "each stop item must be 1 to 1024 characters long"),

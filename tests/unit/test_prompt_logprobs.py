@@ -29,12 +29,20 @@ def first_event(run, rid: str):
     return next(e for e in run.events if e.id == rid)
 
 
+def rank_range(row: torch.Tensor, token: int, tolerance: float = 1e-4) -> tuple[int, int]:
+    """vLLM's rank of ``token`` (1: the likeliest) as far as float noise decides it: a random model's logprobs are
+    close enough together that the engine's and transformers' sums may order near-ties differently."""
+    value = float(row[token])
+    return int((row > value + tolerance).sum()) + 1, int((row > value - tolerance).sum()) + 1
+
+
 def check(lps, reference: torch.Tensor) -> None:
     assert len(lps) == len(IDS) and lps[0] is None
     for position in range(1, len(IDS)):
         row = reference[position - 1]
         lp = lps[position]
         assert abs(lp.logprob - float(row[IDS[position]])) < 1e-4, position
+        assert rank_range(row, IDS[position])[0] <= lp.rank <= rank_range(row, IDS[position])[1], position
         top = row.topk(TOP)
         assert lp.top_ids == top.indices.tolist()
         assert max(abs(a - b) for a, b in zip(lp.top_logprobs, top.values.tolist())) < 1e-4

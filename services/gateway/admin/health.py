@@ -1,11 +1,14 @@
-"""Health and model information: ``/health``, ``/v2/health/live``, ``/v2/health/ready``, ``/info``."""
+"""Health and model information: ``/health``, ``/v2/health/live``, ``/v2/health/ready``, ``/info`` (the management
+plane); ``/ping`` and ``/version`` beside the APIs (vLLM's; SageMaker probes ``/ping`` where it sends
+``/invocations``)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from litestar import MediaType, Request, Response, get
+from litestar import MediaType, Request, Response, get, route
 
+from services.gateway.common.version import version as switchboard_version
 from services.gateway.web.errors import mindie_error
 from shared.errors import ErrorKind
 
@@ -81,7 +84,20 @@ async def info(request: Request) -> Response:
     })
 
 
+@route("/ping", http_method=["GET", "POST"])
+async def ping(request: Request) -> Response:
+    """vLLM's ``/ping`` (SageMaker's health check): as ``/health``, on the business port."""
+    return await health.fn(request)
+
+
+@get("/version")
+async def version() -> Response:
+    """vLLM's ``/version``: the server's version."""
+    return Response({"version": switchboard_version()}, media_type="application/json")
+
+
 ROUTES = [health, live, ready, info]
+BUSINESS_ROUTES = [ping, version]
 
 
 def _empty(status: int) -> Response:

@@ -119,7 +119,45 @@ def vllm_sampling(f: Fields, dialect: VllmDialect, logprobs: int | None = None) 
         min_p=f.number("min_p", 0.0, 0.0, 1.0, lo_open=False, hi_open=False),
         logit_bias=_logit_bias(f),
         min_tokens=_min_tokens(f, max_new_tokens),
+        skip_special_tokens=bool(f.boolean("skip_special_tokens", True)),
+        allowed_token_ids=_allowed_token_ids(f),
+        bad_words=_bad_words(f),
     )
+
+
+BAD_WORDS_MAX = 1024  # words, and characters per word
+
+
+def _allowed_token_ids(f: Fields) -> list[int]:
+    """vLLM's ``allowed_token_ids``: a non-empty array of token ids (the tokenizer checks them against the
+    vocabulary), duplicates dropped."""
+    value = f.data.get("allowed_token_ids")
+    if value is None:
+        return []
+    if not isinstance(value, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in value):
+        raise validation("allowed_token_ids must be an array of token ids.", "allowed_token_ids")
+    if not value:
+        raise validation("allowed_token_ids must not be empty (leave it out to allow every token).",
+                         "allowed_token_ids")
+    if min(value) < 0:
+        raise validation(f"allowed_token_ids: token id {min(value)} is negative.", "allowed_token_ids")
+    return sorted(set(value))
+
+
+def _bad_words(f: Fields) -> list[str]:
+    """vLLM's ``bad_words``: up to 1024 non-blank strings of up to 1024 characters."""
+    value = f.data.get("bad_words")
+    if value is None:
+        return []
+    if not isinstance(value, list) or any(not isinstance(w, str) for w in value):
+        raise validation("bad_words must be an array of strings.", "bad_words")
+    if len(value) > BAD_WORDS_MAX:
+        raise validation(f"bad_words must have at most {BAD_WORDS_MAX} words, got {len(value)}.", "bad_words")
+    for word in value:
+        if not word.strip() or len(word) > BAD_WORDS_MAX:
+            raise validation(f"bad_words items must be 1 to {BAD_WORDS_MAX} characters and not blank, got {word!r:.40}.",
+                             "bad_words")
+    return value
 
 
 def _min_tokens(f: Fields, most: int) -> int:
@@ -195,13 +233,7 @@ def _refuse_unsupported(f: Fields) -> None:
     """Fields that would change the answer in ways this server cannot honour: a clear 4xx, not silence."""
     if f.boolean("use_beam_search", False):
         raise validation("use_beam_search is not supported.", "use_beam_search")
-    if f.boolean("skip_special_tokens", True) is False:
-        raise validation("skip_special_tokens=false is not supported: special tokens are always skipped.",
-                         "skip_special_tokens")
-    f.boolean("spaces_between_special_tokens", True)  # moot (special tokens are skipped), but typed
-    for name in ("bad_words", "allowed_token_ids", "logits_processors"):
-        if f.data.get(name):
-            raise validation(f"{name} is not supported.", name)
-    if f.data.get("prompt_logprobs") is not None:
-        raise validation("prompt_logprobs is not supported here; /v1/completions with echo and logprobs gives the "
-                         "prompt's tokens with their logprobs.", "prompt_logprobs")
+    f.boolean("spaces_between_special_tokens", True)  # typed; fast tokenizers (all served) join special tokens as
+    # they are, as vLLM's fast detokenizer does whatever it says
+    if f.data.get("logits_processors"):
+        raise validation("logits_processors is not supported.", "logits_processors")

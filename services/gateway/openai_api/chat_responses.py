@@ -7,6 +7,7 @@ from typing import Any, AsyncIterator
 from services.gateway.common import finish
 from services.gateway.openai_api.schemas import ChatRequest
 from services.gateway.openai_api.sse import Meta, UsagePlacement, sse, token_id_text
+from services.gateway.openai_api.token_fields import prompt_logprobs_json, token_ids
 from services.gateway.openai_api.tools import ToolStream, extract
 from services.gateway.request.call import Call
 from shared.messages import FinishReason, TokenOut, TopToken
@@ -61,11 +62,23 @@ async def chat_body(req: ChatRequest, call: Call) -> dict[str, Any]:
         if req.echoed:
             content = req.echoed + (content or "")
         message = {"role": "assistant", "content": content, "refusal": None, "tool_calls": calls}
-        choices.append({"index": index, "message": message, "logprobs": logprobs_json(req, end.tokens),
-                        "finish_reason": _finish(end.finish_reason, bool(calls)),
-                        "stop_reason": _stop_reason(req, end)})
+        choice = {"index": index, "message": message, "logprobs": logprobs_json(req, end.tokens),
+                  "finish_reason": _finish(end.finish_reason, bool(calls)), "stop_reason": _stop_reason(req, end)}
+        if req.common.return_token_ids:
+            choice["token_ids"] = token_ids(end.tokens)
+        choices.append(choice)
     meta = Meta.new("chatcmpl", "chat.completion", req.common.model, req.common.request_id, call)
-    return meta.body(choices, usage=call.usage())
+    return meta.body(choices, usage=call.usage(), **_prompt_extras(req, call))
+
+
+def _prompt_extras(req: ChatRequest, call: Call) -> dict[str, Any]:
+    """vLLM's top-level ``prompt_logprobs`` and ``prompt_token_ids`` (one prompt, whatever n is)."""
+    extras: dict[str, Any] = {}
+    if req.common.prompt_logprobs is not None:
+        extras["prompt_logprobs"] = prompt_logprobs_json(call.sessions[0].prompt, req.common.prompt_logprobs)
+    if req.common.return_token_ids:
+        extras["prompt_token_ids"] = call.started[0].prompt_ids
+    return extras
 
 
 async def chat_chunks(req: ChatRequest, call: Call) -> AsyncIterator[bytes]:
@@ -77,7 +90,8 @@ async def chat_chunks(req: ChatRequest, call: Call) -> AsyncIterator[bytes]:
     for index in range(len(call)):
         role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None,
                 "stop_reason": None}
-        yield sse(meta.body([role], **usage.on_chunk(False, index)))
+        first = _prompt_extras(req, call) if index == 0 else {}  # vLLM's prompt_token_ids: on the first chunk
+        yield sse(meta.body([role], **usage.on_chunk(False, index), **first))
         if req.echoed:  # vLLM's echo: the last message's text, a chunk of its own before the answer's
             echo = {"index": index, "delta": {"content": req.echoed}, "logprobs": None, "finish_reason": None,
                     "stop_reason": None}
@@ -86,12 +100,15 @@ async def chat_chunks(req: ChatRequest, call: Call) -> AsyncIterator[bytes]:
         usage.count(step)
         ends = step.end is not None
         delta = _delta(streams[step.index], step.text, ends)
-        if not (delta.get("content") or delta.get("tool_calls") or ends or (req.logprobs and step.tokens)):
+        if not (delta.get("content") or delta.get("tool_calls") or ends
+                or ((req.logprobs or req.common.return_token_ids) and step.tokens)):
             continue  # held back by a stop string, an incomplete character or a tool-call marker
         calls = streams[step.index] is not None and streams[step.index].calls > 0
         choice = {"index": step.index, "delta": delta, "logprobs": logprobs_json(req, step.tokens),
                   "finish_reason": _finish(step.end and step.end.finish_reason, calls),
                   "stop_reason": _stop_reason(req, step.end)}
+        if req.common.return_token_ids:
+            choice["token_ids"] = token_ids(step.tokens)
         yield sse(meta.body([choice], **usage.on_chunk(ends, step.index)))
     for closing in usage.closing(meta):
         yield sse(closing)

@@ -14,6 +14,7 @@ from services.gateway.common.sampling import VllmDialect, vllm_sampling
 from services.gateway.common.served import Served
 from services.gateway.openai_api.errors import bad_param, model_not_found
 from services.gateway.openai_api.response_format import response_format
+from services.gateway.openai_api.token_fields import prompt_logprobs_field
 from services.gateway.web.validation import INT32_MAX, Fields
 from shared.config import Config
 from shared.messages import Sampling
@@ -34,6 +35,8 @@ class Common:
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs' tokens are "token_id:<id>"
     cache_salt: str = ""  # vLLM's: prefix-cache blocks shared only by requests giving the same salt
     request_id: str = ""  # vLLM's: the response's id is <prefix>-<request_id> ("": a random one)
+    prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs with k alternatives (token_fields.py)
+    return_token_ids: bool = False  # vLLM's: the prompt's and the answer's token ids beside the text
 
 
 def parse_common(data: dict[str, Any], cfg: Config, served: Served, logprobs: int | None, chat: bool,
@@ -62,9 +65,12 @@ def parse_common(data: dict[str, Any], cfg: Config, served: Served, logprobs: in
     n = _n(f, cfg, sampling)
     include_usage, continuous = _usage_options(f, stream)
     _refuse_extras(f)
+    prompt_k = prompt_logprobs_field(f, stream)
+    if prompt_k is not None:
+        sampling = msgspec.structs.replace(sampling, prompt_logprobs=prompt_k)
     return Common(model, n, stream, include_usage, sampling, _truncate(f, cfg), adapter, continuous,
                   bool(f.boolean("return_tokens_as_token_ids", False)), _non_empty(f, "cache_salt"),
-                  _non_empty(f, "request_id"))
+                  _non_empty(f, "request_id"), prompt_k, bool(f.boolean("return_token_ids", False)))
 
 
 REFUSED = {  # OpenAI's and vLLM's fields that would change the answer in ways this server cannot honour

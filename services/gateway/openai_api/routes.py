@@ -97,7 +97,7 @@ async def chat_completions(request: Request) -> Response:
     admit(req.listed, gateway.media_policy, content_error, gateway.modalities())
     prompt = {"messages": req.messages, "chat_template_kwargs": req.chat_template_kwargs,
               "truncate": req.common.truncate, "parts": chat_media(req.listed), "cache_salt": req.common.cache_salt,
-              **req.turn}
+              "return_prompt_ids": req.common.return_token_ids, **req.turn}
     if req.tools is not None:
         prompt.update(tools=req.tools.declared, tool_choice=req.tools.choice)
     call = build_call(gateway.context, [prompt], req.common.sampling, req.common.n, req.common.adapter, "openai-chat")
@@ -109,7 +109,7 @@ async def chat_completions(request: Request) -> Response:
 async def completions(request: Request) -> Response:
     gateway = request.app.state.gateway
     req = named_by_client(parse_completion(await request.body(), gateway.cfg, gateway.served()), request)
-    prompts = [{"prompt": p.text, "prompt_ids": p.ids, "return_prompt_ids": req.echo and p.ids is not None,
+    prompts = [{"prompt": p.text, "prompt_ids": p.ids, "return_prompt_ids": (req.echo and p.ids is not None) or req.common.return_token_ids,
                 "truncate": req.common.truncate, "cache_salt": req.common.cache_salt,
                 "add_special_tokens": req.add_special_tokens} for p in req.prompts]
     call = build_call(gateway.context, prompts, req.common.sampling, req.common.n, req.common.adapter,

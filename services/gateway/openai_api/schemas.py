@@ -244,8 +244,9 @@ def parse_completion(body: bytes, cfg: Config, served: Served) -> CompletionRequ
     echo = bool(f.boolean("echo", False))
     logprobs = f.integer("logprobs", None, 0, 5)
     common = parse_common(data, cfg, served, logprobs, chat=False, echo=echo)
-    if echo and logprobs is not None:  # the echoed prompt's tokens carry logprobs too
-        common = replace(common, sampling=msgspec.structs.replace(common.sampling, prompt_logprobs=logprobs))
+    if echo and logprobs is not None:  # the echoed prompt's tokens carry logprobs too (as many alternatives as the
+        k = max(logprobs, common.prompt_logprobs or 0)  # answer's; prompt_logprobs' may ask more)
+        common = replace(common, sampling=msgspec.structs.replace(common.sampling, prompt_logprobs=k))
     return CompletionRequest(common, prompts, echo, logprobs, bool(f.boolean("add_special_tokens", True)))
 
 

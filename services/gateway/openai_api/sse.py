@@ -7,11 +7,11 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from functools import lru_cache
-from importlib import metadata
 from typing import Any
 
 import msgspec
 
+from services.gateway.common.version import version
 from services.gateway.openai_api.errors import switchboard_body
 from services.gateway.request.call import Call
 from services.gateway.request.session import Step
@@ -59,15 +59,8 @@ def system_fingerprint(call: Call) -> str:
 
 @lru_cache(maxsize=64)
 def _fingerprint(*config: Any) -> str:
-    text = "\0".join(map(str, (_version(), *config)))
+    text = "\0".join(map(str, (version(), *config)))
     return "fp_" + hashlib.sha256(text.encode()).hexdigest()[:10]
-
-
-def _version() -> str:
-    try:
-        return metadata.version("switchboard")
-    except metadata.PackageNotFoundError:  # (run from a source tree that was never installed)
-        return "source"
 
 
 class UsagePlacement:

@@ -43,6 +43,9 @@ def parse_vllm(data: dict[str, Any], served: Served, max_iter_times: int, max_n:
         raise validation(f"{unknown[0]} is not a field of vLLM's /generate (it takes "
                          f"{', '.join(sorted(FIELDS - {'inputs'}))}).", unknown[0])
     f = Fields(data)
+    if data.get("prompt_logprobs") is not None:  # /generate answers text only
+        raise validation("prompt_logprobs is not supported on /generate; /v1/completions and /v1/chat/completions "
+                         "take it.", "prompt_logprobs")
     prompt, listed = mindie_input(data.get("prompt"), "prompt", lambda text: text_input(text, "prompt"))
     adapter = _adapter(f.string("model"), served)
     sampling = vllm_sampling(f, VllmDialect(repetition_max=FLT_MAX, max_tokens_default=max_iter_times))

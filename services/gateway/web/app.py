@@ -27,7 +27,7 @@ from services.gateway.web.request_ids import request_ids_middleware
 from services.gateway.web.tracing import tracing_middleware
 
 BUSINESS_ROUTES = [*tgi.ROUTES, *generate.ROUTES, *openai_api.ROUTES, *openai_tokenize.ROUTES, *responses_api.ROUTES,
-                   *anthropic.ROUTES, *triton.ROUTES, *native.ROUTES, *dresult.ROUTES]
+                   *anthropic.ROUTES, *triton.ROUTES, *native.ROUTES, *dresult.ROUTES, *health.BUSINESS_ROUTES]
 MANAGEMENT_ROUTES = [*health.ROUTES, *status.ROUTES, *stop.ROUTES, *lora.ROUTES, *triton.MANAGEMENT_ROUTES,
                      *metrics.MANAGEMENT_ROUTES]
 METRICS_ROUTES = [*metrics.METRICS_ROUTES]
