@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Iterator
 
 import msgspec
 import pytest
@@ -30,11 +31,17 @@ def pd_body(i: int, seeded: bool) -> dict:
             "parameters": test_failover.params(i, seeded, TOKENS)}
 
 
-@pytest.fixture
-def cluster(tmp_path, tiny_model_dir, monkeypatch):
-    monkeypatch.setattr(test_failover, "body", pd_body)
-    monkeypatch.setattr(test_failover, "STREAMS", STREAMS)
-    c = Cluster(tmp_path, tiny_model_dir, engines=2, tokenizers=1,
+@pytest.fixture(scope="module", autouse=True)
+def pd_streams():
+    """test_failover's streams, with this module's prompts and count."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(test_failover, "body", pd_body)
+        patch.setattr(test_failover, "STREAMS", STREAMS)
+        yield
+
+
+def pd_cluster(folder, model_dir) -> Iterator[Cluster]:
+    c = Cluster(folder, model_dir, engines=2, tokenizers=1,
                 args={"engine-0": ["--role", "prefill"], "engine-1": ["--role", "decode"]},
                 **{"BackendConfig.ScheduleConfig": {"enablePrefixCache": True}})
     try:
@@ -44,6 +51,18 @@ def cluster(tmp_path, tiny_model_dir, monkeypatch):
         yield c
     finally:
         c.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, tiny_model_dir):
+    """One PD deployment for the tests that leave it as they found it (they count by differences)."""
+    yield from pd_cluster(tmp_path_factory.mktemp("pd"), tiny_model_dir)
+
+
+@pytest.fixture
+def own_cluster(tmp_path, tiny_model_dir):
+    """A PD deployment of the test's own: it kills a process."""
+    yield from pd_cluster(tmp_path, tiny_model_dir)
 
 
 def co_located(model_dir, seeded: bool) -> list[list[int]]:
@@ -80,14 +99,17 @@ async def engine_infos(nats_url: str, model: str, wait_s: float = 1.5) -> dict[s
 
 @pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
 def test_prefill_and_decode_engines_answer_as_one_engine_with_no_re_prefill(cluster, tiny_model_dir, seeded):
+    before = asyncio.run(engine_infos(cluster.nats.url, model_name(cluster)))
     streams = test_failover.Streams(cluster.base, seeded)
     asyncio.run(streams.run())
     assert not any(streams.errors), (streams.errors, cluster.log_tails())
     assert streams.tokens == co_located(tiny_model_dir, seeded), cluster.log_tails()
     infos = asyncio.run(engine_infos(cluster.nats.url, model_name(cluster)))
-    assert infos["decode"].prompt_tokens_total == 0, infos  # no silent re-prefill
-    assert infos["decode"].generation_tokens_total == sum(len(t) - 1 for t in streams.tokens)
-    assert infos["prefill"].generation_tokens_total == STREAMS  # the first tokens
+    grew = {role: {name: getattr(infos[role], name) - getattr(before[role], name)
+                   for name in ("prompt_tokens_total", "generation_tokens_total")} for role in ("prefill", "decode")}
+    assert grew["decode"]["prompt_tokens_total"] == 0, (before, infos)  # no silent re-prefill
+    assert grew["decode"]["generation_tokens_total"] == sum(len(t) - 1 for t in streams.tokens)
+    assert grew["prefill"]["generation_tokens_total"] == STREAMS  # the first tokens
     assert transfers(cluster)["kv_transfer_seconds_count"] >= STREAMS
 
 
@@ -135,7 +157,8 @@ def transfers(cluster) -> dict[str, float]:
             if family.name.startswith("kv_transfer") for sample in family.samples if not sample.labels.get("le")}
 
 
-def test_the_decode_engine_killed_mid_stream_loses_nothing(cluster, tiny_model_dir):
+def test_the_decode_engine_killed_mid_stream_loses_nothing(own_cluster, tiny_model_dir):
+    cluster = own_cluster
     expected = co_located(tiny_model_dir, seeded=False)
     streams = test_failover.Streams(cluster.base, seeded=False)
     started = time.monotonic()
@@ -232,14 +255,12 @@ def test_blocks_cached_on_the_decode_engine_do_not_travel_again(cluster, tiny_mo
     assert sent[1] <= sent[0] / 30, sent  # 1 or 2 blocks of some 63
 
 
-def test_a_frozen_decode_engine_ends_in_recompute_within_the_transfer_timeout(tmp_path, tiny_model_dir, monkeypatch):
+def test_a_frozen_decode_engine_ends_in_recompute_within_the_transfer_timeout(tmp_path, tiny_model_dir):
     """SIGSTOP the decode engine: its lease is still good, so prefill engines hand requests to it, and the
     transfers go unanswered; after kvTransTimeoutSeconds each request is recomputed on the prefill engine."""
     import os
     import signal
 
-    monkeypatch.setattr(test_failover, "body", pd_body)
-    monkeypatch.setattr(test_failover, "STREAMS", STREAMS)
     c = Cluster(tmp_path, tiny_model_dir, engines=2, tokenizers=1, Switchboard={"kvTransTimeoutSeconds": 2},
                 args={"engine-0": ["--role", "prefill"], "engine-1": ["--role", "decode"]})
     try:
