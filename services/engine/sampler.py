@@ -198,13 +198,9 @@ def banned_ids(seq: Sequence) -> list[int]:
     """vLLM's ``bad_words``: the last token of each bad word whose other tokens end the answer so far (a one-token
     word always). Needs the answer's tokens on the host: ``ahead.runs_ahead`` keeps multi-token words off steps
     launched ahead."""
-    out = seq.token_ids[seq.num_prompt_tokens:]
-    banned = []
-    for word in seq.sampling.bad_words_ids:
-        prefix = len(word) - 1
-        if prefix <= len(out) and (prefix == 0 or out[len(out) - prefix:] == word[:-1]):
-            banned.append(word[-1])
-    return banned
+    generated, end = len(seq) - seq.num_prompt_tokens, len(seq)
+    return [word[-1] for word in seq.sampling.bad_words_ids
+            if len(word) - 1 <= generated and seq.token_ids[end - len(word) + 1:end] == word[:-1]]
 
 
 def apply_bad_words(logits: torch.Tensor, seqs: list[Sequence]) -> None:

@@ -51,12 +51,6 @@ class StopMatcher:
         self.released = 0
         self.matched = ""  # the stop string that ended the text, once one has
 
-    def hides_last(self) -> bool:
-        """Whether an answer that ended on an end-of-sequence token (EOS, one of the request's stop ids) leaves
-        that token's text out: vLLM drops it unless include_stop_str_in_output (the flag it reads for them too);
-        it shows when special tokens are not skipped (skip_special_tokens false)."""
-        return not self.include
-
     def feed(self, delta: str, final: bool, armed: bool = True) -> tuple[str, bool]:
         """(text to release now, whether a stop string was hit); not ``armed`` (before min_tokens, as vLLM), no
         stop string is looked for and the text goes out whole."""
@@ -101,8 +95,9 @@ def next_text(decoder: IncrementalDecoder, stops: StopMatcher, token_id: int, fi
               ended_on_eos: bool, armed: bool = True) -> tuple[str, str | None, bool]:
     """One generated token's text: what it releases into the answer, its own text where that differs (a stop
     string's hold-back), and whether a stop string ended the answer. ``final``: the answer's last token (what is
-    held back goes out with it); the EOS or stop id it ended on leaves its own text out (``StopMatcher.hides_last``)."""
-    added = "" if final and ended_on_eos and stops.hides_last() else decoder.add(token_id)
+    held back goes out with it); the EOS or stop id it ended on leaves its own text out unless
+    include_stop_str_in_output, as vLLM's (its text shows when special tokens are not skipped)."""
+    added = "" if final and ended_on_eos and not stops.include else decoder.add(token_id)
     held = decoder.flush() if final else ""
     text, stopped = _feed(stops, added, held, final, armed)
     delta = added + held

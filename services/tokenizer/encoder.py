@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 
+import msgspec
+
 from shared.config import ModelDeployConfig
 from shared.errors import ErrorInfo, ErrorKind, validation
 from shared.model_folder import ModelFolderError
@@ -80,10 +82,16 @@ def check_request_ids(req: GenerateRequest, vocab_size: int) -> None:
         check_token_ids(req.prompt_ids, vocab_size)
 
 
-def check_sampling_ids(req: GenerateRequest, vocab_size: int) -> None:
-    """The token ids its sampling names (logit_bias keys, allowed_token_ids) are in the vocabulary."""
+def with_sampling_ids(tokenizer, req: GenerateRequest, vocab_size: int) -> GenerateRequest:
+    """The request as the engine takes it: the token ids its sampling names (logit_bias keys, allowed_token_ids)
+    checked against the vocabulary, and vLLM's ``bad_words`` as the ids the engine bans (``bad_words_ids``)."""
     check_token_ids(list(req.sampling.logit_bias), vocab_size, "logit_bias")
     check_token_ids(req.sampling.allowed_token_ids, vocab_size, "allowed_token_ids")
+    if not req.sampling.bad_words:
+        return req
+    banned = bad_words_ids(tokenizer, req.sampling.bad_words, vocab_size)
+    return msgspec.structs.replace(req, sampling=msgspec.structs.replace(req.sampling, bad_words=[],
+                                                                         bad_words_ids=banned))
 
 
 def bad_words_ids(tokenizer, words: list[str], vocab_size: int) -> list[list[int]]:

@@ -25,13 +25,7 @@ from nats.aio.msg import Msg as NatsMsg
 from services.tokenizer.detokenizer import IncrementalDecoder, StopMatcher, next_text, token_texts
 from services.tokenizer import counting
 from services.tokenizer.encoder import (
-    bad_words_ids,
-    check_media_prompt,
-    check_request_ids,
-    check_sampling_ids,
-    encode_prompt,
-    load_tokenizer,
-    too_large,
+    check_media_prompt, check_request_ids, encode_prompt, load_tokenizer, too_large, with_sampling_ids,
 )
 from services.tokenizer.media.multimodal import MediaProcessor
 from services.tokenizer.cache_sync import CacheFollower
@@ -178,7 +172,7 @@ class TokenizerService:
         try:
             started = time.perf_counter()
             ids, media = await self.encode(req)
-            req = self.with_bad_words_ids(req)
+            req = with_sampling_ids(self.tok, req, self.vocab_size)
             span.set_attribute("switchboard.prompt_tokens", len(ids))
             if media is not None:  # fetching, decoding and the processor, for the trace
                 span.set_attribute("switchboard.media_items", sum(p.media is not None for p in req.parts))
@@ -240,15 +234,6 @@ class TokenizerService:
             state.stops.feed(state.decoder.add(token_id), False)
         state.generated = len(req.resume_ids)
         return state
-
-    def with_bad_words_ids(self, req: GenerateRequest) -> GenerateRequest:
-        """The sampling's token ids checked, and vLLM's ``bad_words`` as the engine bans them: token ids
-        (``encoder.bad_words_ids``)."""
-        check_sampling_ids(req, self.vocab_size)
-        if not req.sampling.bad_words:
-            return req
-        banned = bad_words_ids(self.tok, req.sampling.bad_words, self.vocab_size)
-        return msgspec.structs.replace(req, sampling=msgspec.structs.replace(req.sampling, bad_words_ids=banned))
 
     async def encode(self, req: GenerateRequest) -> tuple[list[int], MediaInputs | None]:
         """The prompt's token ids, and for a request with media the processor's tensors."""

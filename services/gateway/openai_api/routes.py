@@ -109,7 +109,8 @@ async def chat_completions(request: Request) -> Response:
 async def completions(request: Request) -> Response:
     gateway = request.app.state.gateway
     req = named_by_client(parse_completion(await request.body(), gateway.cfg, gateway.served()), request)
-    prompts = [{"prompt": p.text, "prompt_ids": p.ids, "return_prompt_ids": (req.echo and p.ids is not None) or req.common.return_token_ids,
+    prompts = [{"prompt": p.text, "prompt_ids": p.ids,
+                "return_prompt_ids": (req.echo and p.ids is not None) or req.common.return_token_ids,
                 "truncate": req.common.truncate, "cache_salt": req.common.cache_salt,
                 "add_special_tokens": req.add_special_tokens} for p in req.prompts]
     call = build_call(gateway.context, prompts, req.common.sampling, req.common.n, req.common.adapter,
