@@ -45,6 +45,6 @@ ONE_OF_HINT = "Enable 'coerce_one_of' option to approximate oneOf with anyOf"
 ONE_OF_INSTEAD = "Use anyOf instead (OpenAI's strict mode takes anyOf, not oneOf)"
 
 
-def json_schema(schema: object) -> Grammar:
-    """A JSON-schema grammar from a schema object (or JSON text)."""
-    return Grammar("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
+def json_schema(schema: object, field: str = "") -> Grammar:
+    """A JSON-schema grammar from a schema object (or JSON text); ``field``: the request field it came from."""
+    return Grammar("json_schema", schema if isinstance(schema, str) else json.dumps(schema), field)

@@ -25,6 +25,7 @@ class Grammar(msgspec.Struct, omit_defaults=True):
 
     kind: str
     value: str
+    field: str = ""  # the request field it came from (``guided_json``, ``response_format``, …): named in errors
 
 
 class Sampling(msgspec.Struct, kw_only=True, omit_defaults=True):

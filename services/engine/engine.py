@@ -16,9 +16,11 @@ import queue
 import time
 from dataclasses import dataclass, field
 
+from llguidance import LLMatcher
+
 from services.engine import ahead
 from services.engine.block_manager import BlockManager, blocks_for
-from services.engine.grammar import Constraints, apply_masks
+from services.engine.grammar import Constraints, apply_masks, left_grammar
 from services.engine.host_tier import HostTier
 from services.engine.isolation import Outcome, run_isolated
 from services.engine.kv_transfer import KvImport
@@ -79,6 +81,15 @@ class _Received:
     kv: KvImport | None
 
 
+@dataclass(frozen=True)
+class _Constrained:
+    """A request with the matcher of its grammar, built off the step (``Constraints.matcher``), or the error
+    building it raised."""
+
+    request: EngineRequest
+    matcher: LLMatcher | Exception
+
+
 class Engine:
     def __init__(self, runner: ModelRunner, limits: Limits, eos_token_ids: set[int], prefix_cache: bool = False,
                  host_blocks: int = 0, steps_ahead: bool = False):
@@ -90,7 +101,7 @@ class Engine:
         self.kv = KvHandoff(runner, self.blocks)  # PD disaggregation, at its three points (pd.py)
         self.scheduler = Scheduler(limits, self.blocks, eos_token_ids, on_finish=self._release_adapter,
                                    on_admit=self.kv.on_allocated)
-        self.inbox: queue.SimpleQueue[EngineRequest | _Abort | _Received] = queue.SimpleQueue()
+        self.inbox: queue.SimpleQueue[EngineRequest | _Abort | _Received | _Constrained] = queue.SimpleQueue()
         self.stats = Stats()
         self.held_until: float | None = None  # set by a step that held a small first batch back
         self.constraints = Constraints(runner.path, runner.model.lm_head.out_features)
@@ -99,8 +110,9 @@ class Engine:
 
     # ---- called from any thread -------------------------------------------------------------
 
-    def add_request(self, req: EngineRequest) -> None:
-        self.inbox.put(req)
+    def add_request(self, req: EngineRequest, matcher: LLMatcher | Exception | None = None) -> None:
+        """``matcher``: its grammar's, built already (or why it could not be); else the step builds it."""
+        self.inbox.put(req if matcher is None else _Constrained(req, matcher))
 
     def add_handoff(self, req: EngineRequest, kv: KvImport | None) -> None:
         """A request a prefill engine handed over: ``req.generated_ids`` holds its first token, ``kv`` its
@@ -196,8 +208,7 @@ class Engine:
             seq.last_event_at = now
             reason = finished.get(seq.id)
             if seq.matcher is not None and not reason and not seq.matcher.consume_token(drawn.token_id):
-                error = ErrorInfo(ErrorKind.INTERNAL, f"token {drawn.token_id} left the grammar: {seq.matcher.get_error()}")
-                events.append(self._end(seq, FinishReason.ERROR, error))  # it cannot, once masked
+                events.append(self._end(seq, FinishReason.ERROR, left_grammar(seq.matcher, drawn.token_id, seq.sampling.grammar)))
                 continue
             event = TokenEvent(seq.id, [drawn.token_id], None, position=seq.num_generated - 1)
             if drawn.logprob is not None:
@@ -285,11 +296,14 @@ class Engine:
                 events += self._abort_now(item)
             elif isinstance(item, _Received):
                 events += self._admit(item.request, item.kv)
+            elif isinstance(item, _Constrained):
+                events += self._admit(item.request, matcher=item.matcher)
             else:
                 events += self._admit(item)
         return events
 
-    def _admit(self, req: EngineRequest, kv: KvImport | None = None) -> list[TokenEvent]:
+    def _admit(self, req: EngineRequest, kv: KvImport | None = None,
+               matcher: LLMatcher | Exception | None = None) -> list[TokenEvent]:
         longest = min(len(req.prompt_ids) + req.sampling.max_new_tokens, self.scheduler.limits.max_seq_len)
         needed = blocks_for(max(len(req.prompt_ids) + 1, longest), self.blocks.block_size)
         if needed > self.blocks.num_blocks:
@@ -309,12 +323,13 @@ class Engine:
         seq.media, seq.more_salt = req.media, salt(req)
         if req.sampling.grammar is not None:
             try:
-                seq.matcher = self.constraints.matcher(req.sampling.grammar, req.generated_ids)
+                seq.matcher = self._matcher(req, matcher)
             except (ValueError, RuntimeError) as exc:
                 if slot is not None:
                     self.runner.lora.release(slot)
-                kind = ErrorKind.VALIDATION if isinstance(exc, ValueError) else ErrorKind.INTERNAL
-                return [TokenEvent(req.id, [], FinishReason.ERROR, ErrorInfo(kind, str(exc)))]
+                error = ErrorInfo(ErrorKind.VALIDATION, str(exc), req.sampling.grammar.field or None) \
+                    if isinstance(exc, ValueError) else ErrorInfo(ErrorKind.INTERNAL, str(exc))
+                return [TokenEvent(req.id, [], FinishReason.ERROR, error)]
         # a prompt with media stays: its decode needs what the encoder computed (Qwen2-VL's rope delta)
         seq.kv_import = kv
         seq.wants_prompt_logprobs = req.sampling.prompt_logprobs is not None and not req.generated_ids
@@ -323,6 +338,11 @@ class Engine:
         seq.token_ids.extend(req.generated_ids)  # resumed: its first prefill recomputes their cache too
         self.scheduler.add(seq)
         return []
+
+    def _matcher(self, req: EngineRequest, built: LLMatcher | Exception | None) -> LLMatcher:
+        if isinstance(built, Exception):
+            raise built
+        return built if built is not None else self.constraints.matcher(req.sampling.grammar, req.generated_ids)
 
     def _release_adapter(self, seq: Sequence) -> None:
         if seq.lora is not None:

@@ -20,6 +20,7 @@ import llguidance.hf
 import numpy as np
 import torch
 
+from shared.errors import ErrorInfo, ErrorKind
 from shared.grammar import grammar_text
 from shared.messages import Grammar
 
@@ -37,12 +38,8 @@ class Constraints:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
 
     @property
-    def ready(self) -> bool:
-        return self._tokenizer is not None
-
-    @property
     def tokenizer(self) -> llguidance.LLTokenizer:
-        """Built once, on first use (about 2 s for SmolLM2's; the service warms it off the step)."""
+        """Built once, on first use (about 2 s for SmolLM2's; the service builds matchers off the step)."""
         with self._lock:
             if self._tokenizer is None:
                 from transformers import AutoTokenizer
@@ -50,9 +47,6 @@ class Constraints:
                 hf = AutoTokenizer.from_pretrained(self.tokenizer_path)
                 self._tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size)
         return self._tokenizer
-
-    def warm(self) -> None:
-        self.tokenizer
 
     def matcher(self, grammar: Grammar, consumed: list[int]) -> llguidance.LLMatcher:
         """A matcher for ``grammar`` that has consumed ``consumed`` (a resumed or handed-over request's
@@ -64,14 +58,30 @@ class Constraints:
             raise RuntimeError(f"the grammar engine cannot read the model's tokenizer: {exc}") from None
         matcher = llguidance.LLMatcher(tokenizer, grammar_text(grammar), log_level=0)
         if matcher.is_error():
-            raise ValueError(f"the grammar cannot be compiled: {matcher.get_error()}")
+            raise ValueError(f"the grammar cannot be compiled: {_error(matcher)}")
         if consumed and not matcher.consume_tokens(consumed):
-            raise ValueError(f"the tokens generated so far leave the grammar: {matcher.get_error()}")
+            raise ValueError(f"the tokens generated so far leave the grammar: {_error(matcher)}")
         return matcher
 
     def masks(self, matchers: list[llguidance.LLMatcher]) -> Future:
         """Each matcher's next-token mask (bool [vocab]), computed on the worker thread."""
         return self._pool.submit(_masks, matchers, self.vocab_size)
+
+
+def left_grammar(matcher: llguidance.LLMatcher, token_id: int, grammar: Grammar) -> ErrorInfo:
+    """Why a sampled (so, allowed) token could not be consumed. The grammar engine gave up on the grammar
+    at one of its limits (a regex or a schema too large to follow, as ``a{1000000}`` or a schema requiring
+    itself): the client's grammar, a 4xx. Anything else is internal. llguidance's state dump is left out."""
+    error = _error(matcher)
+    if error.startswith(("lexer error", "parser error")) or "TooComplex" in matcher.get_error():
+        return ErrorInfo(ErrorKind.VALIDATION, f"{grammar.field or 'the grammar'} is too complex for the grammar "
+                                               f"engine to follow ({error}); simplify it", grammar.field or None)
+    return ErrorInfo(ErrorKind.INTERNAL, f"token {token_id} left the grammar: {error}")
+
+
+def _error(matcher: llguidance.LLMatcher) -> str:
+    """The matcher's error without the parser state llguidance appends to it."""
+    return matcher.get_error().split("\n<state>", 1)[0].strip()
 
 
 def _masks(matchers: list[llguidance.LLMatcher], vocab_size: int) -> list[torch.Tensor]:

@@ -121,8 +121,8 @@ class EngineService:
         self._admit(req)
 
     def _admit(self, req: EngineRequest) -> None:
-        if req.sampling.grammar is not None and not self.engine.constraints.ready:
-            self._background(self._after_warming(req))  # not on the step, nor on this callback
+        if req.sampling.grammar is not None:
+            self._background(self._constrained(req))  # its matcher is built neither on the step nor here
             return
         self.engine.add_request(req)
         self.wake.set()
@@ -140,16 +140,19 @@ class EngineService:
             return
         self._admit(req)
 
-    async def _after_warming(self, req: EngineRequest) -> None:
-        """The first constrained request waits (alone) while the grammar engine reads the tokenizer. Should
-        that fail, the request is admitted anyway, and the engine ends it with the error."""
+    async def _constrained(self, req: EngineRequest) -> None:
+        """A constrained request's grammar matcher is built on a worker thread: a large grammar takes seconds
+        (llguidance drops the GIL), and the first one also reads the tokenizer into the grammar engine. The
+        engine ends the request with the error, when it cannot be built."""
         try:
-            await asyncio.to_thread(self.engine.constraints.warm)
-        except Exception:  # noqa: BLE001
-            log.exception("the grammar engine could not read the tokenizer")
-        if req.id not in self.cancelled:
-            self.engine.add_request(req)
-            self.wake.set()
+            built = await asyncio.to_thread(self.engine.constraints.matcher, req.sampling.grammar, req.generated_ids)
+        except (ValueError, RuntimeError) as exc:
+            built = exc
+        if req.id in self.cancelled:
+            self.drop(req.id, **{"switchboard.finish_reason": "cancelled"})
+            return
+        self.engine.add_request(req, built)
+        self.wake.set()
 
     def track(self, req: EngineRequest) -> None:
         """Where the request's token events go, who owns it, and its span here."""
@@ -191,8 +194,7 @@ class EngineService:
     def keep(self, req: EngineRequest) -> None:
         """A handoff that did not happen: the request goes on here, its prompt recomputed."""
         if req.id in self.routes and req.id not in self.cancelled:
-            self.engine.add_request(req)
-            self.wake.set()
+            self._admit(req)
         else:  # cancelled during the transfer: it ends here
             self.drop(req.id, **{"switchboard.finish_reason": "cancelled"})
 

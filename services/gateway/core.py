@@ -81,7 +81,7 @@ class Gateway:
             inflight=self.inflight, failover=self.failover, roles=self.roles, admit=self.require_engine,
             engine_info=self.engine_info, emit=self.emit, spawn=self.spawn, heartbeat_s=sb.heartbeat_s,
             token_timeout_s=float(cfg.server.token_timeout) + 5.0, resume_timeout_s=max(3.0, 2 * sb.lease_seconds),
-            keep_alive_s=sb.stream_keep_alive_seconds)
+            media_timeout_s=float(sb.media_request_timeout_seconds), keep_alive_s=sb.stream_keep_alive_seconds)
 
     async def start(self) -> None:
         await self.mailboxes.start()

@@ -90,6 +90,7 @@ class TokenizerService:
         self.beats = decoder(Heartbeat)
         self.view_since = time.monotonic()  # since when the engines' leases here are heard first-hand
         self.reconnects = 0
+        self.tasks: set[asyncio.Task] = set()  # requests being encoded and routed, tokenize requests with media
 
     async def start(self) -> None:
         await bus.subscribe(self.nc, subjects.TOKENIZER_GENERATE, self.on_request, queue=subjects.TOKENIZER_QUEUE)
@@ -164,9 +165,20 @@ class TokenizerService:
     # ---- requests ---------------------------------------------------------------------------
 
     async def on_request(self, msg: NatsMsg) -> None:
+        """Each request is a task of its own: one whose media are fetched (a server that never answers holds it
+        up to mediaRequestTimeoutSeconds) or whose long prompt is encoded holds no other, as it would in this
+        callback (a subscription's callbacks run one at a time)."""
         req = self.requests.decode(msg.data)
-        if req.id in self.cancelled:
-            return  # its client is gone already
+        if req.id not in self.cancelled:  # else its client is gone already
+            self._spawn(self.take(req))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def take(self, req: GenerateRequest) -> None:
+        """Encode the request, choose its engine, tell its gateway so, and send it there."""
         span = telemetry.start_span("tokenizer.request", req.trace, **{"switchboard.request_id": req.id,
                                                                         "switchboard.adapter": req.adapter})
         try:
@@ -184,6 +196,15 @@ class TokenizerService:
         except SwitchboardError as exc:
             telemetry.end_span(span, exc.message)
             await bus.publish(self.nc, req.reply_to, Failed(id=req.id, error=exc.info))
+            return
+        except Exception as exc:  # noqa: BLE001 - a bug here ends this request, not the service (nor a hang)
+            log.exception("encoding a request failed", extra={"request_id": req.id})
+            telemetry.end_span(span, repr(exc))
+            error = ErrorInfo(ErrorKind.INTERNAL, f"the tokenizer could not encode the request: {exc!r}")
+            await bus.publish(self.nc, req.reply_to, Failed(id=req.id, error=error))
+            return
+        if req.id in self.cancelled:  # while it was encoded: its gateway asks no more
+            telemetry.end_span(span, **{"switchboard.finish_reason": "cancelled"})
             return
         seed = req.sampling.seed if req.sampling.seed is not None else random.randint(1, 2**31 - 1)
         self.pending[req.id] = self.pending_state(req, ids, span)
@@ -354,12 +375,15 @@ class TokenizerService:
 
     async def on_tokenize(self, msg: NatsMsg) -> None:
         req = self.tokenizes.decode(msg.data)
-        if any(part.media is not None for part in req.parts):
-            await bus.respond(msg, await counting.tokenize_with_media(self.tok, req, self.media, self.media_policy))
+        if any(part.media is not None for part in req.parts):  # a task: its fetches hold no other request
+            self._spawn(self.tokenize_with_media(msg, req))
             return
         long = len(req.text) > 2048 or req.messages is not None  # off the loop: it may take a while
         reply = await asyncio.to_thread(counting.tokenize, self.tok, req) if long else counting.tokenize(self.tok, req)
         await bus.respond(msg, reply)
+
+    async def tokenize_with_media(self, msg: NatsMsg, req: Tokenize) -> None:
+        await bus.respond(msg, await counting.tokenize_with_media(self.tok, req, self.media, self.media_policy))
 
     async def on_detokenize(self, msg: NatsMsg) -> None:
         await bus.respond(msg, counting.detokenize(self.tok, self.detokenizes.decode(msg.data), self.vocab_size))
@@ -383,6 +407,8 @@ async def serve(cfg: Config, nats_url: str, stop: asyncio.Event, ready=lambda: N
         await stop.wait()
     finally:
         heartbeat.cancel()
+        for task in list(service.tasks):
+            task.cancel()
         await bus.close(nc)
 
 

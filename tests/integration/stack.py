@@ -140,10 +140,10 @@ def sse_events(body: str) -> list[dict]:
     return events
 
 
-def post(stack: Stack, path: str, body, **kw):
+def post(stack: Stack, path: str, body, timeout: float = 60, **kw):
     """POST a JSON body (or raw bytes/str) to the business listener."""
     import httpx
 
     content = body if isinstance(body, (bytes, str)) else json.dumps(body)
     return httpx.post(stack.url + path, content=content, headers={"Content-Type": "application/json"},
-                      timeout=60, **kw)
+                      timeout=timeout, **kw)

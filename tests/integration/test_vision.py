@@ -3,12 +3,15 @@ every family's outputs for a prompt with images equal transformers' own ``genera
 the same image as a data: URL, a local path under the media root, an allowed URL and TGI's markdown
 ``![](…)`` in ``inputs`` gives the same tokens; two images give different outputs; text-only and image
 requests running together each answer as alone; a kind the model does not take and bytes that are no
-image are 422s, and unsafe items are refused before anything is fetched."""
+image are 422s, and unsafe items are refused before anything is fetched; a media server that never answers
+holds neither text nor other media requests, and its request ends with the fetch's 422, not the gateway's 503."""
 
 from __future__ import annotations
 
 import base64
 import io
+import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -26,6 +29,7 @@ from tests.vlm_oracles import hf_generate, placeholder
 NEW = 12
 GREEDY = {"max_new_tokens": NEW, "do_sample": False}
 CAT, DOG = test_image(1), test_image(2)
+SILENT_WAIT_S = 31  # just past the 30 s a tokenizer has to answer a request without media
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +52,8 @@ def media_root(tmp_path_factory):
 def stack(tmp_path_factory, smolvlm_dir, media_root):
     with running_stack(tmp_path_factory.mktemp("vision"), smolvlm_dir,
                        Switchboard={"mediaRoot": str(media_root), "allowedMediaDomains": ["localhost"],
-                                    "allowPrivateMediaAddresses": ["127.0.0.0/8"]}) as stack:
+                                    "allowPrivateMediaAddresses": ["127.0.0.0/8"],
+                                    "mediaFetchTimeoutSeconds": SILENT_WAIT_S}) as stack:
         yield stack
 
 
@@ -174,3 +179,25 @@ def test_what_the_model_cannot_take_is_a_422(stack, server):
         assert_422(send(stack, "/generate", described(source)), "/generate", why)
     assert server.hits.count("/x.png") == 0
     assert post(stack, "/generate", {"inputs": described(data_url(CAT)), "parameters": GREEDY}).status_code == 200
+
+
+def test_a_media_server_that_never_answers_holds_no_other_request(stack, want):
+    """Before: the tokenizer fetched inside its request callback, so every request waited behind the fetch
+    (503s after 30 s), and the gateway gave the media request itself a 503 at 30 s, before the fetch's timeout."""
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts connections (the kernel's backlog), never answers
+    port = silent.getsockname()[1]
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            hung = pool.submit(send, stack, "/generate", described(f"http://localhost:{port}/cat.png"))
+            time.sleep(1.0)
+            for _ in range(3):
+                started = time.monotonic()
+                r = post(stack, "/generate", {"inputs": "Hello", "parameters": GREEDY}, timeout=10)
+                assert r.status_code == 200 and time.monotonic() - started < 10, r.text
+            r = post(stack, "/generate", {"inputs": described(data_url(CAT)),
+                                          "parameters": {**GREEDY, "details": True}}, timeout=20)
+            assert [t["id"] for t in r.json()["details"]["tokens"]] == want["cat"]
+            assert not hung.done()
+            assert_422(hung.result(timeout=SILENT_WAIT_S + 30), "/generate", f"timed out after {SILENT_WAIT_S} s")
+    finally:
+        silent.close()

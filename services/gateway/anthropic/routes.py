@@ -15,13 +15,14 @@ from services.gateway.common.content import admit, chat_media
 from services.gateway.openai_api.errors import content_error
 from services.gateway.openai_api.runner import build_call
 from services.gateway.request import lifecycle
+from services.gateway.web import off_loop
 from shared.messages import Tokenize
 
 
 @post("/v1/messages", status_code=200)
 async def messages(request: Request) -> Response:
     gateway = request.app.state.gateway
-    req = parse_messages(await request.body(), gateway.cfg, gateway.served())
+    req = await off_loop.read(request, parse_messages, await request.body(), gateway.cfg, gateway.served())
     admit(req.listed, gateway.media_policy, content_error, gateway.modalities())
     prompt = {"messages": req.messages, "truncate": req.common.truncate, "parts": chat_media(req.listed), **req.turn}
     if req.tools is not None:
@@ -34,7 +35,8 @@ async def messages(request: Request) -> Response:
 @post("/v1/messages/count_tokens", status_code=200)
 async def count_tokens(request: Request) -> Response:
     gateway = request.app.state.gateway
-    req = parse_messages(await request.body(), gateway.cfg, gateway.served(), counting=True)
+    req = await off_loop.read(request, parse_messages, await request.body(), gateway.cfg, gateway.served(),
+                              counting=True)
     admit(req.listed, gateway.media_policy, content_error, gateway.modalities())
     tools = req.tools
     counted = await gateway.tokenize(Tokenize(messages=req.messages, tools=tools.declared if tools else [],

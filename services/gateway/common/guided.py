@@ -45,6 +45,7 @@ def guided(f: Fields) -> Grammar | None:
         return None
     name, value = given[0]
     grammar = _grammar(name, value)
+    grammar.field = name
     if (why := problem(grammar)) is not None:
         raise validation(f"{name} cannot constrain the output: {why}", name)
     return grammar

@@ -49,6 +49,7 @@ def _tgi_grammar(kind: str, spec: Any) -> Grammar:
         grammar = json_schema(spec)
     else:
         raise bad_param(where, f"{where} must be a JSON Schema object.")
+    grammar.field = where
     if (why := problem(grammar)) is not None:
         raise bad_param(where, f"{where} cannot be used for structured output: {why}")
     return grammar
@@ -69,6 +70,7 @@ def _json_schema(spec: Any) -> Grammar:
     if not isinstance(schema, dict):
         raise bad_param(f"{where}.schema", f"{where}.schema must be a JSON Schema object.")
     grammar = json_schema(strict_schema(schema) if spec.get("strict") else schema)
+    grammar.field = f"{where}.schema"
     if (why := problem(grammar)) is not None:
         raise bad_param(f"{where}.schema", f"{where}.schema cannot be used for structured output: {why}")
     return grammar

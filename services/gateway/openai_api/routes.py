@@ -28,6 +28,7 @@ from services.gateway.openai_api.schemas import ChatRequest, CompletionRequest, 
 from services.gateway.openai_api.sse import DONE, error_event
 from services.gateway.request import lifecycle
 from services.gateway.request.call import Call
+from services.gateway.web import off_loop
 from services.gateway.web.request_ids import client_request_id
 from shared.errors import ErrorKind, SwitchboardError
 
@@ -93,7 +94,8 @@ async def get_model(request: Request, model: FromPath[str]) -> Response:
 @post("/v1/chat/completions", status_code=200)
 async def chat_completions(request: Request) -> Response:
     gateway = request.app.state.gateway
-    req = named_by_client(parse_chat(await request.body(), gateway.cfg, gateway.served()), request)
+    req = named_by_client(await off_loop.read(request, parse_chat, await request.body(), gateway.cfg, gateway.served()),
+                          request)
     admit(req.listed, gateway.media_policy, content_error, gateway.modalities())
     prompt = {"messages": req.messages, "chat_template_kwargs": req.chat_template_kwargs,
               "truncate": req.common.truncate, "parts": chat_media(req.listed), "cache_salt": req.common.cache_salt,
@@ -108,7 +110,8 @@ async def chat_completions(request: Request) -> Response:
 @post("/v1/completions", status_code=200)
 async def completions(request: Request) -> Response:
     gateway = request.app.state.gateway
-    req = named_by_client(parse_completion(await request.body(), gateway.cfg, gateway.served()), request)
+    req = named_by_client(await off_loop.read(request, parse_completion, await request.body(), gateway.cfg,
+                                              gateway.served()), request)
     prompts = [{"prompt": p.text, "prompt_ids": p.ids,
                 "return_prompt_ids": (req.echo and p.ids is not None) or req.common.return_token_ids,
                 "truncate": req.common.truncate, "cache_salt": req.common.cache_salt,

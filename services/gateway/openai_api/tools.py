@@ -58,7 +58,7 @@ class Tools:
 
     def grammar(self) -> Grammar | None:
         if self.choice == "named":
-            return json_schema(self.arguments(self.named))
+            return json_schema(self.arguments(self.named), "tools")
         if self.choice != "required":
             return None
         calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": self.arguments(name)},
@@ -67,7 +67,7 @@ class Tools:
         schema: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
         if not self.parallel:
             schema["maxItems"] = 1
-        return json_schema(schema)
+        return json_schema(schema, "tools")
 
 
 def parse_tools(data: dict[str, Any]) -> Tools | None:

@@ -40,4 +40,5 @@ class SessionContext:
     heartbeat_s: float
     token_timeout_s: float  # tokenTimeout: the longest wait for a request's next token
     resume_timeout_s: float  # how long a resumed attempt waits for a tokenizer's answer
+    media_timeout_s: float = 0.0  # Switchboard.mediaRequestTimeoutSeconds: a tokenizer's longest media preparation
     keep_alive_s: float = 15.0  # Switchboard.streamKeepAliveSeconds: a stream's longest silence (0 = no keep-alives)

@@ -117,7 +117,7 @@ class Session:
         """Publish the request and wait for the tokenizer's answer (raises on a validation error)."""
         self.ctx.inflight.add(self)
         self.published = True
-        deadline = time.monotonic() + START_TIMEOUT_S
+        deadline = time.monotonic() + START_TIMEOUT_S + self.media_allowance
         failover = self.ctx.failover
         deaths, patience = failover.tokenizer_deaths, 0.0
         while True:
@@ -144,6 +144,12 @@ class Session:
             self._supersede("the message bus reconnected before a tokenizer answered"
                             if failover.lost_in_outage(epoch) else "a tokenizer died before it answered")
             patience = self.ctx.resume_timeout_s  # the next try goes to a live tokenizer: give it time
+
+    @property
+    def media_allowance(self) -> float:
+        """What a tokenizer may take, beyond encoding, to answer a request with media: their fetching (and
+        processing), up to mediaRequestTimeoutSeconds, after which it answers with the media's error."""
+        return self.ctx.media_timeout_s if any(part.media is not None for part in self.request.parts) else 0.0
 
     def _received(self) -> None:
         """The tokenizer took the request (its input is valid): from here its end is counted with the request
@@ -251,7 +257,7 @@ class Session:
         request = msgspec.structs.replace(self.request, id=self.current_id, sampling=sampling,
                                           resume_ids=[t.id for t in self.tokens])
         await bus.publish(self.ctx.nc, self.ctx.failover.tokenizer_subject(), request)
-        event = await self._answer(time.monotonic() + self.ctx.resume_timeout_s)
+        event = await self._answer(time.monotonic() + self.ctx.resume_timeout_s + self.media_allowance)
         return event or Failed(id=self.current_id, error=ErrorInfo(ErrorKind.UNAVAILABLE, "no tokenizer answered"),
                       retryable=True)
 

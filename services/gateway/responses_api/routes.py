@@ -17,6 +17,7 @@ from services.gateway.openai_api.runner import build_call
 from services.gateway.request import lifecycle
 from services.gateway.responses_api.responses import Builder, error_event, response_body, response_events
 from services.gateway.responses_api.schemas import parse_responses, read_body, renamed
+from services.gateway.web import off_loop
 from shared.errors import ErrorKind, SwitchboardError
 from shared.messages import Tokenize
 from shared.response_store import ResponseStore
@@ -29,7 +30,7 @@ async def create(request: Request) -> Response:
     data = read_body(await request.body())
     stored = _stored(data, store)
     previous = await _previous(data.get("previous_response_id"), store)
-    req = parse_responses(data, previous, gateway.cfg, gateway.served())
+    req = await off_loop.read(request, parse_responses, data, previous, gateway.cfg, gateway.served())
     chat = req.chat
     try:
         admit(chat.listed, gateway.media_policy, content_error, gateway.modalities())
@@ -62,7 +63,7 @@ async def input_tokens(request: Request) -> Response:
     gateway = request.app.state.gateway
     data = read_body(await request.body())
     previous = await _previous(data.get("previous_response_id"), gateway.responses)
-    chat = parse_responses(data, previous, gateway.cfg, gateway.served()).chat
+    chat = (await off_loop.read(request, parse_responses, data, previous, gateway.cfg, gateway.served())).chat
     admit(chat.listed, gateway.media_policy, content_error, gateway.modalities())
     tools = chat.tools
     counted = await gateway.tokenize(Tokenize(messages=chat.messages, tools=tools.declared if tools else [],

@@ -13,6 +13,7 @@ from services.gateway.request.call import Call
 from services.gateway.request.session import Session
 from services.gateway.tgi.responses import collect, error_event, stream_events
 from services.gateway.tgi.schemas import TgiRequest, parse_tgi
+from services.gateway.web import off_loop
 from services.gateway.web.errors import TGI_EXCEPTION_HANDLERS
 from shared.errors import validation
 
@@ -25,19 +26,22 @@ GENERATE_PARSE_ERROR = (
 @post(["/", "/invocations"], status_code=200)
 async def tgi_root(request: Request) -> Response:
     """``POST /``, and TGI's SageMaker route ``POST /invocations``, which answers as ``/`` does."""
-    return await respond(request, parse_tgi(await request.body(), _served(request)), as_array=True)
+    return await respond(request, await off_loop.read(request, parse_tgi, await request.body(), _served(request)),
+                         as_array=True)
 
 
 async def generate(request: Request, data: dict) -> Response:
     """``POST /generate`` with a TGI body (services/gateway/web/generate.py tells it from vLLM's)."""
     if data.get("inputs") is None:
         raise validation(GENERATE_PARSE_ERROR)
-    return await respond(request, parse_tgi(data, _served(request), stream=False), as_array=False)
+    return await respond(request, await off_loop.read(request, parse_tgi, data, _served(request), stream=False),
+                         as_array=False)
 
 
 @post("/generate_stream", status_code=200)
 async def generate_stream(request: Request) -> Response:
-    return await respond(request, parse_tgi(await request.body(), _served(request), stream=True), as_array=False)
+    req = await off_loop.read(request, parse_tgi, await request.body(), _served(request), stream=True)
+    return await respond(request, req, as_array=False)
 
 
 def _served(request: Request) -> Served:

@@ -102,6 +102,7 @@ def tgi_grammar(value: Any) -> Grammar | None:
         if not isinstance(spec, (dict, str)):
             raise validation("grammar.value must be a JSON schema (an object, or its JSON text).", "grammar")
         grammar = json_schema(spec)
+    grammar.field = "grammar"
     if (why := problem(grammar)) is not None:
         raise validation(f"grammar cannot be compiled: {why}", "grammar")
     return grammar

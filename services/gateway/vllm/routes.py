@@ -13,6 +13,7 @@ from services.gateway.common.content import admit
 from services.gateway.request import lifecycle
 from services.gateway.vllm.responses import build_call, collect, error_chunk, stream_chunks
 from services.gateway.vllm.schemas import parse_vllm
+from services.gateway.web import off_loop
 from services.gateway.web.errors import mindie_error
 from shared.errors import SwitchboardError
 
@@ -27,8 +28,8 @@ async def generate(request: Request, data: dict[str, Any]) -> Response:
 async def _generate(request: Request, data: dict[str, Any]) -> Response:
     gateway = request.app.state.gateway
     schedule = gateway.cfg.schedule
-    req = parse_vllm(data, gateway.served(), schedule.max_iter_times,
-                     min(schedule.max_n, schedule.max_batch_size, schedule.prefill_batch_size))
+    req = await off_loop.read(request, parse_vllm, data, gateway.served(), schedule.max_iter_times,
+                              min(schedule.max_n, schedule.max_batch_size, schedule.prefill_batch_size))
     admit([req.listed], gateway.media_policy, modalities=gateway.modalities())
     call = build_call(gateway.context, req)
     full_text_mode = gateway.cfg.server.full_text_enabled
