@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from typing import Any
 
 import msgspec
@@ -74,6 +75,8 @@ class ResponseStore:
             raise unreachable(exc) from None
 
     async def get(self, key: str) -> dict[str, Any] | None:
+        if not KEY.fullmatch(key):
+            return None  # no response is stored under it (a client's id with "*", ">", a space, or empty)
         try:
             entry = await self.kv.get(key)
         except (KeyNotFoundError, KeyDeletedError, NoKeysError):
@@ -87,6 +90,11 @@ class ResponseStore:
             return False
         await self.kv.purge(key)
         return True
+
+
+# A key NATS can store, matched whole: nats-py's rule (whose "$" lets a trailing newline through, into the
+# subject) without empty subject tokens ("a..b")
+KEY = re.compile(r"[-/_=a-zA-Z0-9]+(?:\.[-/_=a-zA-Z0-9]+)*")
 
 
 def unreachable(exc: Exception) -> SwitchboardError:

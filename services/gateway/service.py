@@ -11,7 +11,7 @@ import uvicorn
 
 from services.gateway.core import Gateway
 from services.gateway.web.app import listeners
-from services.gateway.web.slowloris import ClientLimits, protocol_class
+from services.gateway.web.slowloris import ClientLimits, protocol_class, tls_protocols
 from services.gateway.web.tls import server_contexts
 from shared import bus
 from shared.config import Config
@@ -71,10 +71,11 @@ async def _cut_at_grace(gateway: Gateway, grace_s: float) -> None:
 def _server(listener, ssl_context: ssl.SSLContext | None, limits: ClientLimits, grace_s: float) -> uvicorn.Server:
     """One listener's uvicorn, its h11 protocol bounding slow clients and open connections; stopped, it takes no
     new connections and gives the requests in flight ``grace_s`` to finish (Switchboard.shutdownGraceSeconds)."""
+    protocol = protocol_class(limits)
     config = uvicorn.Config(
         listener.app, host=listener.host, port=listener.port, log_level="warning", access_log=False,
-        lifespan="off", timeout_keep_alive=60, timeout_graceful_shutdown=grace_s, http=protocol_class(limits),
-        ssl_context_factory=(lambda _config, _default: ssl_context) if ssl_context else None,
+        lifespan="off", timeout_keep_alive=60, timeout_graceful_shutdown=grace_s,
+        http=tls_protocols(protocol, ssl_context) if ssl_context else protocol,
     )
     server = uvicorn.Server(config)
     server.capture_signals = contextlib.nullcontext  # the service runner owns signals

@@ -1,6 +1,7 @@
 """HTTP as proxies and clients use it (an HTTP-level trial): every response carries RequestUUID and x-request-id
 (the client's X-Request-Id echoed, and naming an OpenAI answer as vLLM names it), a body behind a UTF-8 BOM is
-read, a request head h11 cannot take is answered in JSON with h11's status (431 for an oversized head), and an
+read, a request head h11 cannot take is answered in JSON with h11's status (431 for an oversized head, also one that
+comes whole; 400 and a closed connection for Content-Length with Transfer-Encoding, RFC 9112 §6.3), and an
 Upgrade header (h2c) is served as plain HTTP/1.1."""
 
 from __future__ import annotations
@@ -67,6 +68,12 @@ def test_heads_h11_cannot_take_get_json_with_h11s_status(tiny_stack):
     big = raw(tiny_stack.url, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 200_000 + b"\r\n\r\n")
     assert big.startswith(b"HTTP/1.1 431 "), big[:100]
     assert json.loads(big.partition(b"\r\n\r\n")[2])["error_type"] == "Request Header Fields Too Large"
+    whole = raw(tiny_stack.url, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20_000 + b"\r\n\r\n")
+    assert whole.startswith(b"HTTP/1.1 431 "), whole[:100]  # one read: h11 limits only a head still arriving
+    body = json.dumps({"inputs": "hi", "parameters": {"max_new_tokens": 1}}).encode()
+    smuggled = raw(tiny_stack.url, b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                   b"Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+    assert smuggled.startswith(b"HTTP/1.1 400 ") and b"both Content-Length and Transfer-Encoding" in smuggled, smuggled
     bad = raw(tiny_stack.url, b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n")
     assert bad.startswith(b"HTTP/1.1 400 ") and b"content-type: application/json" in bad.lower(), bad[:200]
     assert "Invalid HTTP request" in json.loads(bad.partition(b"\r\n\r\n")[2])["error"]

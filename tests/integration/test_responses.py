@@ -197,6 +197,14 @@ def test_routes_and_queries_it_does_not_serve_are_openai_shaped_4xx(tiny_stack):
         assert r.status_code == status and r.json()["error"]["type"] == "invalid_request_error", r.text
     with pytest.raises(openai.BadRequestError, match="background"):
         api.responses.cancel(stored.id)
+    for odd in ("a*b", "a%3Eb", "a%20b", "abc%0A", "a..b", "%00"):  # no key NATS stores: none stored (were 503s)
+        for method in ("GET", "DELETE"):
+            r = httpx.request(method, f"{tiny_stack.url}/v1/responses/{odd}", timeout=30)
+            assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", (odd, r.text)
+    for previous in ("", "a b", "x>"):
+        r = httpx.post(tiny_stack.url + "/v1/responses", timeout=30, json={
+            "model": tiny_stack.model, "input": "Hi", "max_output_tokens": 1, "previous_response_id": previous})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id", (previous, r.text)
     counted = api.responses.input_tokens.count(model=tiny_stack.model, input="Hi", instructions="Be brief.")
     answered = api.responses.create(model=tiny_stack.model, input="Hi", instructions="Be brief.", max_output_tokens=1)
     assert counted.input_tokens == answered.usage.input_tokens > 0

@@ -12,6 +12,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -22,6 +23,7 @@ from shared.config import ConfigError, load_config
 from tests.conftest import write_config
 from tests.integration.stack import READY_PREFIX, running_stack
 
+HEADER_TIMEOUT_S = 4
 GENERATE = {"inputs": "My name is Olivier and I", "parameters": {"max_new_tokens": 5}}
 TLS_VERSIONS = [ssl.TLSVersion.TLSv1_2, ssl.TLSVersion.TLSv1_3]
 BUSINESS_TLS = {
@@ -57,7 +59,8 @@ def pki(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tls_stack(pki, tiny_model_dir):
-    with running_stack(pki, tiny_model_dir, ServerConfig=SERVER_TLS) as stack:
+    with running_stack(pki, tiny_model_dir, ServerConfig=SERVER_TLS,
+                       Switchboard={"headerTimeoutSeconds": HEADER_TIMEOUT_S}) as stack:
         yield stack
 
 
@@ -127,6 +130,23 @@ def test_plain_http_to_the_tls_port_gets_no_http_response(tls_stack, plane):
     assert not received.startswith(b"HTTP/"), received[:80]
     with pytest.raises(httpx.TransportError):
         httpx.get(getattr(tls_stack, plane).replace("https://", "http://") + "/health", timeout=10)
+
+
+@pytest.mark.parametrize("plane", ["url", "mgmt_url"])
+def test_a_connection_that_never_starts_its_handshake_is_closed_at_the_head_deadline(tls_stack, pki, plane):
+    """asyncio's own handshake timeout (60 s) held it 15 times headerTimeoutSeconds before."""
+    port = int(getattr(tls_stack, plane).rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=HEADER_TIMEOUT_S + 6) as sock:
+        opened = time.monotonic()
+        try:
+            closed = sock.recv(1) == b""
+        except ConnectionResetError:
+            closed = True
+        except TimeoutError:
+            closed = False
+    assert closed and time.monotonic() - opened < HEADER_TIMEOUT_S + 6
+    with client(pki) as http:  # the listener serves on
+        assert http.get(getattr(tls_stack, plane) + ("/v1/models" if plane == "url" else "/health")).status_code == 200
 
 
 def test_readme_curl_example(tls_stack, pki):

@@ -11,6 +11,8 @@ the asking connection itself, and refuses later requests on connections it alrea
   (or from the first byte of a keep-alive request), and a request ``bodyTimeoutSeconds`` from its head
   to the end of its body; past either, it answers 408 when no answer has started, then closes;
 * runs no deadline once a request is read, so answers and streams are never cut;
+* on a TLS listener, gives the handshake headerTimeoutSeconds too (asyncio's default is 60 s, which uvicorn
+  does not set), then the head its own;
 * admits ``maxConnections`` connections; one opened beyond them is answered 503 (``Retry-After``,
   ``Connection: close``) on its request, as nginx's ``limit_conn`` does, and is held no longer than
   the head deadline.
@@ -21,6 +23,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import ssl
+from asyncio import sslproto
 from dataclasses import dataclass
 
 import h11
@@ -31,6 +35,7 @@ from shared.config import Config
 
 log = logging.getLogger("switchboard.gateway")
 HEAD, BODY = "head", "body"
+HEAD_LIMIT = 16 * 1024  # the longest request head (uvicorn's and h11's default)
 ANSWERED = "switchboard.answered"  # a scope's key: the status this protocol answered the request with itself
 
 
@@ -49,6 +54,19 @@ class ClientLimits:
 def protocol_class(limits: ClientLimits) -> type["SlowClientProtocol"]:
     """An h11 protocol class for one listener: its own limits and its own set of admitted connections."""
     return type("ListenerProtocol", (SlowClientProtocol,), {"limits": limits, "admitted": set()})
+
+
+def tls_protocols(protocol: type["SlowClientProtocol"], context: ssl.SSLContext):
+    """A protocol factory for uvicorn's ``http`` on a TLS listener (uvicorn then given no context of its own):
+    each connection's ``protocol`` behind TLS with the handshake bounded by headerTimeoutSeconds, as the
+    event loop builds it for a server given ``ssl`` and ``ssl_handshake_timeout``."""
+
+    def create(*, _loop: asyncio.AbstractEventLoop | None = None, **kwargs) -> asyncio.Protocol:
+        loop = _loop or asyncio.get_running_loop()
+        return sslproto.SSLProtocol(loop, protocol(_loop=_loop, **kwargs), context, None, server_side=True,
+                                    ssl_handshake_timeout=protocol.limits.header_timeout_s)
+
+    return create
 
 
 def _plain_response(status: int, reason: str, body: dict[str, str]) -> bytes:
@@ -100,12 +118,29 @@ class SlowClientProtocol(H11Protocol):
 
         def remembering():
             try:
-                return next_event()
+                event = next_event()
+                if isinstance(event, h11.Request):
+                    self._check_head(event)
+                return event
             except h11.RemoteProtocolError as exc:
                 self.protocol_error = exc
                 raise
 
         self.conn.next_event = remembering
+
+    def _check_head(self, request: h11.Request) -> None:
+        """What h11 takes and a server must not: a head over the size limit that came whole (h11 limits only
+        a head still arriving), and a request with both Content-Length and Transfer-Encoding, which RFC 9112
+        §6.3 calls a smuggling attempt (a server that serves it must close the connection after: refused here,
+        and closed)."""
+        limit = self.config.h11_max_incomplete_event_size or HEAD_LIMIT
+        size = len(request.method) + len(request.target) + 13 + sum(len(n) + len(v) + 4 for n, v in request.headers)
+        if size > limit:
+            raise h11.RemoteProtocolError(f"the request head is {size} bytes, over the {limit}-byte limit",
+                                          error_status_hint=431)
+        names = {name for name, _ in request.headers}
+        if b"content-length" in names and b"transfer-encoding" in names:
+            raise h11.RemoteProtocolError("a request may not have both Content-Length and Transfer-Encoding")
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's plain-text 400 for a request h11 cannot parse, as JSON and with h11's status (431 for a head

@@ -236,6 +236,9 @@ def _without_video(path: str):
     return processor
 
 
+FORMATS = ("PNG", "JPEG", "GIF", "WebP", "BMP", "TIFF")  # the common ones PIL reads (it reads more)
+
+
 def decode_image(data: bytes, index: int):
     """An RGB PIL image; 422 for bytes that are no image, or one so large it looks like a decompression bomb."""
     from PIL import Image
@@ -247,6 +250,9 @@ def decode_image(data: bytes, index: int):
             image.load()
     except (Image.DecompressionBombWarning, Image.DecompressionBombError) as exc:
         raise validation(f"media item {index}: the image is too large to decode ({exc})") from None
+    except Image.UnidentifiedImageError:  # its message names the BytesIO object read (an address)
+        raise validation(f"media item {index}: the image cannot be decoded: its bytes are in no image format "
+                         f"this server reads ({', '.join(FORMATS)})") from None
     except Exception as exc:  # PIL raises many kinds for bad data
         raise validation(f"media item {index}: the image cannot be decoded: {exc}") from None
     return image.convert("RGB")
