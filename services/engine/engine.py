@@ -208,7 +208,8 @@ class Engine:
             seq.last_event_at = now
             reason = finished.get(seq.id)
             if seq.matcher is not None and not reason and not seq.matcher.consume_token(drawn.token_id):
-                events.append(self._end(seq, FinishReason.ERROR, left_grammar(seq.matcher, drawn.token_id, seq.sampling.grammar)))
+                error = left_grammar(seq.matcher, drawn.token_id, seq.sampling.grammar)
+                events.append(self._end(seq, FinishReason.ERROR, error))
                 continue
             event = TokenEvent(seq.id, [drawn.token_id], None, position=seq.num_generated - 1)
             if drawn.logprob is not None:
