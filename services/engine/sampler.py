@@ -6,7 +6,8 @@ typical-p, then greedy argmax or a seeded draw. A temperature below ``SAMPLING_E
 seeded from (request seed, tokens so far), so a seeded request gives the same tokens whatever else
 shares its batch, re-running a step draws the same token again, and a request resumed elsewhere
 continues the same sequence. A row whose distribution cannot be formed (every logit -inf, NaN,
-+inf from an extreme penalty) falls back to greedy instead of raising; parameters no family
++inf from an extreme penalty) falls back to greedy on the raw logits, within ``allowed_token_ids`` (bad words and
+min_tokens' holds that leave no allowed token give way), instead of raising; parameters no family
 accepts (NaN, a negative temperature or penalty) raise ``ValueError`` for the engine to isolate.
 Log-probabilities, when asked for, are those of the model's raw distribution.
 """
@@ -39,14 +40,14 @@ def sample_on_device(logits: torch.Tensor, seqs: list[Sequence], last: torch.Ten
     """``sample``'s tokens (parameters checked), left on the device: no host sync. ``logits`` is modified in place
     (penalties). ``last``: each row's last token, on the device (a step launched ahead: ``seq.token_ids`` holds a
     placeholder there); None: ``seq.token_ids`` is whole."""
-    raw_best = best_finite(logits)
     apply_allowed_token_ids(logits, seqs)  # vLLM's order: allowed ids, bad words, logit bias, penalties
+    fallback = best_finite(logits)  # a row the masks after the allow-list leave empty keeps to the list
     apply_bad_words(logits, seqs)
     apply_logit_bias(logits, seqs)
     apply_repetition_penalty(logits, seqs, last)
     apply_output_penalties(logits, seqs, last)
     hold_ending_ids(logits, seqs)
-    tokens = greedy_ids(logits, raw_best)
+    tokens = greedy_ids(logits, fallback)
     rows = [i for i, s in enumerate(seqs) if draws(s.sampling)]
     if rows:
         index = on_device(rows, logits.device, torch.long)

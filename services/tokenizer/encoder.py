@@ -10,7 +10,7 @@ from shared.config import ModelDeployConfig
 from shared.errors import ErrorInfo, ErrorKind, validation
 from shared.model_folder import ModelFolderError
 from services.tokenizer.tools import plain, takes_tools, with_tools
-from shared.messages import EngineRequest, GenerateRequest, Tokenize, encode
+from shared.messages import EngineRequest, GenerateRequest, Sampling, Tokenize, encode
 
 MAX_TOKENS_NUM = 1048576
 SHORTEN = ("shorten it, or have its last {limit} tokens kept where the API takes that (parameters.truncate on TGI's "
@@ -85,13 +85,32 @@ def check_request_ids(req: GenerateRequest, vocab_size: int) -> None:
 def with_sampling_ids(tokenizer, req: GenerateRequest, vocab_size: int) -> GenerateRequest:
     """The request as the engine takes it: the token ids its sampling names (logit_bias keys, allowed_token_ids)
     checked against the vocabulary, and vLLM's ``bad_words`` as the ids the engine bans (``bad_words_ids``)."""
-    check_token_ids(list(req.sampling.logit_bias), vocab_size, "logit_bias")
-    check_token_ids(req.sampling.allowed_token_ids, vocab_size, "allowed_token_ids")
-    if not req.sampling.bad_words:
+    sampling = req.sampling
+    check_token_ids(list(sampling.logit_bias), vocab_size, "logit_bias")
+    check_token_ids(sampling.allowed_token_ids, vocab_size, "allowed_token_ids")
+    banned = bad_words_ids(tokenizer, sampling.bad_words, vocab_size) if sampling.bad_words else []
+    check_allowed_left(tokenizer, sampling, {ids[0] for ids in banned if len(ids) == 1})
+    if not sampling.bad_words:
         return req
-    banned = bad_words_ids(tokenizer, req.sampling.bad_words, vocab_size)
-    return msgspec.structs.replace(req, sampling=msgspec.structs.replace(req.sampling, bad_words=[],
-                                                                         bad_words_ids=banned))
+    return msgspec.structs.replace(req, sampling=msgspec.structs.replace(sampling, bad_words=[], bad_words_ids=banned))
+
+
+def check_allowed_left(tokenizer, sampling: Sampling, banned: set[int]) -> None:
+    """``allowed_token_ids`` leaves a token the first one may be: not every allowed token is a one-token bad word,
+    nor, under ``min_tokens``, one that would end the answer (EOS, a stop id). The engine would otherwise keep to
+    the allow-list and break the others (a degenerate answer with a 200)."""
+    allowed = set(sampling.allowed_token_ids)
+    if not allowed:
+        return
+    if allowed <= banned:
+        raise validation("allowed_token_ids: every allowed token is one of bad_words; no token is left to sample.",
+                         "allowed_token_ids")
+    ending = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos or tokenizer.eos_token_id is None
+                                             else {tokenizer.eos_token_id})
+    if sampling.min_tokens and allowed <= banned | ending:
+        raise validation("allowed_token_ids: every allowed token is a bad word or ends the answer (EOS, "
+                         "stop_token_ids), which min_tokens keeps out; no token is left to sample.",
+                         "allowed_token_ids")
 
 
 def bad_words_ids(tokenizer, words: list[str], vocab_size: int) -> list[list[int]]:

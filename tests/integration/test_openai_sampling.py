@@ -133,7 +133,16 @@ def test_bad_words_and_allowed_token_ids_refusals(tiny_stack):
                         ({"allowed_token_ids": ["5"]}, "allowed_token_ids"),
                         ({"allowed_token_ids": [10**7]}, "allowed_token_ids"),  # past the vocabulary
                         ({"bad_words": "Paris"}, "bad_words"), ({"bad_words": [" "]}, "bad_words"),
-                        ({"bad_words": [5]}, "bad_words"), ({"bad_words": ["x"] * 1025}, "bad_words")):
+                        ({"bad_words": [5]}, "bad_words"), ({"bad_words": ["x"] * 1025}, "bad_words"),
+                        # no token left: the allow-list is all bad words, or all ending ids under min_tokens
+                        ({"allowed_token_ids": [7042], "bad_words": [" Paris"]}, "allowed_token_ids"),
+                        ({"allowed_token_ids": [30], "stop_token_ids": [30], "min_tokens": 3}, "allowed_token_ids")):
         for path, extra in (("/v1/completions", {"prompt": "Hi"}), ("/v1/chat/completions", {"messages": MESSAGES})):
             r = post(tiny_stack, path, {"model": tiny_stack.model, **extra, **body})
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body, r.text)
+    r = post(tiny_stack, "/v1/completions", {"model": tiny_stack.model, "prompt": "Hi", "logprobs": 10})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "logprobs should be in range [0, 5], got 10."
+    kept = post(tiny_stack, "/v1/completions", {"model": tiny_stack.model, "prompt": "Hi", "max_tokens": 3,
+                                                "allowed_token_ids": [7042, 30], "bad_words": [" Paris"],
+                                                "return_token_ids": True})
+    assert set(kept.json()["choices"][0]["token_ids"]) == {30}, kept.text  # one allowed token is not a bad word

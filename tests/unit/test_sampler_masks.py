@@ -21,6 +21,14 @@ def test_allowed_token_ids_keep_greedy_and_drawn_tokens_inside_the_set():
         sample(logits[:1].clone(), [seq(allowed_token_ids=[VOCAB])])
 
 
+def test_a_row_the_other_masks_leave_empty_keeps_to_the_allow_list():
+    """Before: greedy on the raw logits, outside allowed_token_ids (and the bad word with it)."""
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 7], logits[0, 3] = 5.0, 1.0
+    for extra in ({}, {"do_sample": True, "seed": 3}):
+        assert sample(logits.clone(), [seq(allowed_token_ids=[3], bad_words_ids=[[3]], **extra)]) == [3]
+
+
 def test_bad_words_ban_one_token_words_always_and_longer_ones_after_their_prefix():
     logits = torch.zeros(1, VOCAB)
     logits[0, 7], logits[0, 8], logits[0, 9] = 3.0, 2.0, 1.0

@@ -12,11 +12,12 @@ from services.gateway.common.served import Served
 from services.gateway.openai_api.errors import bad_param, content_error
 from services.gateway.openai_api.params import Common, parse_common
 from services.gateway.openai_api.tools import Tools, parse_tools
-from services.gateway.web.validation import MAX_INPUT_CHARS, Fields, parse_json_object
+from services.gateway.web.validation import MAX_INPUT_CHARS, UINT64_MAX, Fields, parse_json_object
 from shared.config import Config
 
 PARSE_ERROR = "The request body must be a JSON object."
 EMPTY_CONTENT = "Request param content len should not be 0"
+COMPLETION_LOGPROBS_MAX = 5  # MindIE's (vLLM's max_logprobs is 20: prompt_logprobs and chat top_logprobs take 20)
 
 
 @dataclass(frozen=True)
@@ -242,7 +243,9 @@ def parse_completion(body: bytes, cfg: Config, served: Served) -> CompletionRequ
     if data.get("suffix") is not None:
         raise bad_param("suffix", "suffix is not supported.")
     echo = bool(f.boolean("echo", False))
-    logprobs = f.integer("logprobs", None, 0, 5)
+    logprobs = f.integer("logprobs", None, 0, UINT64_MAX)
+    if logprobs is not None and logprobs > COMPLETION_LOGPROBS_MAX:  # MindIE's bound and words (reference §3.26)
+        raise bad_param("logprobs", f"logprobs should be in range [0, {COMPLETION_LOGPROBS_MAX}], got {logprobs}.")
     common = parse_common(data, cfg, served, logprobs, chat=False, echo=echo)
     if echo and logprobs is not None:  # the echoed prompt's tokens carry logprobs too (as many alternatives as the
         k = max(logprobs, common.prompt_logprobs or 0)  # answer's; prompt_logprobs' may ask more)
