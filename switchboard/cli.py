@@ -156,10 +156,17 @@ def bind_openmp_threads(environ=os.environ) -> None:
     vLLM's CPU guide does (measured here: +10-30% tokens/s at concurrency 16; a thread that the kernel
     moves between cores loses its caches, and meets the other at the next barrier late). libgomp reads
     these when torch loads it, so this runs before torch is imported. A setting already in the
-    environment wins; engines that share the CPU (--torch-threads) are not bound."""
+    environment wins; engines that share the CPU are not bound (``owns_its_cores``)."""
     if not any(var in environ for var in ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")):
         environ["OMP_PROC_BIND"] = "true"
         environ["OMP_PLACES"] = "cores"
+
+
+def owns_its_cores(threads: int) -> bool:
+    """Whether torch's threads (0: one per core) are as many as the CPUs this process may run on: then each
+    is bound to one of them. A set number below them is not bound: engines sharing a host (``serve``'s
+    replicas, pods of a node without the static CPU manager) would bind theirs to the same first cores."""
+    return not threads or threads == len(os.sched_getaffinity(0))
 
 
 def place_engine(cfg: Config, args: argparse.Namespace) -> None:
@@ -170,7 +177,7 @@ def place_engine(cfg: Config, args: argparse.Namespace) -> None:
         cfg.switchboard.engine_role = args.role
     if args.torch_threads:
         cfg.switchboard.torch_threads = args.torch_threads
-    elif cfg.switchboard.device == "cpu":
+    if cfg.switchboard.device == "cpu" and owns_its_cores(cfg.switchboard.torch_threads):
         bind_openmp_threads()
     if args.device_index is not None:
         cfg.switchboard.device_index = args.device_index

@@ -40,7 +40,32 @@ def test_each_command_is_a_real_subcommand_with_a_valid_config(name):
     args = parse_args(command[1:])  # argparse exits on an unknown subcommand or flag
     assert args.command == name
     cfg = load_config(ROOT / args.config)  # raises ConfigError naming the key on a bad file
-    assert args.nats == cfg.switchboard.nats_url == "nats://nats:4222"
+    assert not args.nats and cfg.switchboard.nats_url == "nats://nats:4222"  # the config's URL: one knob
+    service = COMPOSE["services"][name]
+    grace = float(service["stop_grace_period"].removesuffix("s"))
+    assert grace >= cfg.switchboard.shutdown_grace_seconds + 10  # (docker's default, 10 s, cut the drain)
+    assert service["restart"] == "on-failure"  # /stopService's exit 0 is a stop, a crash is restarted
+
+
+def test_only_the_api_is_published_beyond_this_host_and_nats_not_at_all():
+    cfg = load_config(ROOT / "config" / "compose.json").server
+    for name, svc in COMPOSE["services"].items():
+        for port in svc.get("ports", []):
+            if int(port.split(":")[-1]) != cfg.port:
+                assert port.startswith("127.0.0.1:"), (name, port)
+    assert "ports" not in COMPOSE["services"]["nats"]
+
+
+def test_the_gateway_healthcheck_asks_its_readiness_route():
+    from services.gateway.web import app
+
+    test = COMPOSE["services"]["gateway"]["healthcheck"]["test"]
+    assert test[:3] == ["CMD", "python", "-c"]
+    compile(test[3], "healthcheck", "exec")
+    (url,) = re.findall(r"'(http://[^']+)'", test[3])
+    cfg = load_config(ROOT / "config" / "compose.json").server
+    assert url == f"http://127.0.0.1:{cfg.management_listen_port}/v2/health/ready"
+    assert "/v2/health/ready" in {path for h in app.MANAGEMENT_ROUTES for path in h.paths}
 
 
 def test_mounted_files_exist_and_ports_line_up():
@@ -51,7 +76,7 @@ def test_mounted_files_exist_and_ports_line_up():
                 continue
             assert (ROOT / source).exists(), f"{source} is mounted but missing"
     cfg = load_config(ROOT / "config" / "compose.json").server
-    published = {int(p.split(":")[1]) for p in COMPOSE["services"]["gateway"]["ports"]}
+    published = {int(p.split(":")[-1]) for p in COMPOSE["services"]["gateway"]["ports"]}
     assert {cfg.port, cfg.management_listen_port, cfg.metrics_port} == published
     scrape = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
     assert scrape["scrape_configs"][0]["static_configs"][0]["targets"] == [f"gateway:{cfg.metrics_port}"]

@@ -86,7 +86,7 @@ def test_each_service_runs_compose_image_and_command_on_the_configmap(service):
     # the same command as compose.yaml but for the config's path
     assert [a for a in command if a != args.config] == [a for a in ours["command"] if not a.endswith(".json")]
     cfg = switchboard_config()
-    assert args.nats == cfg.switchboard.nats_url
+    assert not args.nats and cfg.switchboard.nats_url  # the ConfigMap's natsUrl is the one knob
     spec = objects("Deployment")[service]["spec"]["template"]["spec"]
     mount = next(m for m in c["volumeMounts"] if Path(args.config).parent == Path(m["mountPath"]))
     volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
@@ -211,4 +211,38 @@ def test_engine_autoscaler_uses_a_metric_we_export():
     assert metric["external"]["metric"]["name"] in exported
     labels = metric["external"]["metric"]["selector"]["matchLabels"]
     assert labels == {"model_name": switchboard_config().model.model_name}
-    assert hpa["spec"]["minReplicas"] <= objects("Deployment")["engine"]["spec"]["replicas"] <= hpa["spec"]["maxReplicas"]
+    assert "replicas" not in objects("Deployment")["engine"]["spec"]  # each apply would reset the HPA's count
+
+
+def test_the_engine_drains_within_its_grace_period():
+    grace = objects("Deployment")["engine"]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert switchboard_config().switchboard.shutdown_grace_seconds + 10 <= grace
+
+
+def test_nats_takes_clients_from_the_services_only_and_management_from_the_namespace():
+    policies = objects("NetworkPolicy")
+    nats = policies["nats"]["spec"]
+    assert nats["podSelector"]["matchLabels"] == objects("StatefulSet")["nats"]["spec"]["selector"]["matchLabels"]
+    (clients, members) = nats["ingress"]
+    (expression,) = clients["from"][0]["podSelector"]["matchExpressions"]
+    assert expression["operator"] == "In" and set(expression["values"]) == set(SERVICES)
+    for name in SERVICES:
+        assert objects("Deployment")[name]["spec"]["template"]["metadata"]["labels"] == {
+            "app.kubernetes.io/name": name}
+    assert [p["port"] for p in clients["ports"]] == [urlsplit(switchboard_config().switchboard.nats_url).port]
+    assert [p["port"] for p in members["ports"]] == [6222]
+    cfg = switchboard_config().server
+    gateway = policies["gateway"]["spec"]
+    open_to_all, namespace = gateway["ingress"]
+    assert "from" not in open_to_all and {p["port"] for p in open_to_all["ports"]} == {cfg.port, cfg.metrics_port}
+    assert namespace["from"] == [{"podSelector": {}}]
+    assert [p["port"] for p in namespace["ports"]] == [cfg.management_listen_port]
+
+
+def test_every_service_runs_as_the_images_non_root_user():
+    (user,) = re.findall(r"^USER (\S+)$", (ROOT / "Dockerfile").read_text(), re.M)
+    assert user.isdigit() and int(user) > 0  # numeric: runAsNonRoot can check it
+    for name in SERVICES:
+        context = container(name)["securityContext"]
+        assert context["runAsNonRoot"] and context["allowPrivilegeEscalation"] is False
+        assert context["capabilities"]["drop"] == ["ALL"]

@@ -81,3 +81,17 @@ def test_a_lone_cpu_engine_binds_its_openmp_threads_unless_the_environment_says_
     mine = {"OMP_PROC_BIND": "false"}
     bind_openmp_threads(mine)
     assert mine == {"OMP_PROC_BIND": "false"}
+
+
+def test_threads_are_bound_only_where_they_own_their_cores():
+    """A set thread count below the process's CPUs is not bound (two engines on one host bound theirs to the
+    same first cores); one per CPU it may run on is (a pod with the static CPU manager's exclusive cores)."""
+    import os
+
+    from switchboard.cli import owns_its_cores
+
+    cpus = len(os.sched_getaffinity(0))
+    assert owns_its_cores(0) and owns_its_cores(cpus)
+    assert not owns_its_cores(cpus + 1)
+    if cpus > 1:
+        assert not owns_its_cores(cpus - 1)
