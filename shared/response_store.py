@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import re
+import time
 from typing import Any
 
 import msgspec
@@ -25,44 +27,60 @@ from shared.errors import ErrorKind, SwitchboardError
 
 log = logging.getLogger("switchboard.gateway")
 
+RETRY_S = 10.0  # a bucket that could not be opened is tried again this often, when a request needs it
 BUCKET = "switchboard_responses"
 STREAM = f"KV_{BUCKET}"  # the key-value bucket's JetStream stream
 
 
 class ResponseStore:
-    def __init__(self, nc: Client, ttl_s: int, max_bytes: int):
-        self.nc, self.ttl_s, self.max_bytes = nc, ttl_s, max_bytes
+    def __init__(self, nc: Client, ttl_s: int, max_bytes: int, retry_s: float = RETRY_S, replicas: int = 1):
+        self.nc, self.ttl_s, self.max_bytes, self.retry_s, self.replicas = nc, ttl_s, max_bytes, retry_s, replicas
         self.kv = None
         self.why = "not opened"
+        self.tried_at = -math.inf  # monotonic time of the last open
 
     @property
     def available(self) -> bool:
         return self.kv is not None
 
+    async def ready(self) -> bool:
+        """Whether the bucket is open. One that could not be opened (JetStream not up yet as the gateway
+        started, a cluster without a leader) is opened again when asked, at most every ``retry_s``: the
+        gateway's first try is not its last."""
+        if self.kv is None and time.monotonic() - self.tried_at >= self.retry_s:
+            await self.open()
+        return self.kv is not None
+
     async def open(self) -> None:
         """Open (or create) the bucket, with this configuration's TTL and size cap and the oldest records going
         first when it is full; without JetStream, remember why and go on."""
+        self.tried_at = time.monotonic()
         js = self.nc.jetstream(timeout=5)
         try:
             try:
                 self.kv = await js.key_value(BUCKET)
             except BucketNotFoundError:
                 self.kv = await js.create_key_value(api.KeyValueConfig(
-                    bucket=BUCKET, ttl=float(self.ttl_s), max_bytes=self.max_bytes, history=1,
+                    bucket=BUCKET, ttl=float(self.ttl_s), max_bytes=self.max_bytes, history=1, replicas=self.replicas,
                     description="Switchboard's stored /v1/responses"))
         except (JetStreamError, NatsError, TimeoutError, OSError) as exc:
             self.kv, self.why = None, f"the NATS server has no JetStream ({exc!r})"
             log.warning("stored responses unavailable", extra={"error": self.why})
             return
+        if self.why != "not opened":
+            log.info("stored responses available")
+        self.why = ""
         await self._configure(js)
 
     async def _configure(self, js) -> None:
         """The bucket's stream as configured now: nats-py creates a key-value stream that refuses new records
         when full (DiscardPolicy.NEW: every store a 503 for good once the cap was reached), and a bucket made
-        under an earlier responsesMaxMb / responsesTtlSeconds keeps its own limits unless they are updated."""
+        under an earlier responsesMaxMb / responsesTtlSeconds / responsesReplicas keeps its own unless they are
+        updated."""
         try:
             config = (await js.stream_info(STREAM)).config
-            wanted = {"discard": api.DiscardPolicy.OLD, "max_bytes": self.max_bytes, "max_age": float(self.ttl_s)}
+            wanted = {"discard": api.DiscardPolicy.OLD, "max_bytes": self.max_bytes, "max_age": float(self.ttl_s),
+                      "num_replicas": self.replicas}
             if any(getattr(config, key) != value for key, value in wanted.items()):
                 await js.update_stream(dataclasses.replace(config, **wanted))
         except (JetStreamError, NatsError, TimeoutError, OSError) as exc:

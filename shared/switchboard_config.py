@@ -100,6 +100,9 @@ class SwitchboardConfig(msgspec.Struct, rename="camel", kw_only=True, forbid_unk
     responses_ttl_seconds: Annotated[int, Meta(ge=1, le=31536000)] = 2592000
     """how long a stored /v1/responses response (store: true) is kept; 30 days, as OpenAI keeps them."""
     responses_max_mb: Annotated[int, Meta(ge=1, le=1048576)] = 256
+    responses_replicas: Annotated[int, Meta(ge=1, le=5)] = 1
+    """copies of the stored responses a NATS cluster keeps (JetStream's replicas; at most its members): with
+    1 they live on one member, whose restart makes /v1/responses 503s and whose lost volume loses them."""
     """the stored responses' bucket size; past it the oldest go first."""
     stream_keep_alive_seconds: Annotated[float, Meta(ge=0, le=3600)] = 15.0
     """a stream silent this long (queued for a slot, in a long prefill) sends the family's keep-alive: an SSE

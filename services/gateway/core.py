@@ -70,7 +70,8 @@ class Gateway:
         self.failover = Failover(nc, self.model, sb.lease_seconds, sb.heartbeat_s, self.engines, self.inflight,
                                  self.roles.heartbeat)
         self.dresults = DResults(nc, self.instance, self.roles, sb.heartbeat_s, sb.lease_seconds)  # decode role
-        self.responses = ResponseStore(nc, sb.responses_ttl_seconds, sb.responses_max_mb << 20)  # /v1/responses
+        self.responses = ResponseStore(nc, sb.responses_ttl_seconds, sb.responses_max_mb << 20,  # /v1/responses
+                                       replicas=sb.responses_replicas)
         self.slots = Slots(cfg.server.max_link_num)  # maxLinkNum in progress, 2 x maxLinkNum waiting (§2.2)
         self.lora_lock = asyncio.Lock()  # this gateway's LoRA loads and unloads, one at a time
         self.lora_version = 0  # the newest adapter-set version this gateway sent

@@ -246,3 +246,7 @@ def test_every_service_runs_as_the_images_non_root_user():
         context = container(name)["securityContext"]
         assert context["runAsNonRoot"] and context["allowPrivilegeEscalation"] is False
         assert context["capabilities"]["drop"] == ["ALL"]
+
+
+def test_each_nats_member_keeps_the_stored_responses():
+    assert switchboard_config().switchboard.responses_replicas == objects("StatefulSet")["nats"]["spec"]["replicas"]

@@ -4,6 +4,7 @@ a second connection (another gateway) sees them; without JetStream it says so, a
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 
 import nats
@@ -51,6 +52,38 @@ async def test_without_jetstream_store_true_is_a_clear_400():
     finally:
         server.terminate()
         server.wait(10)
+
+
+async def test_a_store_opened_before_jetstream_was_up_opens_once_it_is():
+    """The gateway's first try was its last: a NATS without JetStream as it started left the store off until
+    the gateway restarted (a left-out ``store`` then stored nothing)."""
+    port = free_port()
+    bare = subprocess.Popen([find_binary(), "-a", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    jetstream = EmbeddedNats(port=port)
+    nc = None
+    try:
+        wait_for_port("127.0.0.1", port, 10.0, bare)
+        nc = await nats.connect(f"nats://127.0.0.1:{port}", reconnect_time_wait=0.2, max_reconnect_attempts=-1)
+        store = ResponseStore(nc, 60, 1 << 20, retry_s=0.5)
+        await store.open()
+        assert not store.available and not await store.ready()  # (asked again at once: not tried again)
+        bare.terminate()
+        bare.wait(10)
+        jetstream.start()
+        deadline = asyncio.get_running_loop().time() + 20
+        while not await store.ready():
+            assert asyncio.get_running_loop().time() < deadline, store.why
+            await asyncio.sleep(0.2)
+        await store.put("resp_1", {"response": {"id": "resp_1"}, "conversation": []})
+        assert (await store.get("resp_1"))["response"]["id"] == "resp_1"
+    finally:
+        if nc is not None:
+            await nc.close()
+        if bare.poll() is None:
+            bare.terminate()
+            bare.wait(10)
+        jetstream.stop()
 
 
 async def test_a_full_bucket_drops_its_oldest_records_and_takes_a_new_cap():

@@ -28,6 +28,7 @@ async def create(request: Request) -> Response:
     gateway = request.app.state.gateway
     store: ResponseStore = gateway.responses
     data = read_body(await request.body())
+    await store.ready()
     stored = _stored(data, store)
     previous = await _previous(data.get("previous_response_id"), store)
     req = await off_loop.read(request, parse_responses, data, previous, gateway.cfg, gateway.served())
@@ -126,7 +127,7 @@ def _stored(data: dict[str, Any], store: ResponseStore) -> bool:
 async def _previous(response_id: str | None, store: ResponseStore) -> list[dict[str, Any]]:
     if response_id is None:
         return []
-    if not store.available:
+    if not await store.ready():
         raise bad_param("previous_response_id", f"this server keeps no responses ({store.why}).")
     record = await store.get(response_id)
     if record is None:
@@ -135,7 +136,7 @@ async def _previous(response_id: str | None, store: ResponseStore) -> list[dict[
 
 
 async def _record(store: ResponseStore, response_id: str) -> dict[str, Any]:
-    record = await store.get(response_id) if store.available else None
+    record = await store.get(response_id) if await store.ready() else None
     if record is None:
         raise OpenAIError(ErrorKind.NOT_FOUND, f"Response with id '{response_id}' not found.", None, "not_found")
     return record
