@@ -19,4 +19,6 @@ RUN pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu 
 # Not root (numeric: a pod with runAsNonRoot checks it): an engine on a CPU other than the builder's compiles its kernels into /app/.cache/kernels.
 USER 10001
 EXPOSE 1025 1026 1027
-CMD ["switchboard", "serve", "--config", "config/config.json"]
+# `docker run -p 1025:1025 switchboard:latest`: everything in one container, on the embedded NATS, listening
+# on the container's interfaces (config/docker.json: config.json but for the addresses).
+CMD ["switchboard", "serve", "--config", "config/docker.json"]

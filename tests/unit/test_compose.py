@@ -99,3 +99,16 @@ def test_the_grafana_dashboard_charts_metrics_we_export():
                 assert metric in exported, metric
             # every gateway exports the fleet's view: a sum over them would count it once per gateway
             assert not re.match(r"(sum|avg)\b", target["expr"]), target["expr"]
+
+
+def test_the_images_own_command_serves_the_shipped_config_on_every_interface():
+    """config.json listens on loopback: in a container (`docker run -p 1025:1025`) nothing could reach it."""
+    (cmd,) = re.findall(r"^CMD (.+)$", (ROOT / "Dockerfile").read_text(), re.M)
+    args = parse_args(json.loads(cmd)[1:])
+    assert args.command == "serve" and args.config == "config/docker.json"
+    docker, shipped = (json.loads((ROOT / "config" / name).read_text()) for name in ("docker.json", "config.json"))
+    addresses = {"ipAddress": "0.0.0.0", "managementIpAddress": "0.0.0.0", "allowAllZeroIpListening": True}
+    assert {k: docker["ServerConfig"][k] for k in addresses} == addresses
+    assert {**docker, "ServerConfig": {**docker["ServerConfig"], **{k: shipped["ServerConfig"][k] for k in addresses}}} \
+        == shipped
+    load_config(ROOT / "config" / "docker.json")
