@@ -75,6 +75,33 @@ def tgi_ids(stack, inputs) -> list[int]:
     return [t["id"] for t in r.json()["details"]["tokens"]]
 
 
+@pytest.fixture(scope="module")
+def silent_request(stack):
+    """A request whose image is on a server that accepts connections (the kernel's backlog) and never answers,
+    sent in the background: the module's other tests run while its fetch waits SILENT_WAIT_S."""
+    silent = socket.create_server(("127.0.0.1", 0))
+    pool = ThreadPoolExecutor(1)
+    pending = pool.submit(send, stack, "/generate", described(f"http://localhost:{silent.getsockname()[1]}/cat.png"))
+    time.sleep(1.0)
+    yield pending
+    pending.result(timeout=SILENT_WAIT_S + 30)
+    pool.shutdown()
+    silent.close()
+
+
+def test_a_media_server_that_never_answers_holds_no_other_request(stack, want, silent_request):
+    """Before: the tokenizer fetched inside its request callback, so every request waited behind the fetch
+    (503s after 30 s)."""
+    for _ in range(3):
+        started = time.monotonic()
+        r = post(stack, "/generate", {"inputs": "Hello", "parameters": GREEDY}, timeout=10)
+        assert r.status_code == 200 and time.monotonic() - started < 10, r.text
+    r = post(stack, "/generate", {"inputs": described(data_url(CAT)), "parameters": {**GREEDY, "details": True}},
+             timeout=20)
+    assert [t["id"] for t in r.json()["details"]["tokens"]] == want["cat"]
+    assert not silent_request.done()
+
+
 def test_tgi_image_equals_transformers_from_every_source(stack, media_root, server, want):
     sources = [data_url(CAT), "cat.png", str(media_root / "cat.png"), f"http://localhost:{server.port}/cat.png"]
     for source in sources:
@@ -181,23 +208,6 @@ def test_what_the_model_cannot_take_is_a_422(stack, server):
     assert post(stack, "/generate", {"inputs": described(data_url(CAT)), "parameters": GREEDY}).status_code == 200
 
 
-def test_a_media_server_that_never_answers_holds_no_other_request(stack, want):
-    """Before: the tokenizer fetched inside its request callback, so every request waited behind the fetch
-    (503s after 30 s), and the gateway gave the media request itself a 503 at 30 s, before the fetch's timeout."""
-    silent = socket.create_server(("127.0.0.1", 0))  # accepts connections (the kernel's backlog), never answers
-    port = silent.getsockname()[1]
-    try:
-        with ThreadPoolExecutor(1) as pool:
-            hung = pool.submit(send, stack, "/generate", described(f"http://localhost:{port}/cat.png"))
-            time.sleep(1.0)
-            for _ in range(3):
-                started = time.monotonic()
-                r = post(stack, "/generate", {"inputs": "Hello", "parameters": GREEDY}, timeout=10)
-                assert r.status_code == 200 and time.monotonic() - started < 10, r.text
-            r = post(stack, "/generate", {"inputs": described(data_url(CAT)),
-                                          "parameters": {**GREEDY, "details": True}}, timeout=20)
-            assert [t["id"] for t in r.json()["details"]["tokens"]] == want["cat"]
-            assert not hung.done()
-            assert_422(hung.result(timeout=SILENT_WAIT_S + 30), "/generate", f"timed out after {SILENT_WAIT_S} s")
-    finally:
-        silent.close()
+def test_a_request_whose_media_server_never_answers_ends_with_its_fetchs_422(silent_request):
+    """Before: the gateway gave up on the tokenizer at 30 s (a 503), before the fetch's own timeout."""
+    assert_422(silent_request.result(timeout=SILENT_WAIT_S + 30), "/generate", f"timed out after {SILENT_WAIT_S} s")
