@@ -4,7 +4,8 @@ find which engine holds the longest prefix of it.
 
 A key names a whole prefix: block i's key hashes its tokens chained to block i-1's key, and the first
 block's parent is the request's salt: its LoRA adapter's weights digest (``services/engine/lora.py``, listed
-in the engines' heartbeats) followed by its media's digest and its client's ``cache_salt``. A cryptographic hash: Python's ``hash()``
+in the engines' heartbeats) followed by its client's ``cache_salt``; its media's digest joins the parent of
+the block that holds its first media token. A cryptographic hash: Python's ``hash()``
 collides on purpose-made inputs, and a collision would hand one request another's cached K/V.
 """
 
@@ -18,12 +19,16 @@ def block_hash(parent: bytes, token_ids: list[int]) -> bytes:
     return hashlib.blake2b(parent + repr(token_ids).encode(), digest_size=16).digest()
 
 
-def chain(token_ids: list[int], block_size: int, salt: bytes = b"", count: int | None = None) -> list[bytes]:
-    """Keys of the first ``count`` full blocks of ``token_ids`` (all of them by default)."""
+def chain(token_ids: list[int], block_size: int, salt: bytes = b"", count: int | None = None,
+          media: tuple[int, bytes] = (-1, b"")) -> list[bytes]:
+    """Keys of the first ``count`` full blocks of ``token_ids`` (all of them by default). ``media``: the block
+    holding a prompt's first media token and its media's salt, which joins that block's parent (the blocks
+    before it are the text's alone: the same K/V as a prompt without the media)."""
     full = len(token_ids) // block_size if count is None else min(count, len(token_ids) // block_size)
     keys: list[bytes] = []
     for i in range(full):
-        keys.append(block_hash(keys[-1] if keys else salt, token_ids[i * block_size:(i + 1) * block_size]))
+        parent = (keys[-1] if keys else salt) + (media[1] if i == media[0] else b"")
+        keys.append(block_hash(parent, token_ids[i * block_size:(i + 1) * block_size]))
     return keys
 
 
@@ -34,8 +39,9 @@ def matchable_blocks(num_tokens: int, block_size: int) -> int:
 
 
 def media_salt(digest: str) -> bytes:
-    """The first block's parent for a request with media (their preprocessed tensors' digest): K/V after an
-    image are that image's own, though its placeholder tokens are the same for any image."""
+    """What joins the parent of the block holding a request's first media token (their preprocessed tensors'
+    digest): K/V from an image on are that image's own, though its placeholder tokens are the same for any
+    image. The blocks before it are the text's alone, shared with every prompt that begins so."""
     return hashlib.blake2b(digest.encode(), digest_size=16).digest()
 
 

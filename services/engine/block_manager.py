@@ -130,7 +130,7 @@ class BlockManager:
         """Keys of the first ``count`` (full) blocks of ``seq``, computed once per sequence."""
         size = self.block_size
         for i in range(len(seq.block_hashes), count):
-            parent = seq.block_hashes[i - 1] if i else seq.cache_salt
+            parent = (seq.block_hashes[i - 1] if i else seq.cache_salt) + (seq.media_salt if i == seq.media_from else b"")
             seq.block_hashes.append(block_hash(parent, seq.token_ids[i * size:(i + 1) * size]))
         return seq.block_hashes[:count]
 

@@ -25,7 +25,7 @@ from services.engine.host_tier import HostTier
 from services.engine.isolation import Outcome, run_isolated
 from services.engine.kv_transfer import KvImport
 from services.engine.model_runner import ModelRunner
-from services.engine.multimodal import salt
+from services.engine.multimodal import salts
 from services.engine.pd import Handoff, KvHandoff
 from services.engine.prompt_logprobs import prompt_logprobs, prompt_rows
 from services.engine.sampler import raw_logprobs, sample, token_logprob
@@ -321,7 +321,9 @@ class Engine:
         seq = Sequence(req.id, req.prompt_ids, req.sampling, priority=req.priority, deadline=req.deadline,
                        deadline_reason=req.deadline_reason, last_event_at=time.time(),
                        arrival=0.0 if req.probe else req.arrival, lora=slot)  # (a probe's queue time is not counted)
-        seq.media, seq.more_salt = req.media, salt(req)
+        seq.media = req.media
+        found = salts(req, self.runner.media_token_ids, self.blocks.block_size)
+        seq.more_salt, seq.media_from, seq.media_salt = found.more, found.media_from, found.media
         if req.sampling.grammar is not None:
             try:
                 seq.matcher = self._matcher(req, matcher)

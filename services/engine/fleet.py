@@ -31,7 +31,7 @@ from nats.aio.msg import Msg as NatsMsg
 
 from services.engine.block_manager import blocks_for
 from services.engine.kv_transfer import KvLayout, chunks_per_part
-from services.engine.multimodal import salt
+from services.engine.multimodal import salts
 from shared import bus, subjects
 from shared.fleet_messages import CacheEvents, KvBlocks, KvFetch
 from shared.messages import EngineRequest, decoder, encode
@@ -131,8 +131,9 @@ class FleetCache:
         Never raises: whatever does not arrive is computed."""
         size = self.blocks.block_size
         adapter = self.engine.runner.lora.salt(req.adapter) or b""  # none for the base model ("")
-        first = adapter + salt(req)
-        keys = chain(req.prompt_ids, size, first, matchable_blocks(len(req.prompt_ids), size))
+        found = salts(req, self.engine.runner.media_token_ids, size)
+        keys = chain(req.prompt_ids, size, adapter + found.more, matchable_blocks(len(req.prompt_ids), size),
+                     (found.media_from, found.media))
         have = self.blocks.cached_run(keys)
         budget = self.budget((len(keys) - have) * size)
         if budget is None:

@@ -141,6 +141,10 @@ class ModelRunner:
         """Media kinds the model takes besides text; [] for a text model."""
         return self.encoder.modalities if self.encoder is not None else []
 
+    @property
+    def media_token_ids(self) -> frozenset[int]:
+        return self.encoder.token_ids if self.encoder is not None else frozenset()
+
     def _allocate_cache(self, kv_dtype: str) -> KvCache:
         slots = (self.num_blocks + 1) * self.block_size  # the scratch block last
         log.info("kv cache", extra={"blocks": self.num_blocks, "block_size": self.block_size, "kv_dtype": kv_dtype})

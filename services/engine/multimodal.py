@@ -156,6 +156,13 @@ class MediaEncoder:
     def modalities(self) -> list[str]:
         return list(self.family.modalities)
 
+    @property
+    def token_ids(self) -> frozenset[int]:
+        """The model's media tokens' ids (those the encoder's features replace)."""
+        config = self.full.config
+        return frozenset(getattr(config, name) for name in ("image_token_id", "video_token_id", "audio_token_id")
+                         if isinstance(getattr(config, name, None), int))
+
     def encode(self, media: MediaInputs, prompt_ids: list[int]) -> MediaRows:
         """The request's features and their prompt positions; ValueError when they do not match its
         media tokens one for one (transformers raises the same)."""
@@ -196,7 +203,21 @@ def from_wire(t: Tensor) -> torch.Tensor:
     return flat.reshape(t.shape)
 
 
-def salt(req: EngineRequest) -> bytes:
-    """A request's prefix-cache salt after its adapter's: its media's (K/V after an image are that image's
-    own) and its client's cache_salt's (blocks shared only among requests giving the same salt)."""
-    return (b"" if req.media is None else media_salt(req.media.digest)) + client_salt(req.cache_salt)
+@dataclass(frozen=True)
+class Salts:
+    """A request's prefix-cache salts after its adapter's (``Sequence.more_salt``, ``media_from``, ``media_salt``)."""
+
+    more: bytes  # its client's cache_salt's: blocks shared only among requests giving the same salt
+    media_from: int = -1  # the block holding its first media token (-1: no media)
+    media: bytes = b""  # its media's digest's, joining that block's parent: K/V from an image on are its own
+
+
+def salts(req: EngineRequest, media_ids: frozenset[int], block_size: int) -> Salts:
+    """``req``'s salts; ``media_ids``: the model's media token ids (``MediaEncoder.token_ids``). The blocks before
+    the first media token are the text's alone (tokens before an image attend to none of it), so a long
+    system prompt is cached for requests with and without images alike, as vLLM keys them."""
+    more = client_salt(req.cache_salt)
+    if req.media is None:
+        return Salts(more)
+    first = next((i for i, token in enumerate(req.prompt_ids) if token in media_ids), 0)
+    return Salts(more, first // block_size, media_salt(req.media.digest))

@@ -39,7 +39,7 @@ import msgspec
 from nats.aio.msg import Msg as NatsMsg
 
 from services.engine.kv_transfer import KvImport, KvLayout, chunks_per_part, export_blocks, import_blocks
-from services.engine.multimodal import salt
+from services.engine.multimodal import salts
 from services.engine.sequence import Sequence
 from shared import bus, subjects, telemetry
 from shared.leases import Leases
@@ -75,7 +75,9 @@ class KvHandoff:
         self.ready: list[Handoff] = []  # prefill role: handoffs not yet taken by the engine service
 
     def cached_blocks(self, req: EngineRequest) -> int:
-        seq = Sequence(req.id, req.prompt_ids, req.sampling, more_salt=salt(req))
+        found = salts(req, self.runner.media_token_ids, self.blocks.block_size)
+        seq = Sequence(req.id, req.prompt_ids, req.sampling, more_salt=found.more, media_from=found.media_from,
+                       media_salt=found.media)
         seq.token_ids.extend(req.generated_ids)
         return self.blocks.cached_tokens(seq) // self.blocks.block_size
 

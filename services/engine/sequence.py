@@ -54,7 +54,9 @@ class Sequence:
     lora: Slot | None = None  # the LoRA adapter's Slot it runs with (held until it finishes); None = base model
     media: MediaInputs | None = None  # MediaInputs until encoded, then dropped: ``media_rows`` keeps the features
     media_rows: MediaRows | None = None  # features for its media tokens (kept for recompute)
-    more_salt: bytes = b""  # its media's digest and client's cache_salt: prefix-cache keys of such requests are their own
+    more_salt: bytes = b""  # its client's cache_salt: prefix-cache keys of such requests are their own
+    media_from: int = -1  # the block holding its first media token, whose key's parent its media's salt joins
+    media_salt: bytes = b""
     handoff: bool = False  # prefill role: after its first token its K/V go to a decode engine
     request: EngineRequest | None = None  # the EngineRequest it came as, kept only while it may be handed off (what the handoff sends on)
     kv_import: KvImport | None = None  # K/V received for its prompt, written when it gets blocks
@@ -88,9 +90,9 @@ class Sequence:
 
     @property
     def cache_salt(self) -> bytes:
-        """The first block's hash parent: K/V computed with an adapter are that adapter's (load's) own, K/V of
-        a prompt with media are those media's own (their tokens' ids are the same for any image), and K/V of a
-        request with a client's cache_salt are shared only with requests giving that salt."""
+        """The first block's hash parent: K/V computed with an adapter are that adapter's (load's) own, and K/V
+        of a request with a client's cache_salt are shared only with requests giving that salt. (K/V from a
+        prompt's first media token on are those media's own: ``media_from``.)"""
         return (self.lora.uid if self.lora is not None else b"") + self.more_salt
 
     @property

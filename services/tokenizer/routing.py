@@ -109,13 +109,16 @@ class EngineRouter:
         return Choice(best, hits[best], hits[holder], holder if hits[holder] else "", queued[best] - least,
                       holder if pull else "")
 
-    def prefix_keys(self, adapter: str, ids: list[int], media_digest: str = "", cache_salt: str = "") -> list[bytes] | None:
-        """A prompt's matchable block keys, as the engines key their caches (None: route by load)."""
+    def prefix_keys(self, adapter: str, ids: list[int], media_digest: str = "", cache_salt: str = "",
+                    media_at: int = 0) -> list[bytes] | None:
+        """A prompt's matchable block keys, as the engines key their caches (None: route by load); ``media_at``:
+        the position of its first media token, whose block's parent its media's digest joins."""
         salt = self.adapter_salt(adapter) if adapter else b""
         if not self.by_cache or salt is None:
             return None
-        salt += (media_salt(media_digest) if media_digest else b"") + client_salt(cache_salt)
-        return chain(ids, self.block_size, salt, matchable_blocks(len(ids), self.block_size))
+        media = (media_at // self.block_size, media_salt(media_digest)) if media_digest else (-1, b"")
+        return chain(ids, self.block_size, salt + client_salt(cache_salt), matchable_blocks(len(ids), self.block_size),
+                     media)
 
     def routed(self, model: str, prompt_tokens: int, choice: Choice) -> Routed:
         """A decision as the metrics count it."""

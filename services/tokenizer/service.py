@@ -189,8 +189,9 @@ class TokenizerService:
             if media is not None:  # fetching, decoding and the processor, for the trace
                 span.set_attribute("switchboard.media_items", sum(p.media is not None for p in req.parts))
                 span.set_attribute("switchboard.media_prepare_ms", round((time.perf_counter() - started) * 1000, 1))
-            keys = None if req.sampling.prompt_logprobs is not None else self.router.prefix_keys(
-                req.adapter, ids, media.digest if media is not None else "", req.cache_salt)  # prompt logprobs: whole
+            keys = None if req.sampling.prompt_logprobs is not None else self.router.prefix_keys(  # (its logprobs:
+                req.adapter, ids, media.digest if media is not None else "", req.cache_salt,  # whole)
+                self.media.first_media_token(ids) if media is not None else 0)
             choice = await self.choose_engine(req.adapter, keys)
             engine = choice.engine
         except SwitchboardError as exc:

@@ -211,3 +211,24 @@ def test_what_the_model_cannot_take_is_a_422(stack, server):
 def test_a_request_whose_media_server_never_answers_ends_with_its_fetchs_422(silent_request):
     """Before: the gateway gave up on the tokenizer at 30 s (a 503), before the fetch's own timeout."""
     assert_422(silent_request.result(timeout=SILENT_WAIT_S + 30), "/generate", f"timed out after {SILENT_WAIT_S} s")
+
+
+def test_the_text_before_an_image_is_served_from_the_prefix_cache(stack, smolvlm_dir):
+    """Before: a prompt with an image keyed every block with the image, so a long system prompt was computed again
+    for every image (and blocks computed for image requests were never a text request's). Now the blocks before
+    the first image token are the text's, and the answer is still transformers' own."""
+    system = {"role": "system", "content": "You are a careful assistant who describes pictures. " * 12}
+    question = [{"type": "text", "text": "What is in this image?"}]
+    text_only = post(stack, "/v1/chat/completions", {"model": stack.model, "max_tokens": 2, "temperature": 0,
+                                                     "messages": [system, {"role": "user", "content": "Hello"}]})
+    assert text_only.status_code == 200, text_only.text
+    api = openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0, timeout=60)
+    conversation = [system, {"role": "user", "content": question + [{"type": "image_url",
+                                                                      "image_url": {"url": data_url(DOG)}}]}]
+    out = api.chat.completions.create(model=stack.model, max_tokens=NEW, temperature=0, messages=conversation)
+    cached = out.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 16 * 5, out.usage  # the system prompt's blocks (about 130 tokens), not the image's
+    expected = hf_generate(smolvlm_dir, [DOG], messages=[system, {"role": "user", "content": question + [
+        {"type": "image"}]}], max_new_tokens=NEW)
+    tok = AutoTokenizer.from_pretrained(smolvlm_dir)
+    assert out.choices[0].message.content == tok.decode(expected, skip_special_tokens=True)

@@ -9,7 +9,7 @@ import pytest
 from services.gateway.common.content import admit, mindie_input, parse_list
 from services.gateway.openai_api.errors import OpenAIError, content_error
 from services.gateway.web.validation import text_input
-from shared.errors import ErrorKind, SwitchboardError
+from shared.errors import ErrorKind, SwitchboardError, validation
 from shared.media import MediaPolicy
 from shared.messages import ContentPart, MediaRef
 from tests.media_items import PNG_URL, image, text
@@ -140,3 +140,20 @@ def test_the_safety_refusal_names_the_item_across_messages_for_openai(root):
     second = parse_list([text("and"), image("../x.png")], "messages[2].content", content_error)
     error = error_of(lambda: admit([first, None, second], policy, content_error))
     assert isinstance(error, OpenAIError) and error.param == "messages[2].content[1]" and "'..'" in error.message
+
+
+def test_tgis_markdown_images_are_those_with_an_empty_alt_text():
+    """TGI's rule (``![](…)``): a pasted document's ``![build status](…)`` is text (it was fetched as an image)."""
+    from services.gateway.common.content import markdown_images
+
+    listed = markdown_images("Look: ![](cat.png) and ![a badge](https://example.com/b.svg)", "inputs")
+    assert [(p.type, p.text or p.media.source) for p in listed.parts] == [
+        ("text", "Look: "), ("image", "cat.png"), ("text", " and ![a badge](https://example.com/b.svg)")]
+    assert markdown_images("![a cat](cat.png) Hi", "inputs") is None
+
+
+def test_an_image_urls_detail_is_one_of_openais():
+    ok = parse_list([image({"url": PNG_URL, "detail": "low"})], "content", validation)
+    assert ok.parts[0].media.source == PNG_URL
+    err = error_of(lambda: parse_list([image({"url": PNG_URL, "detail": "ultra"})], "content", validation))
+    assert err.param == "content[0].image_url.detail" and "low, high or auto" in err.message

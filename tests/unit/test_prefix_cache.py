@@ -156,3 +156,32 @@ def test_disabled_shares_nothing_and_caches_nothing():
     blocks.free(b)
     assert sorted(blocks.free_blocks) == list(range(16))
     blocks.check([])
+
+
+def test_blocks_before_a_prompts_first_media_token_are_the_texts_and_routers_key_them_alike():
+    """K/V before an image attend to none of it: a text prompt's cached blocks serve an image prompt that begins
+    with the same text, up to the block holding its first media token (from there the image's digest keys them),
+    and the tokenizer's router keys the prompt as the engine's cache does."""
+    from services.engine.multimodal import salts
+    from services.tokenizer.routing import EngineRouter
+    from shared.switchboard_config import RoutingConfig
+    from shared.messages import EngineRequest, MediaInputs
+    from shared.prefix_hash import chain, media_salt
+
+    image_token = 7
+    prompt = tokens(2 * BLOCK + 5) + [image_token] * 20 + tokens(12, start=50)
+    blocks = BlockManager(32, BLOCK, enable_prefix_cache=True)
+    text = admit(blocks, seq(prompt[:3 * BLOCK] + tokens(4, start=90), "text"))
+    compute_all(blocks, text)
+    req = EngineRequest(id="img", prompt_ids=prompt, sampling=Sampling(max_new_tokens=4), reply_to="x",
+                        media=MediaInputs(tensors={}, digest="cat"))
+    found = salts(req, frozenset({image_token}), BLOCK)
+    assert (found.media_from, found.media) == (2, media_salt("cat"))
+    image = seq(prompt, "img")
+    image.media_from, image.media_salt = found.media_from, found.media
+    admit(blocks, image)
+    assert image.num_computed == 2 * BLOCK  # the two text blocks; the third holds the first image token
+    router = EngineRouter(2.0, RoutingConfig(policy="cache"), BLOCK)
+    routed = router.prefix_keys("", prompt, "cat", media_at=2 * BLOCK + 5)
+    assert routed and routed == image.block_hashes[:len(routed)]
+    assert chain(prompt, BLOCK)[:2] == image.block_hashes[:2] != chain(prompt, BLOCK)[2:3] + image.block_hashes[2:3]

@@ -7,7 +7,7 @@ client's order:
 - ``{"type": "text", "text": <string>}``;
 - ``{"type": "image_url" | "video_url" | "audio_url", "<type>": <source>}``, where the source is a
   string (a local path, an http(s) URL or a data: URL: seed 003's form) or ``{"url": <string>}``
-  (OpenAI's form; other keys such as ``detail`` are ignored);
+  (OpenAI's form; its ``detail``, low, high or auto, is taken: the model's processor reads every image one way);
 - ``{"type": "input_audio", "input_audio": {"data": <base64>, "format": "wav" | "mp3" | …}}``
   (OpenAI's inline audio), read as a data: URL.
 
@@ -34,7 +34,8 @@ from shared.media import MediaPolicy, MediaRefused, check_request
 from shared.messages import ContentPart, MediaRef
 
 MEDIA_KINDS = {"image_url": "image", "video_url": "video", "audio_url": "audio"}
-MARKDOWN_IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)\)")
+DETAILS = (None, "low", "high", "auto")
+MARKDOWN_IMAGE = re.compile(r"!\[\]\(([^)\s]+)\)")  # TGI's: an empty alt text (``![a cat](…)`` is text)
 AUDIO_MIME = {"mp3": "audio/mpeg", "wav": "audio/wav", "flac": "audio/flac"}
 ITEM_TYPES = "text, image_url, video_url, audio_url or input_audio"
 EMPTY_LIST = "Inputs arr is empty"
@@ -99,6 +100,8 @@ def _source(item: dict[str, Any], kind: str, where: str, fail: Fail) -> str:
     """A media item's path or URL: the string itself, or the ``url`` of an object."""
     value, at = item.get(kind), f"{where}.{kind}"
     if isinstance(value, dict):
+        if value.get("detail") not in DETAILS:  # OpenAI's: its processor reads every image one way (auto)
+            raise fail(f"{at}.detail must be one of low, high or auto, got {value['detail']!r}.", f"{at}.detail")
         value, at = value.get("url"), f"{at}.url"
     if value is None or value == "":
         raise fail(f"Request param {kind} null: {at} must be a non-empty path or URL.", at)

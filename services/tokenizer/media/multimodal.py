@@ -77,6 +77,20 @@ class MediaProcessor:
         return cls(processor if media_kinds(processor) else None, path)
 
     @property
+    def token_ids(self) -> frozenset[int]:
+        """The ids of the tokens the model's encoder features replace (its ``<image>``, ``<|image_pad|>``, …)."""
+        if self.processor is None:
+            return frozenset()
+        tokens = [getattr(self.processor, f"{kind}_token", None) for kind in self.modalities]
+        ids = self.processor.tokenizer.convert_tokens_to_ids([t for t in tokens if isinstance(t, str)])
+        return frozenset(i for i in ids if isinstance(i, int))
+
+    def first_media_token(self, ids: list[int]) -> int:
+        """The position of the prompt's first media token (0 when none is found: all of it the media's)."""
+        media = self.token_ids
+        return next((i for i, token in enumerate(ids) if token in media), 0)
+
+    @property
     def placeholder(self) -> str:
         """What marks an image's place in a raw text prompt."""
         return self.placeholder_of("image")
@@ -255,7 +269,18 @@ def decode_image(data: bytes, index: int):
                          f"this server reads ({', '.join(FORMATS)})") from None
     except Exception as exc:  # PIL raises many kinds for bad data
         raise validation(f"media item {index}: the image cannot be decoded: {exc}") from None
-    return image.convert("RGB")
+    return to_rgb(image)
+
+
+def to_rgb(image):
+    """RGB as transformers' processors (and vLLM's loader) make it: transparency composited onto white (a plain
+    ``convert`` kept the colour stored under transparent pixels, often black)."""
+    from PIL import Image
+
+    if "A" not in image.getbands() and image.info.get("transparency") is None:
+        return image.convert("RGB")
+    rgba = image.convert("RGBA")
+    return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
 
 
 def to_wire(array: np.ndarray) -> Tensor:
