@@ -168,7 +168,7 @@ def test_previous_response_id_retrieve_and_delete(smol_stack):
     ({"input": ASK, "stream_options": {"include_obfuscation": False}}, "stream_options"),
     ({"input": [{"role": "user", "content": "q"}, {"type": "function_call", "name": "f", "arguments": "{}"}]},
      "input[1].call_id"),
-    # a tool's image or file output was dropped (the model saw an empty result)
+    # a tool's image output, which this text model cannot see (it was dropped: the model saw an empty result)
     ({"input": [{"role": "user", "content": "q"}, {"type": "function_call", "call_id": "c1", "name": "get_weather",
                                                    "arguments": "{}"},
                 {"type": "function_call_output", "call_id": "c1", "output": [

@@ -232,3 +232,37 @@ def test_the_text_before_an_image_is_served_from_the_prefix_cache(stack, smolvlm
         {"type": "image"}]}], max_new_tokens=NEW)
     tok = AutoTokenizer.from_pretrained(smolvlm_dir)
     assert out.choices[0].message.content == tok.decode(expected, skip_special_tokens=True)
+
+
+def test_a_tools_screenshot_reaches_the_model_from_anthropic_responses_and_openai_alike(stack):
+    """A tool that answers with an image (a screenshot): Anthropic's tool_result image block, the Responses API's
+    input_image in a function_call_output, OpenAI chat's tool message with an image_url (before: 400s on the
+    first two, "a tool's output is given to the model as text here")."""
+    tool = {"name": "screenshot", "description": "Take a screenshot", "input_schema": {"type": "object"}}
+    source = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(png_bytes(CAT)).decode()}
+    anthropic_body = {"model": stack.model, "max_tokens": NEW, "temperature": 0, "tools": [tool], "messages": [
+        {"role": "user", "content": "What is on screen?"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "screenshot", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": [
+            {"type": "text", "text": "Here it is"}, {"type": "image", "source": source}]}]}]}
+    anthropic = post(stack, "/v1/messages", anthropic_body)
+    assert anthropic.status_code == 200, anthropic.text
+    function = {"type": "function", "name": "screenshot", "parameters": {"type": "object"}}
+    responses = post(stack, "/v1/responses", {"model": stack.model, "max_output_tokens": NEW, "temperature": 0,
+                                              "store": False, "tools": [function], "input": [
+        {"role": "user", "content": "What is on screen?"},
+        {"type": "function_call", "call_id": "toolu_1", "name": "screenshot", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "toolu_1", "output": [
+            {"type": "input_text", "text": "Here it is"}, {"type": "input_image", "image_url": data_url(CAT)}]}]})
+    assert responses.status_code == 200, responses.text
+    chat = post(stack, "/v1/chat/completions", {"model": stack.model, "max_tokens": NEW, "temperature": 0, "tools": [
+        {"type": "function", "function": {"name": "screenshot", "parameters": {"type": "object"}}}], "messages": [
+        {"role": "user", "content": "What is on screen?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "toolu_1", "type": "function", "function": {
+            "name": "screenshot", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "toolu_1", "content": [
+            {"type": "text", "text": "Here it is"}, {"type": "image_url", "image_url": {"url": data_url(CAT)}}]}]})
+    assert chat.status_code == 200, chat.text
+    prompt_tokens = chat.json()["usage"]["prompt_tokens"]
+    assert prompt_tokens > 60  # the image's tokens are in the prompt
+    assert anthropic.json()["usage"]["input_tokens"] == responses.json()["usage"]["input_tokens"] == prompt_tokens

@@ -251,12 +251,29 @@ def _block(block: Any, where: str, role: str) -> tuple[str, dict[str, Any]]:
     if kind == "tool_result" and role == "user":
         if not isinstance(block.get("tool_use_id"), str):
             raise invalid(f"{where}.tool_use_id: must be a string")
-        text = _text_of(block.get("content", ""), f"{where}.content")
+        content = _result_of(block.get("content", ""), f"{where}.content")
         if block.get("is_error"):
-            text = f"Error: {text}"
-        return "tool_result", {"role": "tool", "tool_call_id": block["tool_use_id"], "content": text}
+            content = f"Error: {content}" if isinstance(content, str) else [{"type": "text", "text": "Error: "}, *content]
+        return "tool_result", {"role": "tool", "tool_call_id": block["tool_use_id"], "content": content}
     raise invalid(f"{where}.type: {kind!r} blocks are not supported in {role} messages here "
                   f"(user: text, image, tool_result; assistant: text, tool_use, thinking, redacted_thinking)")
+
+
+def _result_of(value: Any, where: str) -> str | list[dict[str, Any]]:
+    """A tool_result's content: a string, text blocks joined, or text and image blocks as chat parts (a
+    screenshot tool's answer, as Anthropic's API takes it)."""
+    if not isinstance(value, list) or not any(isinstance(b, dict) and b.get("type") == "image" for b in value):
+        return _text_of(value, where)
+    parts = []
+    for j, b in enumerate(value):
+        kind = b.get("type") if isinstance(b, dict) else None
+        if kind == "image":
+            parts.append({"type": "image_url", "image_url": {"url": _image_url(b.get("source"), f"{where}.{j}.source")}})
+        elif kind == "text" and isinstance(b.get("text"), str) and b["text"]:
+            parts.append({"type": "text", "text": b["text"]})
+        else:
+            raise invalid(f"{where}.{j}: must be a non-empty text block or an image block")
+    return parts
 
 
 def _text_of(value: Any, where: str) -> str:

@@ -36,7 +36,7 @@ async def create(request: Request) -> Response:
     try:
         admit(chat.listed, gateway.media_policy, content_error, gateway.modalities())
     except SwitchboardError as exc:
-        raise renamed(exc, req.before) from None
+        raise renamed(exc, req.before, chat.messages) from None
     prompt = {"messages": chat.messages, "truncate": chat.common.truncate, "parts": chat_media(chat.listed),
               "cache_salt": chat.common.cache_salt}
     if chat.tools is not None:
@@ -53,8 +53,8 @@ async def create(request: Request) -> Response:
                                        lambda: response_events(builder, call, saver), error_event)
     except SwitchboardError as exc:  # the tokenizer's refusals name no field: the media item's place, or input
         if exc.kind is ErrorKind.VALIDATION and exc.param is None:
-            raise renamed(bad_param(media_place(chat.listed, exc.message) or "messages", exc.message), req.before) \
-                from None
+            raise renamed(bad_param(media_place(chat.listed, exc.message) or "messages", exc.message), req.before,
+                          chat.messages) from None
         raise
 
 

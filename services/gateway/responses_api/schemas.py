@@ -128,7 +128,7 @@ def parse_responses(data: dict[str, Any], previous: list[dict[str, Any]], cfg: C
     try:
         req = parse_chat(msgspec.json.encode({k: v for k, v in chat.items() if v is not None}), cfg, served)
     except SwitchboardError as exc:
-        raise renamed(exc, len(messages) - len(history) + len(previous)) from None
+        raise renamed(exc, len(messages) - len(history) + len(previous), messages) from None
     return ResponsesRequest(data, req, history, len(messages) - len(history) + len(previous))
 
 
@@ -142,22 +142,27 @@ def _check_outputs(history: list[dict[str, Any]]) -> None:
                                      f"{message['tool_call_id']}.")
 
 
-def renamed(exc: SwitchboardError, before: int) -> OpenAIError:
-    """A chat check's error, naming the Responses field (``before``: as :func:`responses_name` takes it)."""
-    name = responses_name(exc.param, before)
+def renamed(exc: SwitchboardError, before: int, messages: list[dict[str, Any]] = ()) -> OpenAIError:
+    """A chat check's error, naming the Responses field (``before``, ``messages``: as :func:`responses_name` takes
+    them)."""
+    name = responses_name(exc.param, before, messages)
     return OpenAIError(exc.kind, exc.message.replace(exc.param or "\0", name or ""), name, getattr(exc, "code", None))
 
 
-def responses_name(param: str | None, before: int) -> str | None:
+def responses_name(param: str | None, before: int, messages: list[dict[str, Any]] = ()) -> str | None:
     """The Responses field a chat error's ``param`` names: ``messages[i]`` is ``input[i - before]`` (``before``:
-    the messages ahead of the input's own, instructions and a previous response's), or ``input`` itself."""
+    the messages ahead of the input's own, instructions and a previous response's), or ``input`` itself; a tool
+    message's ``content`` is its function_call_output's ``output`` (``messages``: the chat messages)."""
     if not param:
         return param
     if param.startswith("messages"):
         index = re.match(r"^messages\[(\d+)\]", param)
         if index is None or int(index[1]) < before:
             return "input"
-        return f"input[{int(index[1]) - before}]" + param[index.end():]
+        rest = param[index.end():]
+        if int(index[1]) < len(messages) and messages[int(index[1])].get("role") == "tool":
+            rest = re.sub(r"^\.content", ".output", rest)
+        return f"input[{int(index[1]) - before}]" + rest
     for pattern, name in CHAT_NAMES:
         param = pattern.sub(name, param)
     return param
@@ -194,25 +199,30 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
             output = item.get("output")
             if not isinstance(item.get("call_id"), str) or not isinstance(output, (str, list)):
                 raise bad_param(where, f"{where}: a function_call_output needs call_id and output.")
-            text = output if isinstance(output, str) else _output_text(output, f"{where}.output")
-            out.append({"role": "tool", "tool_call_id": item["call_id"], "content": text})
+            content = output if isinstance(output, str) else _output_parts(output, f"{where}.output")
+            out.append({"role": "tool", "tool_call_id": item["call_id"], "content": content})
         else:
             raise bad_param(f"{where}.type", f"{where}.type {kind!r} is not supported here (message, function_call, "
                                              "function_call_output).")
     return out
 
 
-def _output_text(parts: list[Any], where: str) -> str:
-    """A function_call_output given as parts: their texts (a tool message holds text: an image or a file a
-    tool returned is a 400 naming it, not dropped)."""
-    texts = []
+def _output_parts(parts: list[Any], where: str) -> str | list[dict[str, Any]]:
+    """A function_call_output given as parts: their texts joined, or with images (a screenshot tool's answer)
+    text and image parts of the tool message (a file a tool returned is a 400 naming it, not dropped)."""
+    out = []
     for j, part in enumerate(parts):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text") or not isinstance(part.get("text"), str):
-            raise bad_param(f"{where}[{j}]", f"{where}[{j}] must be an input_text part: a tool's output is given "
-                                             f"to the model as text here, got {kind or type(part).__name__!r}.")
-        texts.append(part["text"])
-    return "".join(texts)
+        if kind in ("input_text", "output_text") and isinstance(part.get("text"), str):
+            out.append({"type": "text", "text": part["text"]})
+        elif kind == "input_image" and isinstance(part.get("image_url"), str):
+            out.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+        else:
+            raise bad_param(f"{where}[{j}]", f"{where}[{j}] must be an input_text or input_image part (with "
+                                             f"image_url), got {kind or type(part).__name__!r}.")
+    if all(p["type"] == "text" for p in out):
+        return "".join(p["text"] for p in out)
+    return out
 
 
 def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
