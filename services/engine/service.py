@@ -30,6 +30,7 @@ from shared.pd_messages import EngineRole
 
 log = logging.getLogger("switchboard.engine")
 ENGINE_ROLE = {"prefill": "prefill", "decode": "decode", "flex": "both"}  # a server's PD role -> its engines'
+DRAIN_MAX_S = 30.0
 
 
 @dataclass
@@ -272,10 +273,10 @@ class EngineService:
 
     async def drain(self) -> None:
         """Stopping (SIGTERM, a rolling update): heartbeats say so, so no new request is routed here, and the
-        running ones finish for up to Switchboard.shutdownGraceSeconds; what is left then resumes on another engine."""
+        running ones finish for up to DRAIN_MAX_S; what is left then resumes on another engine."""
         self.stopping = True
         await bus.publish(self.nc, subjects.engine_heartbeat(self.model), self.info())
-        deadline = time.monotonic() + self.cfg.switchboard.shutdown_grace_seconds
+        deadline = time.monotonic() + DRAIN_MAX_S
         while self.engine.has_work and time.monotonic() < deadline:
             await self.publish(await self._step())
             self.start_handoffs()
