@@ -17,6 +17,7 @@ every server (fetching, decoding, resizing, tiling, normalising), which scales o
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import Callable
@@ -156,7 +157,7 @@ class MediaEncoder:
     def modalities(self) -> list[str]:
         return list(self.family.modalities)
 
-    @property
+    @functools.cached_property
     def token_ids(self) -> frozenset[int]:
         """The model's media tokens' ids (those the encoder's features replace)."""
         config = self.full.config

@@ -16,6 +16,7 @@ All of this is CPU work off the event loop (``asyncio.to_thread``); the tokenize
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import io
 import logging
@@ -76,7 +77,7 @@ class MediaProcessor:
             return cls(None)
         return cls(processor if media_kinds(processor) else None, path)
 
-    @property
+    @functools.cached_property
     def token_ids(self) -> frozenset[int]:
         """The ids of the tokens the model's encoder features replace (its ``<image>``, ``<|image_pad|>``, …)."""
         if self.processor is None:
