@@ -19,8 +19,25 @@ import torch
 from torch import nn
 
 from services.engine import quant, quant_cuda
+from shared.config import ConfigError
 
 log = logging.getLogger("switchboard.engine")
+
+
+def check_format(quantization: str, device: torch.device) -> None:
+    """Refuse a weight format the device has no kernel for, naming the key and what it takes there."""
+    if quantization == "none":
+        return
+    if device.type == "cpu":
+        if quantization == "fp8":
+            raise ConfigError(f"Switchboard.quantization {quantization!r} runs on cuda only (a GPU of compute "
+                             f"capability 8.9 or newer); on cpu: int8, int4 or gguf")
+        return
+    why = quant_cuda.unsupported(quantization, device)
+    if why is not None:
+        what = (f"the model folder's {quantization.upper()} checkpoint" if quantization in quant_cuda.CHECKPOINTS
+                else f"Switchboard.quantization {quantization!r}")
+        raise ValueError(f"{what} {why}")
 
 
 class PackedLinear(nn.Module):

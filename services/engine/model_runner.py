@@ -29,32 +29,15 @@ from services.engine import gguf_weights, kernels, layer_loop, linears
 from services.engine.batch import Batch, Chunk
 from services.engine.devices import Device
 from services.engine.gguf_weights import GgufLinears
-from services.engine import quant_cuda, step_graphs
+from services.engine import step_graphs
 from services.engine.graphs import DecodeGraphs, GraphPlan, reserve_bytes
 from services.engine.kv_cache import KvCache, token_bytes
 from services.engine.lora import GroupStack, LoraSet
 from services.engine.model_loading import UnsupportedModel, load_model, prequantized_config
 from services.engine.model_parts import layer_norms, mrope_axes
-from shared.config import ConfigError
 from services.engine.scheduler import Scheduled
 
 log = logging.getLogger("switchboard.engine")
-
-
-def check_format(quantization: str, device: torch.device) -> None:
-    """Refuse a weight format the device has no kernel for, naming the key and what it takes there."""
-    if quantization == "none":
-        return
-    if device.type == "cpu":
-        if quantization == "fp8":
-            raise ConfigError(f"Switchboard.quantization {quantization!r} runs on cuda only (a GPU of compute "
-                             f"capability 8.9 or newer); on cpu: int8, int4 or gguf")
-        return
-    why = quant_cuda.unsupported(quantization, device)
-    if why is not None:
-        what = (f"the model folder's {quantization.upper()} checkpoint" if quantization in quant_cuda.CHECKPOINTS
-                else f"Switchboard.quantization {quantization!r}")
-        raise ValueError(f"{what} {why}")
 
 
 class ModelRunner:
@@ -77,7 +60,7 @@ class ModelRunner:
                 raise ValueError(f"Switchboard.quantization {quantization!r}: the model folder's weights are already "
                                  f"{checkpoint['quant_method'].upper()}; leave it \"none\"")
             quantization = str(checkpoint["quant_method"]).lower()
-        check_format(quantization, device.torch_device)
+        linears.check_format(quantization, device.torch_device)
         self.model, self.encoder, source = load_model(path, self.device, self.dtype, checkpoint, quant_kernels)
         self.config = config = self.model.config
         if quantization == "gguf":

@@ -12,18 +12,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import random
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 from nats.aio.msg import Msg as NatsMsg
 
 from services.tokenizer.detokenizer import IncrementalDecoder, StopMatcher, next_text, token_texts
 from services.tokenizer import counting
+from services.tokenizer import messages_out as outgoing
 from services.tokenizer.encoder import (
     check_media_prompt, check_request_ids, encode_prompt, load_tokenizer, too_large, with_sampling_ids,
 )
@@ -31,15 +30,14 @@ from services.tokenizer.media.multimodal import MediaProcessor
 from services.tokenizer.cache_sync import CacheFollower
 from services.tokenizer.routing import Choice, EngineRouter
 from services.tokenizer.token_bytes import TokenBytes
-from services.tokenizer.tools import tool_format
 from shared import bus, subjects, telemetry
 from shared.config import Config
 from shared.errors import ErrorInfo, ErrorKind, SwitchboardError
 from shared.leases import Leases
 from shared.media import MediaPolicy
 from shared.messages import (
-    Cancel, CancelKind, Detokenize, EngineInfo, EngineRequest, Failed, FinishReason, GenerateRequest, Heartbeat,
-    MediaInputs, Output, Started, TokenBatch, TokenEvent, Tokenize, TokenizerInfo, TokenOut,
+    Cancel, CancelKind, Detokenize, EngineInfo, Failed, FinishReason, GenerateRequest, Heartbeat,
+    MediaInputs, Output, TokenBatch, TokenEvent, Tokenize, TokenizerInfo, TokenOut,
     decoder,
 )
 from shared.tombstones import Tombstones
@@ -209,8 +207,8 @@ class TokenizerService:
             return
         seed = req.sampling.seed if req.sampling.seed is not None else random.randint(1, 2**31 - 1)
         self.pending[req.id] = self.pending_state(req, ids, span)
-        await bus.publish(self.nc, req.reply_to, self.started(req, ids, seed, engine))
-        engine_request = self.engine_request(req, ids, seed, media)
+        await bus.publish(self.nc, req.reply_to, outgoing.started(self.tok, self.instance, req, ids, seed, engine))
+        engine_request = outgoing.engine_request(self.cfg, self.instance, self.inbox, req, ids, seed, media)
         engine_request.trace = telemetry.inject(span)
         engine_request.handoff = media is None and not req.adapter and self.router.hands_off(engine)
         engine_request.pull_from = choice.pull_from
@@ -270,29 +268,6 @@ class TokenizerService:
         if len(req.prompt) > 2048 or req.messages is not None:  # long texts, chat templates: keep the loop free
             return await asyncio.to_thread(encode_prompt, self.tok, req, self.cfg.deploy)
         return encode_prompt(self.tok, req, self.cfg.deploy)
-
-    def started(self, req: GenerateRequest, ids: list[int], seed: int, engine: str) -> Started:
-        started = Started(id=req.id, prompt_tokens=len(ids), seed=seed, tokenizer=self.instance, engine=engine,
-                          tool_format=tool_format(self.tok) if req.tools else "")
-        if req.return_prompt_ids:
-            started.prompt_ids = ids
-            started.prompt_texts = token_texts(self.tok, ids)
-        return started
-
-    def engine_request(self, req: GenerateRequest, ids: list[int], seed: int,
-                       media: MediaInputs | None = None) -> EngineRequest:
-        sampling = req.sampling
-        # (a prompt-only request, max_new_tokens 0, samples one token with its prefill: ``forward`` keeps it back)
-        max_new = min(max(sampling.max_new_tokens, 1), self.cfg.schedule.max_iter_times)
-        e2e = float(self.cfg.server.e2e_timeout)
-        limit = min(req.timeout_s or math.inf, e2e)
-        return EngineRequest(
-            id=req.id, trace=req.trace, prompt_ids=ids, reply_to=self.inbox, priority=req.priority,
-            arrival=req.arrival, deadline=req.arrival + limit if req.arrival else None,
-            deadline_reason="client timeout" if limit < e2e else "server e2eTimeout",
-            sampling=msgspec.structs.replace(sampling, seed=seed, max_new_tokens=max_new),
-            generated_ids=req.resume_ids, tokenizer=self.instance, adapter=req.adapter, media=media,
-            cache_salt=req.cache_salt, probe=req.probe)
 
     # ---- token events -----------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from services.engine import linears
-from services.engine.model_runner import check_format
+from services.engine.linears import check_format
 from services.engine.quant import Q4Linear
 from services.engine.kernels import FP8_MAX, TorchOps
 from services.engine.quant_cuda import FP8_GEMV_ROWS, Fp8Linear, Int4Linear, quantize
