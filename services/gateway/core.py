@@ -80,6 +80,7 @@ class Gateway:
         self.context = SessionContext(
             nc=nc, model=self.model, instance=self.instance, mailboxes=self.mailboxes, slots=self.slots,
             inflight=self.inflight, failover=self.failover, roles=self.roles, admit=self.require_engine,
+            restored=self.restored,
             engine_info=self.engine_info, emit=self.emit, spawn=self.spawn, heartbeat_s=sb.heartbeat_s,
             token_timeout_s=float(cfg.server.token_timeout) + 5.0, resume_timeout_s=max(3.0, 2 * sb.lease_seconds),
             media_timeout_s=float(sb.media_request_timeout_seconds), keep_alive_s=sb.stream_keep_alive_seconds)
@@ -151,6 +152,16 @@ class Gateway:
         """The LoRA adapters that at least one live engine has loaded and takes requests for."""
         return set().union(*map(adapter_names, self.live_engines().values()))
 
+    def adapter_paths(self) -> dict[str, str]:
+        """The LoRA adapters a request may name, name -> path: those a live engine lists, and the fleet's set
+        while it is given back to engines that came back without it (``AdapterSet.restoring``)."""
+        listed = {a.name: a.path for e in self.live_engines().values() for a in e.adapters}
+        return {**self.adapter_set.restoring(), **listed}
+
+    async def restored(self, names: set[str]) -> None:
+        """Hold a request naming adapters being given back until a live engine lists them (bounded)."""
+        await self.adapter_set.restored(names, self.adapter_names)
+
     def modalities(self) -> frozenset[str]:
         """Media kinds the served model takes besides text, as live engines say; none for a text model."""
         return frozenset().union(*(e.modalities for e in self.live_engines().values()))
@@ -161,8 +172,9 @@ class Gateway:
         return self.roles.dmi or self.roles.role in ("prefill", "decode")
 
     def served(self) -> Served:
-        """The names a request may run under now: the model and every adapter a live engine holds."""
-        return Served(self.model, frozenset(self.adapter_names()), self.pd_split)
+        """The names a request may run under now: the model and every adapter a live engine holds (or is given
+        back)."""
+        return Served(self.model, frozenset(self.adapter_paths()), self.pd_split)
 
     def engine_info(self) -> EngineInfo | None:
         """All live engines as one (``shared.engines.combined``: loads and capacities summed), or None when

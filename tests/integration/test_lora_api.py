@@ -182,7 +182,7 @@ def test_a_loaded_adapter_serves_every_family_until_unloaded(stack, adapters):
         assert text == adapters.first_text != base  # as transformers + peft make it
         assert tgi_text(stack, stack.model) == base == tgi_text(stack, "None")
         check_families(stack, text)
-        check_model_cards(stack)
+        check_model_cards(stack, adapters)
     finally:
         said(unload(stack, "first"), 200, message(Outcome.REMOVED, "first"))
     check_refused_after_unload(stack)
@@ -202,12 +202,14 @@ def check_families(stack, text: str) -> None:
     assert adapted.json()["choices"][0]["message"]["content"] != base.json()["choices"][0]["message"]["content"]
 
 
-def check_model_cards(stack) -> None:
+def check_model_cards(stack, adapters: Adapters) -> None:
     cards = httpx.get(stack.url + "/v1/models").json()["data"]
+    weights = json.loads(stack.config_path.read_text())["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0][
+        "modelWeightPath"]
     assert [c["id"] for c in cards] == [stack.model, "first"]
-    assert "parent" not in cards[0]
-    assert cards[1] == {"id": "first", "object": "model", "created": cards[0]["created"],
-                        "owned_by": "MindIE Server", "parent": stack.model, "max_model_len": cards[0]["max_model_len"]}
+    assert cards[0]["parent"] is None and cards[0]["root"] == weights  # vLLM's and MindIE's
+    assert cards[1] == {"id": "first", "object": "model", "created": cards[0]["created"], "owned_by": "MindIE Server",
+                        "root": str(adapters.paths["first"]), "parent": stack.model, "max_model_len": cards[0]["max_model_len"]}
     assert httpx.get(stack.url + "/v1/models/first").json() == cards[1]
 
 

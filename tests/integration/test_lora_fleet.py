@@ -85,6 +85,18 @@ def complete(cluster: Cluster, model: str) -> httpx.Response:
     return httpx.post(cluster.base + "/v1/completions", json=body, timeout=120)
 
 
+def statuses_until_served(cluster: Cluster, model: str, timeout: float = 120.0) -> list[int]:
+    """Ask for ``model`` every 0.1 s (two tokens each) until it is served: the statuses, in order."""
+    deadline = time.monotonic() + timeout
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+    statuses: list[int] = []
+    while not statuses or statuses[-1] != 200:
+        assert time.monotonic() < deadline, statuses
+        statuses.append(httpx.post(cluster.base + "/v1/completions", json=body, timeout=60).status_code)
+        time.sleep(0.1 if statuses[-1] != 200 else 0)
+    return statuses
+
+
 def texts(cluster: Cluster, model: str, n: int) -> list[str]:
     """``n`` completions at once (spread over the live engines by load)."""
     async def many() -> list[str]:
@@ -118,9 +130,11 @@ def test_both_engines_and_a_later_one_serve_a_loaded_adapter(cluster, adapter, e
     assert set(texts(cluster, "x", 2)) == {expected["x"]}
 
     # the only engine restarted: no peer has the set to follow, and the gateway gives it again (the runtime
-    # load was lost: clients naming "x" got 404s)
+    # load was lost: clients naming "x" got 404s); while it does, requests for "x" wait, not 404
     cluster.kill("engine-2")
     cluster.start("engine-3")
+    statuses = statuses_until_served(cluster, "x")
+    assert set(statuses) <= {200, 503}, statuses  # 503: no engine is live yet
     cluster.wait_started("engine-3", 1)
     deadline = time.monotonic() + 30
     while (beats := listing(cluster, 1)) and list(beats.values()) != [{"x"}]:

@@ -65,8 +65,11 @@ def test_models_list_and_retrieve(tiny_stack):
     assert set(body) == {"object", "data"} and body["object"] == "list"
     (card,) = body["data"]
     assert card == {"id": tiny_stack.model, "object": "model", "created": card["created"], "owned_by": "MindIE Server",
-                    "max_model_len": 2560, "dtype": "float32", "quantization": "none",
-                    "kv_cache_dtype": "float32"}  # MindIE's four, vLLM's max_model_len, then ours
+                    "root": card["root"], "parent": None, "max_model_len": 2560, "dtype": "float32",
+                    "quantization": "none", "kv_cache_dtype": "float32"}  # MindIE's, vLLM's root/parent/max_model_len,
+    # then ours; root: the configured weights
+    assert card["root"] == json.loads(tiny_stack.config_path.read_text())["BackendConfig"]["ModelDeployConfig"][
+        "ModelConfig"][0]["modelWeightPath"]
     assert time.time() - 3600 < card["created"] <= time.time()
     assert httpx.get(f"{tiny_stack.url}/v1/models/{tiny_stack.model}").json() == card
     api = client(tiny_stack)

@@ -122,6 +122,16 @@ def test_a_silent_engine_fails_the_load_with_a_503_and_is_undone_unless_it_held_
     assert verdict.undo == ("e1", "e2")
 
 
+def test_an_engine_gone_from_the_bus_is_said_so_not_a_timeout():
+    """NATS answers "no responders" at once for an engine that died a moment ago (its lease not yet out)."""
+    verdict = combine_load("a", {"e1": None, "e2": None}, set(), timeout_s=120, gone=frozenset({"e1"}))
+    assert verdict.answer.status == 503
+    assert verdict.answer.text == ("Call to load LoRA method failed: engine e1 is gone (it died or stopped); "
+                                   "engine e2 did not answer within 120 s; LoRA adapter 'a' was not loaded.")
+    unload = combine_unload("a", {"e1": None}, gone=frozenset({"e1"}))
+    assert unload.answer.status == 503 and "engine e1 is gone" in unload.answer.text, unload.answer.text
+
+
 def test_an_unreadable_outcome_is_a_failure_with_the_engines_text():
     verdict = combine_load("a", {"e1": LoraReply(outcome="strange", message="engine says no")}, set())
     assert verdict.answer.text == "engine says no"

@@ -70,8 +70,17 @@ def _first(replies: dict[str, LoraReply | None], wanted: Callable[[Outcome], boo
     return None
 
 
+def silence(engines: list[str], gone: frozenset[str], timeout_s: float) -> str:
+    """Why engines gave no answer: gone (no longer on the bus: it died, and its lease has not run out yet) or
+    silent for ``timeout_s``."""
+    said = [f"engine {', '.join(e)} {why}" for e, why in (
+        ([e for e in engines if e in gone], "is gone (it died or stopped)"),
+        ([e for e in engines if e not in gone], f"did not answer within {timeout_s:g} s")) if e]
+    return "; ".join(said)
+
+
 def combine_load(name: str, replies: dict[str, LoraReply | None], held: set[str],
-                 timeout_s: float = ENGINE_TIMEOUT_S) -> Verdict:
+                 timeout_s: float = ENGINE_TIMEOUT_S, gone: frozenset[str] = frozenset()) -> Verdict:
     """One answer for a load from every engine's reply; ``held``: engines that listed the adapter before.
 
     A failure (first by instance id) wins, then silence (503), then "waiting to unload": each undoes the
@@ -84,8 +93,7 @@ def combine_load(name: str, replies: dict[str, LoraReply | None], held: set[str]
     if failure is not None:
         return Verdict(Answer(200, failure.message), undo)
     if silent:
-        text = (f"{FAILED}engine {', '.join(silent)} did not answer within {timeout_s:g} s; "
-                f"LoRA adapter '{name}' was not loaded.")
+        text = f"{FAILED}{silence(silent, gone, timeout_s)}; LoRA adapter '{name}' was not loaded."
         return Verdict(Answer(503, text), undo)
     waiting = _first(replies, lambda o: o is Outcome.WAITING)
     if waiting is not None:
@@ -94,10 +102,12 @@ def combine_load(name: str, replies: dict[str, LoraReply | None], held: set[str]
     return Verdict(Answer(200, message(done, name)), settle=tuple(sorted(replies)))
 
 
-def combine_unload(name: str, replies: dict[str, LoraReply | None], timeout_s: float = ENGINE_TIMEOUT_S) -> Verdict:
+def combine_unload(name: str, replies: dict[str, LoraReply | None], timeout_s: float = ENGINE_TIMEOUT_S,
+                   gone: frozenset[str] = frozenset()) -> Verdict:
     """Removed when any engine removed it, else cannot be found; silent engines are ignored unless all are."""
     if all(r is None for r in replies.values()):
-        return Verdict(Answer(503, f"no engine answered the unload of LoRA adapter '{name}' within {timeout_s:g} s"))
+        why = silence(sorted(replies), gone, timeout_s)
+        return Verdict(Answer(503, f"no engine answered the unload of LoRA adapter '{name}': {why}"))
     if _first(replies, lambda o: o is Outcome.REMOVED) is not None:
         return Verdict(Answer(200, message(Outcome.REMOVED, name)), settle=tuple(sorted(replies)))
     return Verdict(Answer(200, message(Outcome.MISSING, name)))
@@ -114,20 +124,28 @@ def shows(command: LoraCommand, instances: tuple[str, ...], engines: dict[str, E
 # ---- talking to the engines -------------------------------------------------------------------------
 
 
-async def ask(gateway: Gateway, instances: list[str], command: LoraCommand, timeout_s: float) -> dict[str, LoraReply | None]:
-    """Every engine's reply at once (None for one that did not answer in time, or is gone)."""
-    replies = await asyncio.gather(*(ask_one(gateway, i, command, timeout_s) for i in instances))
-    return dict(zip(instances, replies))
+async def ask(gateway: Gateway, instances: list[str], command: LoraCommand,
+              timeout_s: float) -> tuple[dict[str, LoraReply | None], frozenset[str]]:
+    """Every engine's reply at once (None for one that did not answer in time, or is gone), and the gone ones."""
+    answers = await asyncio.gather(*(_request(gateway, i, command, timeout_s) for i in instances))
+    replies = {i: reply for i, (reply, _) in zip(instances, answers)}
+    return replies, frozenset(i for i, (_, gone) in zip(instances, answers) if gone)
 
 
 async def ask_one(gateway: Gateway, instance: str, command: LoraCommand, timeout_s: float) -> LoraReply | None:
+    return (await _request(gateway, instance, command, timeout_s))[0]
+
+
+async def _request(gateway: Gateway, instance: str, command: LoraCommand,
+                   timeout_s: float) -> tuple[LoraReply | None, bool]:
+    """The engine's reply, or None and whether it is gone (nothing listens on its subject: NATS says so at once)."""
     subject = subjects.engine_lora(gateway.model, instance)
     try:
-        return await bus.request(gateway.nc, subject, command, LoraReply, timeout=timeout_s)
+        return await bus.request(gateway.nc, subject, command, LoraReply, timeout=timeout_s), False
     except (NatsTimeout, NoRespondersError, asyncio.TimeoutError, msgspec.DecodeError) as exc:
         log.warning("engine did not answer a LoRA command", extra={"engine": instance, "op": command.op,
                                                                   "adapter": command.name, "error": repr(exc)})
-        return None
+        return None, isinstance(exc, NoRespondersError)
 
 
 def next_version(gateway: Gateway) -> int:
@@ -186,12 +204,12 @@ async def _run(gateway: Gateway, command: LoraCommand) -> Answer:
 
 async def _apply(gateway: Gateway, engines: dict[str, EngineInfo], command: LoraCommand) -> Answer:
     command = msgspec.structs.replace(command, version=next_version(gateway))
-    replies = await ask(gateway, sorted(engines), command, ENGINE_TIMEOUT_S)
+    replies, gone = await ask(gateway, sorted(engines), command, ENGINE_TIMEOUT_S)
     if command.op == "load":
         held = {i for i, e in engines.items() if command.name in adapter_names(e)}
-        verdict = combine_load(command.name, replies, held)
+        verdict = combine_load(command.name, replies, held, gone=gone)
     else:
-        verdict = combine_unload(command.name, replies)
+        verdict = combine_unload(command.name, replies, gone=gone)
     await _undo(gateway, command.name, verdict.undo)
     await _settle(gateway, command, verdict.settle)
     return verdict.answer

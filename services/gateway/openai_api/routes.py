@@ -40,9 +40,12 @@ STARTED_AT = int(time.time())  # the gateway imports this module once, as it sta
 OWNER = "MindIE Server"
 
 
-def model_card(model: str, parent: str | None = None) -> dict[str, Any]:
-    """A model's card; a LoRA adapter's names its base model as ``parent`` (reference §3.17, §3.18)."""
+def model_card(model: str, parent: str | None = None, root: str | None = None) -> dict[str, Any]:
+    """A model's card; a LoRA adapter's names its base model as ``parent`` (reference §3.17, §3.18). With
+    ``root`` (the list's cards, as vLLM's and MindIE's): where its weights are, and the base's parent null."""
     card = {"id": model, "object": "model", "created": STARTED_AT, "owned_by": OWNER}
+    if root is not None:
+        card.update(root=root, parent=parent)
     return card if parent is None else {**card, "parent": parent}
 
 
@@ -50,13 +53,14 @@ def cards(gateway: Gateway) -> dict[str, dict[str, Any]]:
     """Every servable name's card by name: the base model first, then each loaded adapter by name (none in
     PD split mode, where requests cannot name them)."""
     served = gateway.served()
-    adapters = [] if served.pd_split else sorted(served.adapters)
+    paths = {} if served.pd_split else gateway.adapter_paths()
     longest = {"max_model_len": gateway.cfg.deploy.max_seq_len}  # vLLM's: what clients size prompts by
-    base = {**model_card(served.model), **longest}
+    base = {**model_card(served.model, root=gateway.cfg.model.model_weight_path), **longest}
     engine = gateway.engine_info()
     if engine is not None:  # what its weights and KV cache are stored in (vLLM's cards carry no such field)
         base.update(dtype=engine.dtype, quantization=engine.quantization, kv_cache_dtype=engine.kv_dtype or engine.dtype)
-    return {served.model: base, **{name: {**model_card(name, served.model), **longest} for name in adapters}}
+    return {served.model: base, **{name: {**model_card(name, served.model, paths[name]), **longest}
+                                   for name in sorted(paths)}}
 
 
 def anthropic_card(card: dict[str, Any]) -> dict[str, Any]:

@@ -59,6 +59,8 @@ class Call:
         """Admit (one slot per choice) and start every choice; raises on any failure or cancel (the owner
         closes the call)."""
         self.ctx.admit()
+        if adapters := {s.request.adapter for s in self.sessions if s.request.adapter}:
+            await self.ctx.restored(adapters)  # (an engine that came back is being given them)
         await self.ctx.slots.acquire(len(self.sessions))
         self.held = len(self.sessions)
         if self.closed:  # closed while waiting for the slots

@@ -34,6 +34,7 @@ class SessionContext:
     failover: Failover
     roles: Roles
     admit: Callable[[], None]  # raises 503 while stopping or while no engine or tokenizer serves
+    restored: Callable[[set[str]], Awaitable[None]]  # waits while named LoRA adapters are given back to engines
     engine_info: Callable[[], EngineInfo | None]  # every live engine as one (Triton's batch_size)
     emit: Callable[[MetricsEvent], None]  # fire-and-forget a lifecycle event to the metrics service
     spawn: Callable[[Awaitable], asyncio.Task]  # run a coroutine in the background
