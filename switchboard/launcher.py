@@ -6,8 +6,10 @@ engine's threads or device); the ready line waits for every child, and stopping 
 Once ready, a child that dies (a crash, the kernel's OOM killer, a ``kill -9``) is started again, as an
 orchestrator restarts a container: meanwhile the others serve on (a dead engine's or tokenizer's requests
 resume on its peers; a new engine loads the fleet's adapters from them). A child that dies more than
-``MAX_RESTARTS`` times within ``RESTART_WINDOW_S`` is crashing for a reason a restart does not mend: then,
-as before it was ready, the deployment stops with its last words.
+``MAX_RESTARTS`` times within ``RESTART_WINDOW_S`` is crashing for a reason a restart does not mend. While a
+peer of its service serves (a second engine or tokenizer), the deployment serves on and the child is started
+again after a back-off (10 s, doubling to 5 min, as Kubernetes' CrashLoopBackOff); with none, as before it was
+ready, the deployment stops with its last words.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from switchboard.runner import FLEET_STOP_LINE, READY_LINE
 READY_TIMEOUT_S = 900.0
 STOP_GRACE_S = 10.0
 MAX_RESTARTS, RESTART_WINDOW_S = 3, 120.0
+BACKOFF_S, BACKOFF_MAX_S = 10.0, 300.0  # a crash-looping child with a serving peer: the waits before its restarts
 NATS_POLL_S = 0.5
 PUMP_DRAIN_S = 2.0
 START_ERROR = re.compile(r"^switchboard [\w-]+: ")  # the line a service prints as it exits 2 (runner.py)
@@ -45,6 +48,7 @@ class Child:
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     fleet_stop: bool = False  # it said it stops for /stopService (else an exit, even 0, is restarted)
     pumps: list = field(default_factory=list)  # the tasks reading its stdout and stderr
+    backing_off: bool = False  # dead, and started again after a back-off
 
     def last_error(self) -> str:
         return "\n".join(self.last_lines) or "(no output)"
@@ -139,23 +143,82 @@ async def _run(children: list[Child], cfg: Config, stop: asyncio.Event, respawn)
         return 0
     print(f"Switchboard ready on {business_url(cfg)} (management {management_url(cfg)}, "
           f"model {cfg.model.model_name}, {time.monotonic() - started:.1f}s)", flush=True)
-    restarts: dict[str, deque] = {}
-    while True:
-        died = await _first_death_or_stop(children, stop)
-        if died is None:
-            return 0
-        if died.proc.returncode == 0 and died.fleet_stop:
-            print("switchboard: stopped by /stopService", flush=True)
-            return 0
-        if died.proc.returncode == 2 or not _may_restart(restarts.setdefault(died.name, deque())):
+    supervision = Supervision(children, stop, respawn)
+    try:
+        return await supervision.run()
+    finally:
+        supervision.cancel()
+
+
+class Supervision:
+    """Once ready: each death restarted, a crash loop backed off while a peer serves, else the deployment's end."""
+
+    def __init__(self, children: list[Child], stop: asyncio.Event, respawn):
+        self.children, self.stop, self.respawn = children, stop, respawn
+        self.restarts: dict[str, deque] = {}
+        self.backoffs: dict[str, float] = {}  # name -> its last back-off (while its deaths stay in the window)
+        self.changed = asyncio.Event()  # a backed-off child was started again
+        self.later: set[asyncio.Task] = set()
+
+    async def run(self) -> int:
+        while True:
+            watched = [c for c in self.children if not c.backing_off]
+            died = await _first_of([asyncio.ensure_future(self.stop.wait()), asyncio.ensure_future(self.changed.wait())],
+                                   watched, None)
+            if not isinstance(died, Child):
+                if self.stop.is_set():
+                    return 0
+                self.changed.clear()
+                continue
+            if died.proc.returncode == 0 and died.fleet_stop:
+                print("switchboard: stopped by /stopService", flush=True)
+                return 0
+            code = self.died(died)
+            if code is not None:
+                return code
+
+    def died(self, died: Child) -> int | None:
+        """Restart it now, or after a back-off; or the deployment's exit code."""
+        if died.proc.returncode == 2:
             return _report_death(died, gave_up=True)
-        # (exit 0: it was stopped alone, e.g. an operator's SIGTERM: it drained, and a restart brings it back)
-        how = "stopped (exit 0)" if died.proc.returncode == 0 else f"exited with code {died.proc.returncode}"
-        print(f"switchboard: the {died.name} service {how}; starting it again (the others serve on)",
-              file=sys.stderr, flush=True)
-        child = await respawn(died.replica)
-        children[children.index(died)] = child
-        asyncio.create_task(_announce_back(child))
+        if _may_restart(self.restarts.setdefault(died.name, deque())):
+            self.backoffs.pop(died.name, None)
+            # (exit 0: it was stopped alone, e.g. an operator's SIGTERM: it drained, and a restart brings it back)
+            how = "stopped (exit 0)" if died.proc.returncode == 0 else f"exited with code {died.proc.returncode}"
+            print(f"switchboard: the {died.name} service {how}; starting it again (the others serve on)",
+                  file=sys.stderr, flush=True)
+            self.restart_after(died, 0.0)
+            return None
+        if not self.peer_serves(died):
+            return _report_death(died, gave_up=True)
+        delay = self.backoffs[died.name] = min(2 * self.backoffs.get(died.name, BACKOFF_S / 2), BACKOFF_MAX_S)
+        print(f"switchboard: the {died.name} service exited with code {died.proc.returncode} "
+              f"({MAX_RESTARTS} restarts within {RESTART_WINDOW_S:.0f}s did not mend it); its peers serve on, "
+              f"starting it again in {delay:.0f}s; its last output:\n{died.last_error()}", file=sys.stderr, flush=True)
+        self.restart_after(died, delay)
+        return None
+
+    def peer_serves(self, died: Child) -> bool:
+        service = died.replica.service if died.replica else died.name
+        return any(c is not died and c.replica is not None and c.replica.service == service and not c.backing_off
+                   and c.proc.returncode is None and c.ready.is_set() for c in self.children)
+
+    def restart_after(self, died: Child, delay: float) -> None:
+        died.backing_off = True
+        task = asyncio.ensure_future(self._restart(died, delay))
+        self.later.add(task)
+        task.add_done_callback(self.later.discard)
+
+    async def _restart(self, died: Child, delay: float) -> None:
+        await asyncio.sleep(delay)
+        child = await self.respawn(died.replica)
+        self.children[self.children.index(died)] = child  # (the shutdown stops what ``children`` holds)
+        self.changed.set()
+        await _announce_back(child)
+
+    def cancel(self) -> None:
+        for task in self.later:
+            task.cancel()
 
 
 def _may_restart(times: deque) -> bool:

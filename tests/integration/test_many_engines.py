@@ -217,6 +217,34 @@ def test_an_engine_given_sigterm_alone_drains_and_is_started_again(many):
     assert len(asyncio.run(heartbeats(many))) == ENGINES
 
 
+def test_a_crash_looping_tokenizer_is_backed_off_while_its_peer_serves(many):
+    """A child that dies more than 3 times in 120 s while a peer of its service serves does not stop the
+    deployment (it did, the healthy peers with it): it is started again after a back-off, as Kubernetes does."""
+    name = "tokenizer-1"
+
+    def serving_again() -> int:
+        return sum(line.startswith(f"switchboard: {name} is serving again") for line in many.output)
+
+    for kill in range(4):  # three restarts, then the fourth death within the window
+        before, count = pid_of(many, name), serving_again()
+        os.kill(before, 9)
+        if kill < 3:
+            deadline = time.monotonic() + 120
+            while serving_again() == count:
+                assert time.monotonic() < deadline and many.proc.poll() is None, many.output[-20:]
+                time.sleep(0.2)
+    line = many.wait_for_line(f"switchboard: the {name} service exited with code -9 (3 restarts within 120s", 30)
+    assert "its peers serve on, starting it again in 10s" in line, line
+    for _ in range(3):  # served meanwhile by tokenizer-0
+        r = httpx.post(many.url + "/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 2}}, timeout=60)
+        assert r.status_code == 200, r.text
+    deadline = time.monotonic() + 120
+    while serving_again() < 4:  # after the back-off
+        assert time.monotonic() < deadline and many.proc.poll() is None, many.output[-20:]
+        time.sleep(0.2)
+    assert len(children(many.proc.pid)) == ENGINES + TOKENIZERS + 2
+
+
 def test_sigterm_drains_the_streams_then_stops_every_child(many):
     """SIGTERM: the gateway takes no new connection, the streams it serves run to their ends (exactly as
     uninterrupted), then every child stops."""
