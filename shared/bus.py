@@ -13,6 +13,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg as NatsMsg
 
 from shared.messages import encode
+from shared.aio import within
 
 log = logging.getLogger("switchboard.bus")
 
@@ -84,7 +85,7 @@ async def _connect(url: str, name: str) -> Client:
 async def close(nc: Client, timeout: float = 3.0) -> None:
     """Drain (finish in-flight handlers, flush publishes), but never hang when the server is gone."""
     try:
-        await asyncio.wait_for(nc.drain(), timeout)
+        await within(nc.drain(), timeout)
     except Exception:
         await nc.close()
 

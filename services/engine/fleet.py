@@ -37,6 +37,7 @@ from shared.fleet_messages import CacheEvents, KvBlocks, KvFetch
 from shared.messages import EngineRequest, decoder, encode
 from shared.metrics_messages import PrefixPulled
 from shared.prefix_hash import chain, matchable_blocks
+from shared.aio import within
 
 log = logging.getLogger("switchboard.engine")
 
@@ -140,7 +141,7 @@ class FleetCache:
             return
         started = time.monotonic()
         try:
-            chunks = await asyncio.wait_for(self._fetch(req.pull_from, keys[have:]), budget)
+            chunks = await within(self._fetch(req.pull_from, keys[have:]), budget)
             events = await self._on_stepper(self._import, keys[:have + len(chunks)], [None] * have + chunks,
                                              blocks_for(len(req.prompt_ids) + 1, size))
         except Exception as exc:  # noqa: BLE001 - a dead, slow or refusing holder: compute instead

@@ -29,7 +29,6 @@ the request from what its client has. A decode engine drops a transfer whose sen
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from dataclasses import dataclass
@@ -46,6 +45,7 @@ from shared.leases import Leases
 from shared.messages import EngineInfo, EngineRequest, decoder, encode
 from shared.metrics_messages import KvTransferred
 from shared.pd_messages import KvAck, KvPart
+from shared.aio import within
 
 if TYPE_CHECKING:
     from services.engine.block_manager import BlockManager
@@ -170,7 +170,7 @@ class KvLink:
         try:
             if target is None:
                 raise RuntimeError("no decode engine is live")
-            sent = await asyncio.wait_for(self._send(target, req, handoff.kv), self.timeout_s)
+            sent = await within(self._send(target, req, handoff.kv), self.timeout_s)
         except Exception as exc:  # noqa: BLE001 - any failure: the request stays here
             log.warning("handoff failed: recomputing here", extra={"request_id": req.id, "error": repr(exc)})
             telemetry.end_span(span, f"handoff failed, recomputed here: {exc!r}", **{"switchboard.outcome": "recompute"})

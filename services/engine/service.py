@@ -27,6 +27,7 @@ from shared.tombstones import Tombstones
 from shared.messages import Cancel, CancelKind, EngineInfo, EngineRequest, Heartbeat, TokenBatch, TokenEvent, decoder
 from shared.metrics_messages import Queued
 from shared.pd_messages import EngineRole
+from shared.aio import within
 
 log = logging.getLogger("switchboard.engine")
 ENGINE_ROLE = {"prefill": "prefill", "decode": "decode", "flex": "both"}  # a server's PD role -> its engines'
@@ -92,7 +93,7 @@ class EngineService:
             await self.announce()
             self.abort_orphans()
             try:
-                await asyncio.wait_for(stop.wait(), self.cfg.switchboard.heartbeat_s)
+                await within(stop.wait(), self.cfg.switchboard.heartbeat_s)
             except asyncio.TimeoutError:
                 pass
 

@@ -41,6 +41,7 @@ from shared.messages import (
     decoder,
 )
 from shared.tombstones import Tombstones
+from shared.aio import within
 
 log = logging.getLogger("switchboard.tokenizer")
 
@@ -114,7 +115,7 @@ class TokenizerService:
             await self.drop_orphans()
             await self.resume_lost_handoffs()
             try:
-                await asyncio.wait_for(stop.wait(), self.cfg.switchboard.heartbeat_s)
+                await within(stop.wait(), self.cfg.switchboard.heartbeat_s)
             except asyncio.TimeoutError:
                 pass
 

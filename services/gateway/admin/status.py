@@ -32,6 +32,7 @@ from shared.errors import ErrorKind, SwitchboardError
 from shared.messages import EngineInfo, Sampling
 from shared.pd_messages import EngineRole
 from shared.metrics_messages import PROBE_API
+from shared.aio import within
 
 if TYPE_CHECKING:
     from services.gateway.core import Gateway
@@ -230,7 +231,7 @@ async def health_timed(request: Request, probe: FromPath[str]) -> Response:
     if request.app.state.gateway.stopping:  # as MindIE: the probe reports healthy while draining
         return Response({"status": "healthy"}, media_type="application/json")
     try:
-        await asyncio.wait_for(_one_token(request.app.state.gateway), timeout)
+        await within(_one_token(request.app.state.gateway), timeout)
     except asyncio.TimeoutError:
         return mindie_error(ErrorKind.INTERNAL, f"the health probe did not finish within {timeout} s")
     except SwitchboardError as exc:

@@ -30,6 +30,7 @@ from litestar.response import Stream
 from shared import bus, subjects
 from shared.messages import decoder
 from shared.pd_messages import DResultFrame
+from shared.aio import within
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
@@ -140,7 +141,7 @@ class DResults:
                 continue
             self.wake.clear()
             try:
-                await asyncio.wait_for(self.wake.wait(), TICK_S)
+                await within(self.wake.wait(), TICK_S)
             except asyncio.TimeoutError:
                 pass
             if not self.frames and time.monotonic() - last > KEEPALIVE_AFTER_S:

@@ -31,6 +31,7 @@ from services.gateway.request.disconnect import ClientDisconnected, unless_disco
 from services.gateway.request.marks import mark_failed_in_stream
 from shared.errors import ErrorKind, SwitchboardError
 from shared.messages import Started
+from shared.aio import within
 
 log = logging.getLogger("switchboard.gateway")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -149,7 +150,7 @@ async def respond(request: Request, call: Call, streaming: bool, body: Callable[
             return stream(call, chunks(), error_chunk, media_type, trailer, keep_alive)
         starting = asyncio.ensure_future(start(request, call))
         try:
-            await asyncio.wait_for(asyncio.shield(starting), call.ctx.keep_alive_s)
+            await within(asyncio.shield(starting), call.ctx.keep_alive_s)
         except asyncio.TimeoutError:  # still queued: the stream begins, with keep-alives while it waits
             return stream(call, _after_start(starting, chunks, keep_alive), error_chunk, media_type, trailer,
                           keep_alive)

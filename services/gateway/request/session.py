@@ -32,6 +32,7 @@ from shared.messages import (
 from shared.metrics_messages import PROBE_API, Finished, FirstToken, Intervals, Received
 
 from services.gateway.request.marks import mark_received
+from shared.aio import within
 
 if TYPE_CHECKING:
     from services.gateway.request.context import SessionContext
@@ -165,7 +166,7 @@ class Session:
         tick = self.ctx.heartbeat_s
         while (left := deadline - time.monotonic()) > 0:
             try:
-                event = await asyncio.wait_for(self.queue.get(), min(left, tick))
+                event = await within(self.queue.get(), min(left, tick))
             except asyncio.TimeoutError:
                 if ask_again():
                     return None
@@ -279,7 +280,7 @@ class Session:
 
     async def _next(self, timeout: float, what: str):
         try:
-            return await asyncio.wait_for(self.queue.get(), timeout)
+            return await within(self.queue.get(), timeout)
         except asyncio.TimeoutError:
             raise self._fail(ErrorKind.UNAVAILABLE if self.started is None else ErrorKind.TIMEOUT, what) from None
 

@@ -38,6 +38,7 @@ from shared.media import (
 )
 from shared.media_urls import check_address, check_url
 from shared.messages import MediaRef
+from shared.aio import within
 
 REDIRECTS = (301, 302, 303, 307, 308)
 PARALLEL = 4  # items of one request fetched at once
@@ -88,7 +89,7 @@ async def fetch(item: CheckedMedia, policy: MediaPolicy, budget: Budget | None =
     loop = asyncio.get_running_loop()
     left = policy.item_timeout_s if deadline is None else min(policy.item_timeout_s, deadline - loop.time())
     try:
-        return await asyncio.wait_for(_fetch(item, policy, budget), max(left, 0.0))
+        return await within(_fetch(item, policy, budget), max(left, 0.0))
     except asyncio.TimeoutError:
         what = f"timed out after {left:g} s" if left >= policy.item_timeout_s else (
             "the request's media ran past their time limit")
