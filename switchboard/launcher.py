@@ -48,7 +48,7 @@ class Child:
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     fleet_stop: bool = False  # it said it stops for /stopService (else an exit, even 0, is restarted)
     pumps: list = field(default_factory=list)  # the tasks reading its stdout and stderr
-    backing_off: bool = False  # dead, and started again after a back-off
+    backing_off: bool = False  # dead, its restart under way (after a back-off, for a crash loop)
 
     def last_error(self) -> str:
         return "\n".join(self.last_lines) or "(no output)"
@@ -252,11 +252,6 @@ async def _until_ready(children: list[Child], stop: asyncio.Event) -> Child | No
 async def _all_ready(children: list[Child]) -> None:
     for child in children:  # (a task, not a gather: a gather cancelled here logged "exception never retrieved")
         await child.ready.wait()
-
-
-async def _first_death_or_stop(children: list[Child], stop: asyncio.Event) -> Child | None:
-    done = await _first_of([asyncio.ensure_future(stop.wait())], children, None)
-    return done if isinstance(done, Child) else None
 
 
 async def _first_of(waiters: list[asyncio.Future], children: list[Child], timeout: float | None):

@@ -46,7 +46,9 @@ def model_card(model: str, parent: str | None = None, root: str | None = None) -
     card = {"id": model, "object": "model", "created": STARTED_AT, "owned_by": OWNER}
     if root is not None:
         card.update(root=root, parent=parent)
-    return card if parent is None else {**card, "parent": parent}
+    elif parent is not None:
+        card["parent"] = parent
+    return card
 
 
 def cards(gateway: Gateway) -> dict[str, dict[str, Any]]:
